@@ -1,0 +1,6 @@
+"""Tracing a function to a jaxpr and the op graph jaxpar plans over."""
+
+from jaxpar.ir.graph import Lit, Op, OpGraph, ValueInfo, build_graph
+from jaxpar.ir.trace import Traced, leaf_paths, trace
+
+__all__ = ["Lit", "Op", "OpGraph", "Traced", "ValueInfo", "build_graph", "leaf_paths", "trace"]

@@ -1,0 +1,191 @@
+"""ClosedJaxpr -> OpGraph: one flat list of ops with def-use edges between numbered values.
+
+Before: a ClosedJaxpr, possibly with nested `jit`, `custom_jvp_call`, `custom_vjp_call` and
+`remat` calls. After: an OpGraph in which those calls are inlined (their bodies' ops appear in
+place, their consts become graph constants), while `scan`, `while` and `cond` stay single
+*region* ops whose bodies are OpGraphs of their own (planned once, not per iteration).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from jax.extend import core as jcore
+
+# Call primitives whose body is inlined, and the param holding the body.
+_INLINE_PARAM = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
+                 "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
+                 "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
+                 "remat2": "jaxpr", "checkpoint": "jaxpr", "custom_lin": None}
+
+# Region primitives and the params holding their bodies, in order.
+REGION_PARAMS = {"scan": ("jaxpr",), "while": ("cond_jaxpr", "body_jaxpr"), "cond": ("branches",)}
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    """Shape, dtype and a readable name (parameter path for inputs) of one value."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    name: str
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Lit:
+    """A literal operand (a scalar constant written into the jaxpr)."""
+
+    value: Any
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+@dataclass
+class Op:
+    """One primitive application. Region ops carry their bodies in `regions`."""
+
+    index: int
+    primitive: Any
+    params: dict
+    inputs: tuple[int | Lit, ...]
+    outputs: tuple[int, ...]
+    ctx: Any
+    source: str
+    regions: tuple[OpGraph, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.primitive.name
+
+
+@dataclass
+class OpGraph:
+    """A flat program: ops in execution order over values numbered 0..len(values)-1."""
+
+    values: list[ValueInfo] = field(default_factory=list)
+    ops: list[Op] = field(default_factory=list)
+    inputs: tuple[int, ...] = ()
+    outputs: tuple[int | Lit, ...] = ()
+    consts: dict[int, Any] = field(default_factory=dict)
+
+    def producers(self) -> dict[int, Op]:
+        return {v: op for op in self.ops for v in op.outputs}
+
+    def users(self) -> dict[int, list[tuple[Op, int]]]:
+        uses: dict[int, list[tuple[Op, int]]] = {}
+        for op in self.ops:
+            for i, v in enumerate(op.inputs):
+                if isinstance(v, int):
+                    uses.setdefault(v, []).append((op, i))
+        return uses
+
+    def shape(self, v: int | Lit) -> tuple[int, ...]:
+        return v.shape if isinstance(v, Lit) else self.values[v].shape
+
+    def dtype(self, v: int | Lit) -> np.dtype:
+        return v.dtype if isinstance(v, Lit) else self.values[v].dtype
+
+    def walk(self, path: tuple[int, ...] = ()):
+        """Yield (path, op) for every op, region bodies included; path indexes nested regions."""
+        for op in self.ops:
+            yield path + (op.index,), op
+            for r, body in enumerate(op.regions):
+                yield from body.walk(path + (op.index, r))
+
+
+def build_graph(closed, in_names: tuple[str, ...] | None = None) -> OpGraph:
+    """Flatten a ClosedJaxpr into an OpGraph (see the module docstring)."""
+    b = _Builder()
+    jaxpr = closed.jaxpr
+    names = in_names or tuple(f"in{i}" for i in range(len(jaxpr.invars)))
+    env: dict[Any, int | Lit] = {}
+    for var, c in zip(jaxpr.constvars, closed.consts, strict=True):
+        env[var] = b.const(var.aval, c)
+    inputs = tuple(b.new(var.aval, name) for var, name in zip(jaxpr.invars, names, strict=True))
+    env.update(zip(jaxpr.invars, inputs, strict=True))
+    b.emit(jaxpr, env)
+    b.graph.inputs = inputs
+    b.graph.outputs = tuple(_read(env, v) for v in jaxpr.outvars)
+    return b.graph
+
+
+def _read(env, atom) -> int | Lit:
+    if isinstance(atom, jcore.Literal):
+        aval = atom.aval
+        return Lit(atom.val, tuple(aval.shape), np.dtype(aval.dtype))
+    return env[atom]
+
+
+def _source(eqn) -> str:
+    try:
+        from jax._src import source_info_util
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:  # source info is cosmetic; never fail planning over it
+        return ""
+
+
+class _Builder:
+    def __init__(self):
+        self.graph = OpGraph()
+
+    def new(self, aval, name: str = "") -> int:
+        vid = len(self.graph.values)
+        shape = tuple(int(d) for d in getattr(aval, "shape", ()))
+        dtype = np.dtype(getattr(aval, "dtype", np.float32))
+        self.graph.values.append(ValueInfo(shape, dtype, name or f"%{vid}"))
+        return vid
+
+    def const(self, aval, value) -> int:
+        vid = self.new(aval, f"const{len(self.graph.consts)}")
+        self.graph.consts[vid] = value
+        return vid
+
+    def emit(self, jaxpr, env: dict) -> None:
+        for eqn in jaxpr.eqns:
+            ins = tuple(_read(env, v) for v in eqn.invars)
+            name = eqn.primitive.name
+            body = _inline_body(eqn)
+            if body is not None:
+                self._inline(body, ins, eqn.outvars, env)
+                continue
+            outs = tuple(self.new(v.aval) for v in eqn.outvars)
+            env.update((v, o) for v, o in zip(eqn.outvars, outs, strict=True))
+            regions = tuple(build_graph(j) for j in _region_bodies(eqn)) if name in REGION_PARAMS \
+                else ()
+            self.graph.ops.append(Op(len(self.graph.ops), eqn.primitive, dict(eqn.params), ins,
+                                     outs, eqn.ctx, _source(eqn), regions))
+
+    def _inline(self, closed, ins, outvars, env) -> None:
+        inner = closed.jaxpr
+        sub: dict[Any, int | Lit] = {}
+        for var, c in zip(inner.constvars, closed.consts, strict=True):
+            sub[var] = self.const(var.aval, c)
+        sub.update(zip(inner.invars, ins, strict=True))
+        self.emit(inner, sub)
+        for outer, inner_out in zip(outvars, inner.outvars, strict=True):
+            env[outer] = _read(sub, inner_out)
+
+
+def _inline_body(eqn):
+    """The ClosedJaxpr to inline for call-like eqns, else None."""
+    key = _INLINE_PARAM.get(eqn.primitive.name)
+    body = eqn.params.get(key) if key else None
+    if body is None:
+        return None
+    if isinstance(body, jcore.Jaxpr):
+        return jcore.ClosedJaxpr(body, ())
+    return body
+
+
+def _region_bodies(eqn) -> list:
+    bodies = []
+    for key in REGION_PARAMS[eqn.primitive.name]:
+        val = eqn.params[key]
+        bodies.extend(val if isinstance(val, tuple | list) else [val])
+    return bodies

@@ -1,0 +1,76 @@
+"""fn, args -> ClosedJaxpr plus the pytree structure and a readable path for every input leaf.
+
+Arguments may be arrays or `jax.ShapeDtypeStruct`s (planning without data). Paths join pytree
+keys with '/', prefixed by the Python parameter name where the signature gives one:
+`params/blocks/0/wqkv`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A traced function: its jaxpr, pytree structure and input leaf paths."""
+
+    closed_jaxpr: Any
+    in_tree: Any
+    out_tree: Any
+    in_paths: tuple[str, ...]
+    out_paths: tuple[str, ...]
+
+    @property
+    def fingerprint(self) -> str:
+        """Stable hash of the program (structure, shapes, dtypes, params)."""
+        return hashlib.sha256(str(self.closed_jaxpr).encode()).hexdigest()[:16]
+
+
+def _key_str(key) -> str:
+    if isinstance(key, DictKey):
+        return str(key.key)
+    if isinstance(key, SequenceKey | FlattenedIndexKey):
+        return str(key.idx)
+    if isinstance(key, GetAttrKey):
+        return key.name
+    return str(key).strip(".[]'\"")
+
+
+def path_str(path) -> str:
+    return "/".join(_key_str(k) for k in path)
+
+
+def arg_names(fn, n_args: int) -> list[str]:
+    """Python parameter names of fn's first n_args positional parameters (else arg0, arg1 ...)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    names = []
+    for i in range(n_args):
+        p = params[i] if i < len(params) else None
+        ok = p is not None and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        names.append(p.name if ok else f"arg{i}")
+    return names
+
+
+def leaf_paths(tree, prefix: str = "") -> list[str]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return ["/".join(s for s in (prefix, path_str(p)) if s) for p, _ in leaves]
+
+
+def trace(fn, args: tuple) -> Traced:
+    """Trace fn(*args) to a ClosedJaxpr; args may hold ShapeDtypeStructs."""
+    names = arg_names(fn, len(args))
+    in_paths = [p for name, a in zip(names, args, strict=True) for p in leaf_paths(a, name)]
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    in_tree = jax.tree_util.tree_structure(args)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    out_paths = leaf_paths(out_shape, "out")
+    return Traced(closed, in_tree, out_tree, tuple(in_paths), tuple(out_paths))

@@ -1,0 +1,43 @@
+"""Elementwise ops: every dimension of the result is a loop shared by all same-rank operands.
+
+Rank-0 operands (scalar literals such as the 0.0 in `max x 0.0`) stay replicated.
+"""
+
+from __future__ import annotations
+
+from jax import lax
+
+from jaxpar.rules.registry import RULES, Loop, OpInfo, loop_strategies
+from jaxpar.spec import MeshInfo, OpStrategy
+
+
+def elementwise_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
+    shape = info.out_shapes[0]
+    loops = [Loop(n, tuple(d if len(s) == len(shape) else None for s in info.in_shapes),
+                  tuple(d for _ in info.out_shapes))
+             for d, n in enumerate(shape)]
+    return loop_strategies(info, mesh, loops)
+
+
+_NAMES = """
+abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp complex conj
+convert_element_type copy cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge
+gt igamma igammac imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg
+nextafter not or population_count pow real reduce_precision rem round rsqrt select_n
+shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient
+sub tan tanh xor clz
+"""
+
+
+def _primitive(name: str):
+    return getattr(lax, f"{name}_p", None)
+
+
+def _register() -> None:
+    for name in _NAMES.split():
+        prim = _primitive(name)
+        if prim is not None:
+            RULES[prim] = elementwise_rule
+
+
+_register()

@@ -1,0 +1,155 @@
+"""The rule table: primitive -> function listing every legal strategy of one op.
+
+A rule sees an `OpInfo` (primitive, params, operand and result shapes) and the mesh, and returns
+candidate `OpStrategy`s; it never prices or chooses them. Most rules describe their op as a set
+of *loops* (DTensor's einsum view): each loop indexes one dimension of some operands and results,
+and a mesh axis that cuts a loop cuts those dimensions together. A loop that no result indexes is
+a reduction: cutting it leaves the results partial. `candidates()` then turns each partial result
+into concrete choices: an all-reduce (result replicated on the axis) or a reduce-scatter (result
+cut on the axis along one of its dimensions).
+
+Primitives without a rule get the replicated strategy only, and `has_rule()` says so, so the plan
+can mark them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from jaxpar.spec import Axes, MeshInfo, OpStrategy, Spec
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """What a rule sees of one op."""
+
+    primitive: Any
+    params: dict
+    in_shapes: tuple[tuple[int, ...], ...]
+    out_shapes: tuple[tuple[int, ...], ...]
+    in_dtypes: tuple[np.dtype, ...] = ()
+    out_dtypes: tuple[np.dtype, ...] = ()
+
+    @staticmethod
+    def of(op, graph) -> OpInfo:
+        return OpInfo(op.primitive, op.params,
+                      tuple(graph.shape(v) for v in op.inputs),
+                      tuple(graph.shape(v) for v in op.outputs),
+                      tuple(graph.dtype(v) for v in op.inputs),
+                      tuple(graph.dtype(v) for v in op.outputs))
+
+
+Rule = Callable[[OpInfo, MeshInfo], list[OpStrategy]]
+RULES: dict[Any, Rule] = {}
+
+
+@dataclass(frozen=True)
+class Loop:
+    """One shardable iteration dimension of an op.
+
+    `ins[i]` / `outs[j]` is the dimension of operand i / result j this loop indexes (None when it
+    does not index that array). `reducible` loops index no result: cutting them leaves every
+    result partial.
+    """
+
+    size: int
+    ins: tuple[int | None, ...]
+    outs: tuple[int | None, ...]
+    reducible: bool = False
+
+
+def loop_strategies(info: OpInfo, mesh: MeshInfo, loops: Sequence[Loop]) -> list[OpStrategy]:
+    """Every assignment of mesh axes to loops (each axis to one loop or to none)."""
+    for loop in loops:
+        assert loop.reducible or any(d is not None for d in loop.outs), \
+            f"{info.primitive}: a loop indexing no result must be reducible"
+    strategies = []
+    for choice in itertools.product(range(len(loops) + 1), repeat=len(mesh.names)):
+        cut = [tuple(a for a, c in zip(mesh.names, choice, strict=True) if c == li)
+               for li in range(len(loops))]
+        if all(loop.size % mesh.group_size(axes) == 0 for loop, axes in zip(loops, cut,
+                                                                             strict=True)):
+            strategies.append(_assemble(info, loops, cut))
+    return strategies
+
+
+def _assemble(info: OpInfo, loops: Sequence[Loop], cut: list[Axes]) -> OpStrategy:
+    def specs(shapes, side):
+        dims = [[() for _ in shape] for shape in shapes]
+        for loop, axes in zip(loops, cut, strict=True):
+            for k, d in enumerate(getattr(loop, side)):
+                if d is not None and axes:
+                    dims[k][d] = dims[k][d] + axes
+        return tuple(Spec(tuple(d)) for d in dims)
+
+    partial = tuple(a for loop, axes in zip(loops, cut, strict=True) if loop.reducible for a in axes)
+    return OpStrategy(specs(info.in_shapes, "ins"), specs(info.out_shapes, "outs"),
+                      tuple(partial for _ in info.out_shapes))
+
+
+def replicated(info: OpInfo) -> OpStrategy:
+    return OpStrategy(tuple(Spec.replicated(len(s)) for s in info.in_shapes),
+                      tuple(Spec.replicated(len(s)) for s in info.out_shapes),
+                      tuple(() for _ in info.out_shapes))
+
+
+def has_rule(primitive) -> bool:
+    _load_families()
+    return primitive in RULES
+
+
+def candidates(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
+    """All concrete strategies of an op: rule candidates with partial results resolved."""
+    _load_families()
+    rule = RULES.get(info.primitive)
+    raw = rule(info, mesh) if rule else []
+    out, seen = [], set()
+    for strategy in [replicated(info), *raw]:
+        for s in _resolve_partials(strategy, info, mesh):
+            key = (s.ins, s.outs, s.partial)
+            if key not in seen:
+                seen.add(key)
+                out.append(s)
+    return out
+
+
+def _resolve_partials(s: OpStrategy, info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
+    """A partial result becomes an all-reduce, or (single result) a reduce-scatter onto a dim."""
+    if not any(s.partial):
+        return [OpStrategy(s.ins, s.outs, tuple(() for _ in s.outs), s.name)]
+    if len(s.outs) != 1:
+        return [s]
+    (out,), (partial,), (shape,) = s.outs, s.partial, info.out_shapes
+    variants = []
+    for dims in itertools.product(range(-1, len(shape)), repeat=len(partial)):
+        new = [list(d) for d in out.dims]
+        for axis, d in zip(partial, dims, strict=True):
+            if d >= 0:
+                new[d] = list(mesh.order(new[d] + [axis]))
+        spec = Spec(tuple(tuple(d) for d in new))
+        if spec.fits(shape, mesh):
+            variants.append(OpStrategy(s.ins, (spec,), s.partial, s.name))
+    return variants
+
+
+_loaded = False
+
+
+def _load_families() -> None:
+    """Import the rule modules once; each registers its rules in RULES on import."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    import importlib
+    import pkgutil
+
+    import jaxpar.rules as pkg
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        if mod.name != "registry":
+            importlib.import_module(f"jaxpar.rules.{mod.name}")

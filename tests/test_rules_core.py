@@ -1,0 +1,71 @@
+"""Elementwise and dot_general rules: every candidate against unsharded jax.jit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from rule_harness import check_rule
+
+from jaxpar.mesh import make_mesh
+
+RNG = np.random.default_rng(0)
+
+
+def arr(*shape):
+    return jnp.asarray(RNG.standard_normal(shape), jnp.float32)
+
+
+UNARY = ["exp", "log", "tanh", "logistic", "erf", "rsqrt", "sqrt", "neg", "abs", "sign",
+         "stop_gradient", "copy"]
+
+
+@pytest.mark.parametrize("name", UNARY)
+def test_unary(name):
+    fns = {"log": lambda x: jnp.log(jnp.abs(x) + 1), "rsqrt": lambda x: jax.lax.rsqrt(x * x + 1),
+           "sqrt": lambda x: jnp.sqrt(x * x), "logistic": jax.nn.sigmoid,
+           "erf": jax.scipy.special.erf, "stop_gradient": jax.lax.stop_gradient,
+           "copy": jnp.copy, "neg": jnp.negative}
+    fn = fns.get(name, getattr(jnp, name, None))
+    checked = check_rule(fn, (arr(8, 8, 4),), name, grad=name not in ("sign",))
+    # each of the 2 mesh axes on one of 3 dims or on none (16), less both on the size-4 dim
+    assert len(checked) == 15
+
+
+@pytest.mark.parametrize("name,fn", [
+    ("add", jnp.add), ("sub", jnp.subtract), ("mul", jnp.multiply), ("div", jnp.divide),
+    ("max", jnp.maximum), ("min", jnp.minimum), ("pow", lambda a, b: jnp.abs(a) ** b),
+    ("lt", jnp.less), ("eq", jnp.equal), ("ge", jnp.greater_equal)])
+def test_binary(name, fn):
+    check_rule(fn, (arr(8, 4), arr(8, 4)), name, grad=name not in ("lt", "eq", "ge"))
+
+
+def test_scalar_literal_operand():
+    checked = check_rule(lambda x: jnp.maximum(x, 0.0), (arr(8, 4),), "max", grad=True)
+    assert all(s.ins[1].rank == 0 for s in checked)
+
+
+def test_integer_pow_and_convert():
+    check_rule(lambda x: x ** 3, (arr(4, 8),), "integer_pow", grad=True)
+    check_rule(lambda x: x.astype(jnp.int32), (arr(4, 8),), "convert_element_type")
+
+
+def test_select_n_and_clamp():
+    check_rule(lambda p, a, b: jnp.where(p > 0, a, b), (arr(8, 4), arr(8, 4), arr(8, 4)),
+               "select_n", grad=True)
+    check_rule(lambda x: jax.lax.clamp(-0.5, x, 0.5), (arr(8, 4),), "clamp")
+
+
+@pytest.mark.parametrize("lhs,rhs,dims", [
+    ((16, 8), (8, 4), "ij,jk->ik"),
+    ((2, 8, 4), (2, 4, 6), "bij,bjk->bik"),
+    ((4, 8), (8,), "ij,j->i"),
+])
+def test_dot_general(lhs, rhs, dims):
+    checked = check_rule(lambda a, b: jnp.einsum(dims, a, b), (arr(*lhs), arr(*rhs)),
+                         "dot_general", grad=True, rtol=1e-4, atol=1e-4)
+    check_rule(lambda a, b: jnp.einsum(dims, a, b), (arr(*lhs), arr(*rhs)), "dot_general",
+               mesh=make_mesh(8), limit=12, rtol=1e-4, atol=1e-4)
+    partial = [s for s in checked if any(s.partial)]
+    assert partial, "contracting-dim cuts must be offered"
+    scattered = [s for s in partial if any(a in s.outs[0].axes() for a in s.partial[0])]
+    assert scattered, "reduce-scatter variants must be offered"
