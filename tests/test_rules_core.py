@@ -44,6 +44,13 @@ def test_scalar_literal_operand():
     assert all(s.ins[1].rank == 0 for s in checked)
 
 
+def test_implicit_size_one_broadcast():
+    # x @ w + b traces to `add f32[32,10] f32[1,10]`: the size-1 dim of b is never cut.
+    checked = check_rule(lambda a, b: a + b[None, :], (arr(16, 8), arr(8)), "add", grad=True)
+    assert any(s.outs[0].dims[0] for s in checked)
+    assert all(not s.ins[1].dims[0] for s in checked)
+
+
 def test_integer_pow_and_convert():
     check_rule(lambda x: x ** 3, (arr(4, 8),), "integer_pow", grad=True)
     check_rule(lambda x: x.astype(jnp.int32), (arr(4, 8),), "convert_element_type")

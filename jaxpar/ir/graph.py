@@ -37,7 +37,7 @@ class ValueInfo:
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Lit:
     """A literal operand (a scalar constant written into the jaxpr)."""
 

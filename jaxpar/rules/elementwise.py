@@ -1,6 +1,7 @@
-"""Elementwise ops: every dimension of the result is a loop shared by all same-rank operands.
+"""Elementwise ops: every dimension of the result is a loop shared by the operands.
 
-Rank-0 operands (scalar literals such as the 0.0 in `max x 0.0`) stay replicated.
+Rank-0 operands (scalar literals such as the 0.0 in `max x 0.0`) stay replicated, and so does a
+size-1 operand dimension that the op broadcasts (`add f32[32,10] f32[1,10]`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from jaxpar.spec import MeshInfo, OpStrategy
 
 def elementwise_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
     shape = info.out_shapes[0]
-    loops = [Loop(n, tuple(d if len(s) == len(shape) else None for s in info.in_shapes),
+    def indexes(s: tuple[int, ...], d: int) -> bool:
+        return len(s) == len(shape) and s[d] == shape[d]
+
+    loops = [Loop(n, tuple(d if indexes(s, d) else None for s in info.in_shapes),
                   tuple(d for _ in info.out_shapes))
              for d, n in enumerate(shape)]
     return loop_strategies(info, mesh, loops)

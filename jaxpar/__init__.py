@@ -1,0 +1,16 @@
+"""jaxpar: automatic sharding for JAX, with MindSpore's shard()/AutoParallel API."""
+
+from jaxpar.analysis import collective_stats
+from jaxpar.api import ShardedFunction, shard
+from jaxpar.mesh import make_mesh
+from jaxpar.plan import Plan
+from jaxpar.spec import OpStrategy, Spec
+
+try:
+    from jaxpar.strategy import Layout
+except ImportError:  # pragma: no cover - strategy.py is always shipped
+    Layout = None
+
+__all__ = ["Layout", "OpStrategy", "Plan", "ShardedFunction", "Spec", "collective_stats",
+           "make_mesh", "shard"]
+__version__ = "0.1.0"

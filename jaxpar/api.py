@@ -1,0 +1,232 @@
+"""`jaxpar.shard`: MindSpore's functional shard() on jax.jit shardings.
+
+shard(fn, in_strategy, ...) returns a ShardedFunction. Calling it (or .plan/.lower) validates the
+strategies against the arguments, traces fn, plans every op by the chosen search, and runs the
+replayed program under jax.jit with the planned shardings. Plans and compiled programs are
+cached per input signature (pytree structure, shapes, dtypes).
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from jaxpar.cost.hardware import load_profile
+from jaxpar.cost.model import CostModel
+from jaxpar.ir import build_graph, leaf_paths, trace
+from jaxpar.ir.trace import arg_names
+from jaxpar.lower.jit import build_callable
+from jaxpar.mesh import make_mesh
+from jaxpar.plan import Plan, build_plan
+from jaxpar.search.propagation import out_spec, propagate
+from jaxpar.spec import MeshInfo, Spec
+
+SEARCH_MODES = ("sharding_propagation",)
+LEVELS = (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class ShardOptions:
+    in_strategy: Any
+    out_strategy: Any
+    parameter_plan: dict | None
+    level: int
+    mesh: Mesh
+    search_mode: str
+    hardware: Any
+    memory_budget: float | None
+    mem_coeff: float
+    donate_argnums: tuple[int, ...]
+
+
+@dataclass
+class _Compiled:
+    plan: Plan
+    graph: Any
+    in_specs: list[Spec]
+    out_specs: list[Spec]
+    jitted: Any
+
+
+def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=None, level=0, *,
+          mesh: Mesh | None = None, search_mode: str | None = None, hardware=None,
+          memory_budget: float | None = None, mem_coeff: float = 0.0,
+          donate_argnums: int | tuple[int, ...] = ()) -> ShardedFunction:
+    """Shard `fn` over a device mesh, MindSpore style.
+
+    Args:
+      fn: the function to shard (positional array/pytree arguments).
+      in_strategy: None, or one entry per positional argument: a tuple of split counts per
+        dimension (`(4, 2)`), a `PartitionSpec`, a `Layout(...)` mapping, a pytree prefix of
+        these for pytree arguments, or None to let jaxpar decide.
+      out_strategy: None (outputs as the plan leaves them) or entries like in_strategy per output.
+      parameter_plan: {parameter path: strategy}, e.g. {"params/blocks/0/w": (1, 8)}.
+      device: "CPU", "GPU", "TPU" or None (default backend); used when `mesh` is None.
+      level: 0 maximise compute/communication ratio, 1 minimise memory, 2 maximise speed.
+      mesh: the mesh to use; default `make_mesh(<all devices>)`.
+      search_mode: "sharding_propagation" (default).
+      hardware: a hardware profile name (`h100-nvlink`, `tpu-v5e`, `cpu`, ...) or YAML path.
+      memory_budget: bytes per device the plan must fit in.
+      mem_coeff: weight of per-device memory against time in the objective.
+      donate_argnums: positional arguments whose buffers the call may reuse.
+
+    Returns:
+      A ShardedFunction: call it like fn; `.plan(*args)` and `.lower(*args)` as well.
+
+    Example:
+      >>> f = jaxpar.shard(dense_relu, in_strategy=((4, 2), None, None))
+      >>> y = f(x, w, b)
+      >>> print(f.plan(x, w, b).explain())
+    """
+    if not callable(fn):
+        raise TypeError(f"shard(fn={fn!r}): fn must be callable (a function of arrays).")
+    opts = _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, search_mode,
+                    hardware, memory_budget, mem_coeff, donate_argnums)
+    return ShardedFunction(fn, opts)
+
+
+def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, search_mode,
+             hardware, memory_budget, mem_coeff, donate_argnums) -> ShardOptions:
+    if isinstance(level, bool) or level not in LEVELS:
+        raise ValueError(f"shard(level={level!r}): level must be 0 (maximise compute/"
+                         "communication ratio), 1 (minimise memory) or 2 (maximise speed).")
+    mode = search_mode or "sharding_propagation"
+    if mode not in SEARCH_MODES:
+        raise ValueError(f"shard(search_mode={search_mode!r}): this version of jaxpar supports "
+                         f"{list(SEARCH_MODES)}.")
+    if device is not None and device not in ("CPU", "GPU", "TPU"):
+        raise ValueError(f"shard(device={device!r}): use 'CPU', 'GPU', 'TPU' or None for JAX's "
+                         "default backend (Ascend is MindSpore's; jaxpar runs on JAX backends).")
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"shard(mesh={mesh!r}): pass a jax.sharding.Mesh, e.g. "
+                        "jaxpar.make_mesh(8), or None for all devices.")
+    if memory_budget is not None and (not isinstance(memory_budget, numbers.Real)
+                                      or isinstance(memory_budget, bool) or memory_budget <= 0):
+        raise ValueError(f"shard(memory_budget={memory_budget!r}): give a positive number of "
+                         "bytes per device, or None for no budget.")
+    if not isinstance(mem_coeff, numbers.Real) or isinstance(mem_coeff, bool) or mem_coeff < 0:
+        raise ValueError(f"shard(mem_coeff={mem_coeff!r}): must be a number >= 0.")
+    if parameter_plan is not None and not isinstance(parameter_plan, dict):
+        raise TypeError(f"shard(parameter_plan={parameter_plan!r}): must be a dict mapping "
+                        "parameter paths to strategies, e.g. {'params/w': (1, 8)}.")
+    donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    load_profile(hardware)  # unknown profiles fail here, before any tracing
+    if mesh is None:
+        platform = {"CPU": "cpu", "GPU": "gpu", "TPU": "tpu"}.get(device)
+        mesh = make_mesh(len(jax.devices(platform) if platform else jax.devices()), device=device)
+    return ShardOptions(in_strategy, out_strategy, parameter_plan, level, mesh, mode, hardware,
+                        memory_budget, float(mem_coeff), donate)
+
+
+class ShardedFunction:
+    """fn sharded by jaxpar; see `shard`."""
+
+    def __init__(self, fn, opts: ShardOptions, pinned: Plan | None = None):
+        self.fn, self.opts, self._pinned = fn, opts, pinned
+        self._cache: dict[Any, _Compiled] = {}
+        self.__wrapped__ = fn
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.opts.mesh
+
+    def __call__(self, *args):
+        c = self._compiled(args)
+        flat = jax.tree_util.tree_leaves(args)
+        out = c.jitted(*flat)
+        return jax.tree_util.tree_unflatten(c.plan.out_tree, list(out))
+
+    def plan(self, *args) -> Plan:
+        """The plan for these arguments (arrays or ShapeDtypeStructs); nothing runs."""
+        return self._compiled(args).plan
+
+    def lower(self, *args) -> jax.stages.Lowered:
+        """The lowered program (call `.compile()` on it)."""
+        c = self._compiled(args)
+        flat = [jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                     sharding=NamedSharding(self.mesh, s.to_pspec()))
+                for x, s in zip(jax.tree_util.tree_leaves(args), c.in_specs, strict=True)]
+        return c.jitted.lower(*flat)
+
+    def with_plan(self, plan: Plan) -> ShardedFunction:
+        """This function pinned to a saved plan (checked against the program and mesh)."""
+        if not isinstance(plan, Plan):
+            raise TypeError(f"with_plan(plan={plan!r}): pass a jaxpar.Plan (Plan.load(path)).")
+        return ShardedFunction(self.fn, self.opts, plan)
+
+    def _compiled(self, args: tuple) -> _Compiled:
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        key = (tree, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
+        if key not in self._cache:
+            self._cache[key] = self._build(args)
+        return self._cache[key]
+
+    def _build(self, args: tuple) -> _Compiled:
+        from jaxpar import strategy as strat
+
+        o, mesh = self.opts, self.opts.mesh
+        fixed = strat.parse_in_strategy(o.in_strategy, args, mesh)
+        names = arg_names(self.fn, len(args))
+        paths = [p for n, a in zip(names, args, strict=True) for p in leaf_paths(a, n)]
+        shapes = [tuple(x.shape) for x in jax.tree_util.tree_leaves(args)]
+        for i, spec in strat.parse_parameter_plan(o.parameter_plan, paths, shapes, mesh).items():
+            fixed[i] = _merge(fixed[i], spec, paths[i])
+        traced = trace(self.fn, args)
+        out_shapes = jax.tree_util.tree_unflatten(
+            traced.out_tree, [jax.ShapeDtypeStruct(tuple(v.aval.shape), v.aval.dtype)
+                              for v in traced.closed_jaxpr.jaxpr.outvars])
+        out_fixed = strat.parse_out_strategy(o.out_strategy, out_shapes, mesh)
+        graph = build_graph(traced.closed_jaxpr, traced.in_paths)
+        profile = load_profile(o.hardware)
+        model = CostModel(MeshInfo.of(mesh), profile, o.level, o.mem_coeff)
+        if self._pinned is not None:
+            self._pinned.check_matches(traced.fingerprint, model.mesh)
+            return self._finish(graph, self._pinned, args)
+        gp = propagate(graph, model, {graph.inputs[i]: s for i, s in enumerate(fixed) if s},
+                       {i: s for i, s in enumerate(out_fixed) if s})
+        in_specs = [gp.specs[v] for v in graph.inputs]
+        out_specs = [s or out_spec(graph, gp, v) for s, v in zip(out_fixed, graph.outputs,
+                                                                 strict=True)]
+        plan = build_plan(graph, gp, model, traced, in_specs, out_specs, o.search_mode,
+                          profile.name)
+        _check_budget(plan, o.memory_budget)
+        return self._finish(graph, plan, args)
+
+    def _finish(self, graph, plan: Plan, args) -> _Compiled:
+        if plan.in_tree is None:  # a loaded plan: take the structure from these arguments
+            plan.in_tree = jax.tree_util.tree_structure(args)
+            plan.out_tree = jax.tree_util.tree_structure(jax.eval_shape(self.fn, *args))
+        donate = tuple(i for i, _ in enumerate(jax.tree_util.tree_leaves(args))
+                       if self._leaf_arg(args, i) in self.opts.donate_argnums)
+        jitted = build_callable(graph, plan.graph_plan, self.mesh, plan.in_specs,
+                                plan.out_specs, donate)
+        return _Compiled(plan, graph, plan.in_specs, plan.out_specs, jitted)
+
+    @staticmethod
+    def _leaf_arg(args: tuple, leaf: int) -> int:
+        """Which positional argument flat leaf `leaf` belongs to."""
+        count = 0
+        for i, a in enumerate(args):
+            count += len(jax.tree_util.tree_leaves(a))
+            if leaf < count:
+                return i
+        return -1
+
+
+def _merge(given: Spec | None, planned: Spec, path: str) -> Spec:
+    if given is not None and given != planned:
+        raise ValueError(f"parameter_plan[{path!r}]={planned} conflicts with in_strategy for the "
+                         f"same leaf ({given}); give it in one place only.")
+    return planned
+
+
+def _check_budget(plan: Plan, budget: float | None) -> None:
+    if budget is not None and plan.cost.peak_memory_bytes > budget:
+        raise ValueError(
+            f"memory_budget={budget:.0f} bytes per device: the {plan.search_mode} plan needs "
+            f"{plan.cost.peak_memory_bytes:.0f} bytes at its peak. Cut more dimensions in "
+            "in_strategy/parameter_plan, use a larger mesh, or raise the budget.")

@@ -1,0 +1,78 @@
+"""Alpha-beta collective costs and the cheapest resharding between two specs of one array.
+
+Bytes follow `analysis.collective_stats`: per device, the larger of a collective's operand and
+result (all-gather: the gathered result; reduce-scatter: the full input). Ring costs for a group
+of n devices over a link of bandwidth bw and per-hop latency lat:
+  all-gather, reduce-scatter: (n-1)/n * b / bw + (n-1) lat;  all-reduce: twice that;
+  all-to-all: (n-1)/n * b / bw on a switch, n/4 * b / bw on a ring;  permute: b / bw + lat.
+A group spanning several axes runs at its slowest link.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxpar.cost.hardware import Link
+from jaxpar.spec import Axes, MeshInfo, Spec
+
+
+@dataclass(frozen=True)
+class Collective:
+    """`count` runs of one collective over the mesh `axes`, moving `bytes` in all (per device)."""
+
+    kind: str
+    axes: Axes
+    bytes: float
+    count: float = 1
+
+
+def collective_time(c: Collective, mesh: MeshInfo, links: dict[str, Link]) -> float:
+    return c.count * _once(c.kind, c.axes, c.bytes / c.count, mesh, links)
+
+
+def _once(kind: str, axes: Axes, nbytes: float, mesh: MeshInfo, links: dict[str, Link]) -> float:
+    n = mesh.group_size(axes)
+    if n <= 1:
+        return 0.0
+    bw = min(links[a].bandwidth for a in axes)
+    lat = max(links[a].latency for a in axes)
+    ring = (n - 1) / n * nbytes / bw + (n - 1) * lat
+    if kind == "all-reduce":
+        return 2 * ring
+    if kind == "all-to-all":
+        on_ring = any(links[a].topology == "ring" for a in axes)
+        return max((n - 1) / n, n / 4 if on_ring else 0.0) * nbytes / bw + (n - 1) * lat
+    if kind == "collective-permute":
+        return nbytes / bw + lat
+    return ring
+
+
+def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collective]:
+    """Collectives that turn an array of `nbytes` laid out as `src` into `dst`.
+
+    Order: slices first (free, they shrink the pieces), then partial sums are reduced (a
+    reduce-scatter where `dst` cuts the axis, else one all-reduce), then all-to-alls for axes that
+    move between dimensions, then one all-gather for the axes `dst` no longer uses.
+    """
+    dst = dst.resolved()
+    local = nbytes / src.shards(mesh)
+    new = [a for d, axes in enumerate(dst.dims) for a in axes
+           if a not in src.axes() and a not in src.dims[d]]
+    local /= mesh.group_size(tuple(new))
+    out: list[Collective] = []
+    scatter = tuple(a for a in src.partial if dst.dim_of(a) is not None)
+    reduce = tuple(a for a in src.partial if a not in scatter)
+    if scatter:
+        out.append(Collective("reduce-scatter", scatter, local))
+        local /= mesh.group_size(scatter)
+    if reduce:
+        out.append(Collective("all-reduce", reduce, local))
+    moved = tuple(a for d, axes in enumerate(src.dims) for a in axes
+                  if dst.dim_of(a) is not None and dst.dim_of(a) != d)
+    if moved:
+        out.append(Collective("all-to-all", moved, local))
+    gone = tuple(a for axes in src.dims for a in axes if dst.dim_of(a) is None)
+    if gone:
+        local *= mesh.group_size(gone)
+        out.append(Collective("all-gather", gone, local))
+    return out

@@ -1,0 +1,103 @@
+"""Plan -> jitted program: the graph is replayed op by op with sharding constraints.
+
+Every operand whose spec differs from what the chosen strategy needs is constrained to the
+needed spec first, and every result is constrained to its planned spec, so the SPMD partitioner
+has no freedom left to pick other layouts. Region ops are rebuilt with `lax.scan`,
+`lax.while_loop` and `lax.switch` around replays of their bodies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from jaxpar.ir.graph import Lit, Op, OpGraph
+from jaxpar.search.propagation import GraphPlan
+from jaxpar.spec import Spec
+
+
+def _constrain(x, spec: Spec, mesh: Mesh):
+    if spec.rank == 0:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec.to_pspec()))
+
+
+def replay(graph: OpGraph, plan: GraphPlan, mesh: Mesh, args: list) -> list:
+    """Evaluate graph on args (traced or concrete) following plan."""
+    env: dict[int, object] = dict(zip(graph.inputs, args, strict=True))
+    for v, value in graph.consts.items():
+        env[v] = _constrain(value, plan.specs[v], mesh) if v in plan.specs else value
+
+    def read(v: int | Lit, need: Spec | None = None):
+        if isinstance(v, Lit):
+            return v.value
+        x = env[v]
+        if need is not None and need.resolved() != plan.specs[v].resolved():
+            x = _constrain(x, need, mesh)
+        return x
+
+    for op in graph.ops:
+        choice = plan.choices[op.index]
+        ins = [read(v, need) for v, need in zip(op.inputs, choice.strategy.ins, strict=True)]
+        outs = _region(op, choice.regions, ins, mesh) if op.regions else _bind(op, ins)
+        for v, out, spec in zip(op.outputs, outs, choice.strategy.outs, strict=True):
+            env[v] = _constrain(out, spec, mesh)
+    return [read(v) for v in graph.outputs]
+
+
+def _bind(op: Op, ins: list) -> list:
+    with op.ctx.manager:
+        out = op.primitive.bind(*ins, **op.primitive.get_bind_params(op.params))
+    return list(out) if op.primitive.multiple_results else [out]
+
+
+def _region(op: Op, plans: tuple[GraphPlan, ...], ins: list, mesh: Mesh) -> list:
+    return _REGIONS[op.name](op, plans, ins, mesh)
+
+
+def _scan(op: Op, plans, ins, mesh) -> list:
+    nc, ncar = op.params["num_consts"], op.params["num_carry"]
+    consts, init, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
+    body, plan = op.regions[0], plans[0]
+
+    def step(carry, x):
+        outs = replay(body, plan, mesh, [*consts, *carry, *x])
+        return outs[:ncar], outs[ncar:]
+
+    carry, ys = jax.lax.scan(step, init, xs, length=op.params["length"],
+                             reverse=op.params["reverse"], unroll=op.params["unroll"])
+    return [*carry, *ys]
+
+
+def _while(op: Op, plans, ins, mesh) -> list:
+    cn, bn = op.params["cond_nconsts"], op.params["body_nconsts"]
+    cconsts, bconsts, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
+    (cond, body), (cond_plan, body_plan) = op.regions, plans
+    out = jax.lax.while_loop(
+        lambda c: replay(cond, cond_plan, mesh, [*cconsts, *c])[0],
+        lambda c: replay(body, body_plan, mesh, [*bconsts, *c]),
+        list(init))
+    return list(out)
+
+
+def _cond(op: Op, plans, ins, mesh) -> list:
+    branches = [lambda *a, b=b, p=p: replay(b, p, mesh, list(a))
+                for b, p in zip(op.regions, plans, strict=True)]
+    return list(jax.lax.switch(ins[0], branches, *ins[1:]))
+
+
+_REGIONS = {"scan": _scan, "while": _while, "cond": _cond}
+
+
+def build_callable(graph: OpGraph, plan: GraphPlan, mesh: Mesh, in_specs: list[Spec],
+                   out_specs: list[Spec], donate: tuple[int, ...] = ()) -> Callable:
+    """A jitted function of the flat inputs returning the flat outputs, placed per the specs."""
+    in_sh = tuple(NamedSharding(mesh, s.to_pspec()) for s in in_specs)
+    out_sh = tuple(NamedSharding(mesh, s.to_pspec()) for s in out_specs)
+
+    def run(*flat):
+        return tuple(replay(graph, plan, mesh, list(flat)))
+
+    return jax.jit(run, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)

@@ -1,0 +1,292 @@
+"""Plan: what jaxpar chose for every op, what it costs, and how to read, save and check it.
+
+A Plan holds the GraphPlan (a spec per value, a strategy per op, bodies of region ops nested)
+and everything needed to show and lower it without searching again. It is saved as versioned
+JSON keyed by the program's fingerprint and the mesh; loading it for another program or mesh
+fails with a clear error.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from jaxpar.cost.comm import Collective
+from jaxpar.cost.model import OpCost
+from jaxpar.search.propagation import Choice, GraphPlan
+from jaxpar.spec import MeshInfo, OpStrategy, Spec
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    """Modeled totals per device."""
+
+    compute_s: float
+    comm_s: float
+    comm_bytes: float
+    peak_memory_bytes: float
+    total_s: float
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of `explain()`."""
+
+    path: str
+    op: str
+    shapes: str
+    chosen: str
+    runner_up: str
+    cost_s: float
+    runner_cost_s: float | None
+    note: str
+
+
+@dataclass
+class Plan:
+    """A sharding plan for one program on one mesh. See `jaxpar.shard`."""
+
+    fingerprint: str
+    mesh: MeshInfo
+    graph_plan: GraphPlan
+    in_specs: list[Spec]
+    out_specs: list[Spec]
+    in_paths: list[str]
+    out_paths: list[str]
+    cost: PlanCost
+    collectives: dict[str, dict[str, float]]
+    rows: list[Row] = field(default_factory=list)
+    search_mode: str = "sharding_propagation"
+    hardware: str = "cpu"
+    in_tree: object = None
+    out_tree: object = None
+
+    @property
+    def in_pspecs(self) -> list:
+        return [s.to_pspec() for s in self.in_specs]
+
+    @property
+    def in_specs_tree(self):
+        """PartitionSpecs in the structure of the arguments (when known)."""
+        return _unflatten(self.in_tree, [s.to_pspec() for s in self.in_specs])
+
+    @property
+    def out_specs_tree(self):
+        return _unflatten(self.out_tree, [s.to_pspec() for s in self.out_specs])
+
+    def table(self) -> Table:
+        """The per-op plan as a rich Table."""
+        t = Table(title=f"jaxpar plan ({self.search_mode}, {self.mesh.describe()}, "
+                        f"{self.hardware})", show_lines=False)
+        for col in ("#", "op", "shapes", "chosen", "runner-up", "cost", "next", "note"):
+            t.add_column(col, overflow="fold")
+        for r in self.rows:
+            t.add_row(*(Text(c) for c in (r.path, r.op, r.shapes, r.chosen, r.runner_up,
+                                           _fmt_s(r.cost_s), _fmt_s(r.runner_cost_s), r.note)))
+        return t
+
+    def explain(self, width: int = 160) -> str:
+        """The plan as text: one row per op (chosen spec, runner-up, modeled costs), totals."""
+        buf = io.StringIO()
+        console = Console(file=buf, width=width, force_terminal=False, color_system=None,
+                          markup=False, highlight=False)
+        console.print(self.table())
+        c = self.cost
+        console.print(f"inputs:  {', '.join(f'{p}={s}' for p, s in zip(self.in_paths, self.in_specs))}")
+        console.print(f"outputs: {', '.join(f'{p}={s}' for p, s in zip(self.out_paths, self.out_specs))}")
+        console.print(f"modeled per device: compute {_fmt_s(c.compute_s)}, communication "
+                      f"{_fmt_s(c.comm_s)} ({_fmt_b(c.comm_bytes)}), peak memory "
+                      f"{_fmt_b(c.peak_memory_bytes)}, total {_fmt_s(c.total_s)}")
+        console.print("predicted collectives: " + (", ".join(
+            f"{k} x{v['count']:g} {_fmt_b(v['bytes'])}" for k, v in self.collectives.items())
+            or "none"))
+        return buf.getvalue()
+
+    def verify(self, compiled, rtol: float = 0.10):
+        """Predicted vs measured collectives and output shardings of a compiled program."""
+        from jaxpar.verify import verify_plan
+        return verify_plan(self, compiled, rtol)
+
+    def check_matches(self, fingerprint: str, mesh: MeshInfo, where: str = "plan") -> None:
+        if self.mesh != mesh:
+            raise ValueError(f"{where} was made for mesh {self.mesh.describe()}, not "
+                             f"{mesh.describe()}; plan again for this mesh.")
+        if self.fingerprint != fingerprint:
+            raise ValueError(f"{where} was made for another program (fingerprint "
+                             f"{self.fingerprint}, this one is {fingerprint}): the function, "
+                             "its argument shapes or dtypes differ. Plan again.")
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    @staticmethod
+    def load(path: str | Path) -> Plan:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"Plan.load({str(path)!r}): cannot read a plan ({err}).") from None
+        if not isinstance(data, dict) or data.get("format") != "jaxpar-plan":
+            raise ValueError(f"Plan.load({str(path)!r}): not a jaxpar plan file.")
+        if data.get("version") != FORMAT_VERSION:
+            raise ValueError(f"Plan.load({str(path)!r}): format version {data.get('version')} "
+                             f"is not {FORMAT_VERSION}; plan again with this jaxpar.")
+        try:
+            return Plan.from_json(data)
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"Plan.load({str(path)!r}): corrupt plan file ({err!r}).") from None
+
+    def to_json(self) -> dict:
+        return {"format": "jaxpar-plan", "version": FORMAT_VERSION,
+                "fingerprint": self.fingerprint,
+                "mesh": {"names": list(self.mesh.names), "sizes": list(self.mesh.sizes)},
+                "search_mode": self.search_mode, "hardware": self.hardware,
+                "in_specs": [s.to_json() for s in self.in_specs],
+                "out_specs": [s.to_json() for s in self.out_specs],
+                "in_paths": self.in_paths, "out_paths": self.out_paths,
+                "cost": asdict(self.cost), "collectives": self.collectives,
+                "rows": [asdict(r) for r in self.rows],
+                "graph": _graph_to_json(self.graph_plan)}
+
+    @staticmethod
+    def from_json(d: dict) -> Plan:
+        return Plan(d["fingerprint"], MeshInfo(tuple(d["mesh"]["names"]), tuple(d["mesh"]["sizes"])),
+                    _graph_from_json(d["graph"]), [Spec.from_json(s) for s in d["in_specs"]],
+                    [Spec.from_json(s) for s in d["out_specs"]], d["in_paths"], d["out_paths"],
+                    PlanCost(**d["cost"]), d["collectives"], [Row(**r) for r in d["rows"]],
+                    d["search_mode"], d["hardware"])
+
+
+def _unflatten(tree, leaves):
+    import jax
+    return leaves if tree is None else jax.tree_util.tree_unflatten(tree, leaves)
+
+
+def _fmt_s(s: float | None) -> str:
+    if s is None:
+        return ""
+    for unit, k in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if s >= k:
+            return f"{s / k:.3g} {unit}"
+    return f"{s * 1e9:.3g} ns"
+
+
+def _fmt_b(b: float) -> str:
+    for unit, k in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if b >= k:
+            return f"{b / k:.3g} {unit}"
+    return f"{b:.0f} B"
+
+
+def _strategy_json(s: OpStrategy | None):
+    if s is None:
+        return None
+    return {"ins": [x.to_json() for x in s.ins], "outs": [x.to_json() for x in s.outs],
+            "partial": [list(p) for p in s.partial], "name": s.name}
+
+
+def _strategy_from(d) -> OpStrategy | None:
+    if d is None:
+        return None
+    return OpStrategy(tuple(Spec.from_json(x) for x in d["ins"]),
+                      tuple(Spec.from_json(x) for x in d["outs"]),
+                      tuple(tuple(p) for p in d["partial"]), d["name"])
+
+
+def _graph_to_json(gp: GraphPlan) -> dict:
+    return {"specs": {str(v): s.to_json() for v, s in gp.specs.items()},
+            "choices": {str(i): _choice_json(c) for i, c in gp.choices.items()}}
+
+
+def _choice_json(c: Choice) -> dict:
+    cost = {k: getattr(c.cost, k) for k in ("compute_s", "comm_s", "comm_bytes", "memory_bytes")}
+    cost["collectives"] = [[x.kind, list(x.axes), x.bytes, x.count] for x in c.cost.collectives]
+    return {"strategy": _strategy_json(c.strategy), "runner_up": _strategy_json(c.runner_up),
+            "score": c.score, "runner_score": c.runner_score, "n": c.n_candidates,
+            "has_rule": c.has_rule, "trips": c.trips, "cost": cost,
+            "regions": [_graph_to_json(r) for r in c.regions]}
+
+
+def _graph_from_json(d: dict) -> GraphPlan:
+    return GraphPlan({int(v): Spec.from_json(s) for v, s in d["specs"].items()},
+                     {int(i): _choice_from(c) for i, c in d["choices"].items()})
+
+
+def _choice_from(d: dict) -> Choice:
+    cost = dict(d["cost"])
+    cols = tuple(Collective(k, tuple(a), b, n) for k, a, b, n in cost.pop("collectives"))
+    return Choice(_strategy_from(d["strategy"]), OpCost(**cost, collectives=cols), d["score"],
+                  _strategy_from(d["runner_up"]), d["runner_score"], d["n"], d["has_rule"],
+                  tuple(_graph_from_json(r) for r in d["regions"]), d["trips"])
+
+
+def build_plan(graph, gp: GraphPlan, model, traced, in_specs: list[Spec], out_specs: list[Spec],
+               search_mode: str, hardware: str) -> Plan:
+    """Assemble a Plan: totals, predicted collectives, peak memory and the explain rows."""
+    from jaxpar.search.propagation import graph_cost
+
+    total = graph_cost(graph, gp, model, dict(enumerate(out_specs)))
+    peak = peak_memory(graph, gp, model.mesh)
+    cost = PlanCost(total.compute_s, total.comm_s, total.comm_bytes, peak,
+                    total.compute_s + total.comm_s)
+    return Plan(traced.fingerprint, model.mesh, gp, in_specs, out_specs, list(traced.in_paths),
+                list(traced.out_paths), cost, _by_kind(total.collectives),
+                list(_rows(graph, gp, model)), search_mode, hardware, traced.in_tree,
+                traced.out_tree)
+
+
+def _by_kind(cols) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for c in cols:
+        entry = out.setdefault(c.kind, {"count": 0, "bytes": 0})
+        entry["count"] += c.count
+        entry["bytes"] += c.bytes
+    return out
+
+
+def _rows(graph, gp: GraphPlan, model, prefix: str = ""):
+    for op in graph.ops:
+        choice = gp.choices[op.index]
+        path = f"{prefix}{op.index}"
+        shapes = ",".join("x".join(map(str, graph.shape(v))) or "()" for v in op.inputs[:3])
+        shapes += " -> " + ",".join("x".join(map(str, graph.shape(v))) or "()" for v in op.outputs)
+        note = "" if choice.has_rule else "no rule: replicated"
+        if choice.regions:
+            note = f"region x{choice.trips}"
+        runner = choice.runner_up.label() if choice.runner_up else ""
+        yield Row(path, op.name, shapes, choice.strategy.label(), runner, choice.score,
+                  choice.runner_score, note)
+        for r, body in enumerate(op.regions):
+            yield from _rows(body, choice.regions[r], model, f"{path}.{r}.")
+
+
+def peak_memory(graph, gp: GraphPlan, mesh: MeshInfo) -> float:
+    """Peak per-device bytes of live values in program order (inputs live throughout)."""
+    def size(v) -> float:
+        info = graph.values[v]
+        return info.nbytes / gp.specs[v].shards(mesh) if v in gp.specs else info.nbytes
+
+    last = {}
+    for op in graph.ops:
+        for v in op.inputs:
+            if isinstance(v, int):
+                last[v] = op.index
+    keep = set(graph.inputs) | {v for v in graph.outputs if isinstance(v, int)}
+    live = sum(size(v) for v in graph.inputs) + sum(size(v) for v in graph.consts)
+    peak = live
+    for op in graph.ops:
+        choice = gp.choices[op.index]
+        inner = max((peak_memory(b, p, mesh) for b, p in zip(op.regions, choice.regions,
+                                                               strict=True)), default=0.0)
+        live += sum(size(v) for v in op.outputs)
+        peak = max(peak, live + inner)
+        live -= sum(size(v) for v in {v for v in op.inputs if isinstance(v, int)}
+                    if last.get(v) == op.index and v not in keep)
+    return peak

@@ -1,0 +1,87 @@
+"""Planning region ops (scan, while, cond): their bodies are planned once, not per iteration.
+
+Before: a region op whose operand specs are partly known. After: one OpStrategy for the op, the
+GraphPlan of each body, the modeled cost (a scan's body cost times its length; a while loop's
+trip count is unknown and counted once; a cond costs its most expensive branch).
+
+Carried values keep one spec across iterations: the body is planned once with the unknown
+carries free, then again with every carry fixed, in and out, to the spec the first pass gave it.
+"""
+
+from __future__ import annotations
+
+from jaxpar.cost.model import CostModel, OpCost
+from jaxpar.ir.graph import Op, OpGraph
+from jaxpar.rules.registry import OpInfo
+from jaxpar.search.propagation import GraphPlan, graph_cost, out_spec, propagate
+from jaxpar.spec import OpStrategy, Spec
+
+
+def plan_region(op: Op, info: OpInfo, known: list[Spec | None], model: CostModel):
+    """(strategy, body plans, cost, trips) for a region op given its known operand specs."""
+    return _PLANNERS[op.name](op, info, known, model)
+
+
+def _fixed(inputs: tuple[int, ...], specs: list[Spec | None]) -> dict[int, Spec]:
+    return {v: s.resolved() for v, s in zip(inputs, specs, strict=True) if s is not None}
+
+
+def _loop_body(body: OpGraph, known: list[Spec | None], n_lead: int, n_carry: int,
+               model: CostModel) -> tuple[GraphPlan, list[Spec]]:
+    """Plan a loop body whose inputs are n_lead constants, n_carry carries, then the rest."""
+    plan = propagate(body, model, _fixed(body.inputs, known))
+    carry_vs = body.inputs[n_lead:n_lead + n_carry]
+    carry = [plan.specs[v] for v in carry_vs]
+    fixed = _fixed(body.inputs, known) | dict(zip(carry_vs, carry, strict=True))
+    plan = propagate(body, model, fixed, dict(enumerate(carry)))
+    return plan, carry
+
+
+def _stacked(spec: Spec) -> Spec:
+    return Spec(((),) + spec.dims)
+
+
+def _scan(op: Op, info: OpInfo, known, model: CostModel):
+    nc, ncar, length = op.params["num_consts"], op.params["num_carry"], op.params["length"]
+    body = op.regions[0]
+    per_iter = [k if (k is None or i < nc + ncar) else Spec(k.dims[1:])
+                for i, k in enumerate(known)]
+    plan, carry = _loop_body(body, per_iter, nc, ncar, model)
+    ins = [plan.specs[v] for v in body.inputs]
+    ins = ins[:nc + ncar] + [_stacked(s) for s in ins[nc + ncar:]]
+    ys = [_stacked(out_spec(body, plan, v)) for v in body.outputs[ncar:]]
+    cost = graph_cost(body, plan, model, dict(enumerate(carry))).scaled(length)
+    return _strategy(ins, carry + ys), (plan,), cost, length
+
+
+def _while(op: Op, info: OpInfo, known, model: CostModel):
+    cn, bn = op.params["cond_nconsts"], op.params["body_nconsts"]
+    cond, body = op.regions
+    carry_known = known[cn + bn:]
+    plan, carry = _loop_body(body, known[cn:cn + bn] + carry_known, bn, len(carry_known), model)
+    cond_plan = propagate(cond, model, _fixed(cond.inputs, known[:cn] + carry))
+    ins = [cond_plan.specs[v] for v in cond.inputs[:cn]] + \
+        [plan.specs[v] for v in body.inputs[:bn]] + carry
+    cost = graph_cost(body, plan, model, dict(enumerate(carry))) + \
+        graph_cost(cond, cond_plan, model)
+    return _strategy(ins, carry), (cond_plan, plan), cost, 1
+
+
+def _cond(op: Op, info: OpInfo, known, model: CostModel):
+    branches = op.regions
+    first = propagate(branches[0], model, _fixed(branches[0].inputs, known[1:]))
+    ins = [first.specs[v] for v in branches[0].inputs]
+    outs = [out_spec(branches[0], first, v) for v in branches[0].outputs]
+    plans = [first] + [propagate(b, model, _fixed(b.inputs, ins), dict(enumerate(outs)))
+                       for b in branches[1:]]
+    costs = [graph_cost(b, p, model, dict(enumerate(outs))) for b, p in zip(branches, plans,
+                                                                              strict=True)]
+    cost = max(costs, key=model.score) if costs else OpCost()
+    return _strategy([Spec.replicated(len(info.in_shapes[0]))] + ins, outs), tuple(plans), cost, 1
+
+
+def _strategy(ins: list[Spec], outs: list[Spec]) -> OpStrategy:
+    return OpStrategy(tuple(ins), tuple(outs), tuple(() for _ in outs), "region")
+
+
+_PLANNERS = {"scan": _scan, "while": _while, "cond": _cond}

@@ -1,0 +1,69 @@
+"""Plan vs compiled program: predicted and measured collectives, and output shardings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxpar.analysis import collective_stats
+
+
+@dataclass
+class Verification:
+    """Result of `Plan.verify`: per-kind figures and any output whose sharding differs."""
+
+    predicted: dict[str, dict[str, float]]
+    measured: dict[str, dict[str, int]]
+    sharding_mismatches: list[str] = field(default_factory=list)
+    rtol: float = 0.10
+
+    @property
+    def predicted_bytes(self) -> float:
+        return sum(v["bytes"] for v in self.predicted.values())
+
+    @property
+    def measured_bytes(self) -> float:
+        return sum(v["bytes"] for v in self.measured.values())
+
+    @property
+    def bytes_ok(self) -> bool:
+        p, m = self.predicted_bytes, self.measured_bytes
+        return abs(p - m) <= self.rtol * max(p, m) or max(p, m) == 0
+
+    @property
+    def ok(self) -> bool:
+        return self.bytes_ok and not self.sharding_mismatches
+
+    def __str__(self) -> str:
+        kinds = sorted(set(self.predicted) | set(self.measured))
+        lines = [f"{'collective':<20}{'predicted':>22}{'measured':>22}"]
+        for k in kinds:
+            p = self.predicted.get(k, {"count": 0, "bytes": 0})
+            m = self.measured.get(k, {"count": 0, "bytes": 0})
+            lines.append(f"{k:<20}{p['count']:>8g} x {p['bytes']:>10.0f}B"
+                         f"{m['count']:>8g} x {m['bytes']:>10.0f}B")
+        lines.append(f"{'total bytes':<20}{self.predicted_bytes:>22.0f}{self.measured_bytes:>22.0f}")
+        lines += [f"output sharding differs: {s}" for s in self.sharding_mismatches]
+        return "\n".join(lines)
+
+
+def verify_plan(plan, compiled, rtol: float = 0.10) -> Verification:
+    measured = collective_stats(compiled)
+    mismatches = []
+    try:
+        shardings = list(compiled.output_shardings)
+    except (AttributeError, TypeError):
+        shardings = []
+    import jax
+    for path, spec, sh in zip(plan.out_paths, plan.out_specs, jax.tree_util.tree_leaves(
+            shardings), strict=False):
+        got = getattr(sh, "spec", None)
+        if got is not None and _norm(got) != _norm(spec.to_pspec()):
+            mismatches.append(f"{path}: planned {spec.to_pspec()}, compiled {got}")
+    return Verification(plan.collectives, measured, mismatches, rtol)
+
+
+def _norm(pspec) -> tuple:
+    entries = [tuple(e) if isinstance(e, tuple) else ((e,) if e else ()) for e in pspec]
+    while entries and not entries[-1]:
+        entries.pop()
+    return tuple(entries)
