@@ -48,18 +48,32 @@ def _once(kind: str, axes: Axes, nbytes: float, mesh: MeshInfo, links: dict[str,
 
 
 def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collective]:
-    """Collectives that turn an array of `nbytes` laid out as `src` into `dst`.
+    """Collectives that turn an array of `nbytes` laid out as `src` into `dst`, as XLA's SPMD
+    partitioner emits them (checked against compiled HLO in tests/test_cost.py).
 
-    Order: slices first (free, they shrink the pieces), then partial sums are reduced (a
-    reduce-scatter where `dst` cuts the axis, else one all-reduce), then all-to-alls for axes that
-    move between dimensions, then one all-gather for the axes `dst` no longer uses.
+    When both specs cut every dimension into as many pieces, one collective-permute moves the
+    pieces. Otherwise, in order: slices first (free, they shrink the pieces; a permute when a new
+    axis lands outside an axis the dimension keeps); partial sums reduced (a reduce-scatter
+    where `dst` cuts the axis, else one all-reduce); axes moving between dimensions (an
+    all-to-all); then one
+    all-gather per dimension that loses axes, last dimension first, preceded by a
+    collective-permute when an outer axis leaves while an inner one of that dimension stays.
     """
     dst = dst.resolved()
     local = nbytes / src.shards(mesh)
+    tiles = [mesh.group_size(d) for d in src.dims] == [mesh.group_size(d) for d in dst.dims]
+    if tiles and not src.partial and src.dims != dst.dims:
+        # Same tiling, other devices: every piece exists somewhere, one permute moves them.
+        return [Collective("collective-permute", dst.axes(), local)]
     new = [a for d, axes in enumerate(dst.dims) for a in axes
            if a not in src.axes() and a not in src.dims[d]]
     local /= mesh.group_size(tuple(new))
     out: list[Collective] = []
+    outer = tuple(a for d, axes in enumerate(dst.dims) for i, a in enumerate(axes) if a in new
+                  and any(b in src.dims[d] for b in axes[i + 1:]))
+    if outer:
+        # A new axis outside one the dim keeps renumbers the pieces: they move once.
+        out.append(Collective("collective-permute", outer, local))
     scatter = tuple(a for a in src.partial if dst.dim_of(a) is not None)
     reduce = tuple(a for a in src.partial if a not in scatter)
     if scatter:
@@ -71,8 +85,13 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
                   if dst.dim_of(a) is not None and dst.dim_of(a) != d)
     if moved:
         out.append(Collective("all-to-all", moved, local))
-    gone = tuple(a for axes in src.dims for a in axes if dst.dim_of(a) is None)
-    if gone:
+    for axes in reversed(src.dims):
+        gone = tuple(a for a in axes if dst.dim_of(a) is None)
+        if not gone:
+            continue
+        kept_after = any(dst.dim_of(a) is not None for a in axes[axes.index(gone[0]) + 1:])
+        if kept_after:
+            out.append(Collective("collective-permute", gone, local))
         local *= mesh.group_size(gone)
         out.append(Collective("all-gather", gone, local))
     return out

@@ -7,6 +7,7 @@ size-1 operand dimension that the op broadcasts (`add f32[32,10] f32[1,10]`).
 from __future__ import annotations
 
 from jax import lax
+from jax._src import ad_util
 
 from jaxpar.rules.registry import RULES, Loop, OpInfo, loop_strategies
 from jaxpar.spec import MeshInfo, OpStrategy
@@ -42,6 +43,7 @@ def _register() -> None:
         prim = _primitive(name)
         if prim is not None:
             RULES[prim] = elementwise_rule
+    RULES[ad_util.add_jaxvals_p] = elementwise_rule  # `add_any`: AD's cotangent accumulation
 
 
 _register()

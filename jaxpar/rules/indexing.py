@@ -1,0 +1,121 @@
+"""Indexing ops: dynamic_slice, dynamic_update_slice, gather and the scatter family.
+
+An indexing op reads or writes *windows* of an operand at data-dependent positions. A dimension
+can be cut without communication only where every device's piece of the work touches its own
+piece of every array:
+
+- a *window* dimension that the window covers whole and that no index moves (a `dynamic_slice`
+  of a full dimension, the `d_model` dimension of an embedding lookup): a loop over the operand
+  and the gathered result / the scattered updates;
+- an *index batch* dimension (the token dimensions of `table[ids]`): a loop over the indices and
+  the result / updates, joined by the operand dimension it is paired with in
+  `operand_batching_dims` (the rows of `take_along_axis`).
+
+Dimensions an index moves (the vocabulary of an embedding table), windows narrower than their
+dimension and the index-vector dimension (always the last of `indices` in JAX) are not loops.
+Cutting a scatter's index batch dimension while the operand stays whole leaves each device with
+only some of the updates: summable for `scatter-add` / `scatter-sub` (a reducible loop), wrong
+for overwriting, multiplying or min/max scatters, which therefore never get that cut. The scalar
+start indices of the dynamic slices are rank 0 and stay replicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from jax import lax
+
+from jaxpar.rules.registry import RULES, Loop, OpInfo, loop_strategies
+from jaxpar.spec import MeshInfo, OpStrategy
+
+Shape = tuple[int, ...]
+
+
+def dynamic_slice_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
+    operand, starts = info.in_shapes[0], len(info.in_shapes) - 1
+    loops = [Loop(n, (d,) + (None,) * starts, (d,))
+             for d, (n, size) in enumerate(zip(operand, info.params["slice_sizes"], strict=True))
+             if size == n]
+    return loop_strategies(info, mesh, loops)
+
+
+def dynamic_update_slice_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
+    operand, update = info.in_shapes[:2]
+    starts = len(info.in_shapes) - 2
+    loops = [Loop(n, (d, d) + (None,) * starts, (d,))
+             for d, (n, u) in enumerate(zip(operand, update, strict=True)) if u == n]
+    return loop_strategies(info, mesh, loops)
+
+
+def _window_pairs(operand: Shape, window: Shape, window_dims: Sequence[int],
+                  skipped: Sequence[int], indexed: Sequence[int]) -> list[tuple[int, int]]:
+    """(operand dim, window dim) pairs where the window spans the operand dim at offset 0.
+
+    Window dims map in order onto the operand dims that are neither collapsed / inserted nor
+    batching (`skipped`); a dim in `indexed` has a data-dependent start, so it never qualifies.
+    """
+    kept = [d for d in range(len(operand)) if d not in skipped]
+    return [(d, w) for d, w in zip(kept, window_dims, strict=True)
+            if d not in indexed and window[w] == operand[d]]
+
+
+def _batch_triples(indices: Shape, other: Shape, window_dims: Sequence[int],
+                   index_batching: Sequence[int],
+                   operand_batching: Sequence[int]) -> list[tuple[int, int, int | None]]:
+    """(indices dim, result/updates dim, paired operand dim or None) per index batch dim.
+
+    The non-window dims of the result (gather) or updates (scatter) map in order onto the dims
+    of `indices` other than its last, index-vector dim.
+    """
+    batch = [d for d in range(len(other)) if d not in window_dims]
+    paired = dict(zip(index_batching, operand_batching, strict=True))
+    return [(i, o, paired.get(i)) for i, o in zip(range(len(indices) - 1), batch, strict=True)]
+
+
+def gather_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
+    dn = info.params["dimension_numbers"]
+    (operand, indices), (out,) = info.in_shapes, info.out_shapes
+    skipped = (*dn.collapsed_slice_dims, *dn.operand_batching_dims)
+    loops = [Loop(operand[d], (d, None), (w,))
+             for d, w in _window_pairs(operand, out, dn.offset_dims, skipped, dn.start_index_map)]
+    loops += [Loop(indices[i], (od, i), (o,))
+              for i, o, od in _batch_triples(indices, out, dn.offset_dims,
+                                             dn.start_indices_batching_dims,
+                                             dn.operand_batching_dims)]
+    return loop_strategies(info, mesh, loops)
+
+
+def _scatter_loops(info: OpInfo, summable: bool) -> list[Loop]:
+    """Loops of a scatter; unpaired index batch dims only when partial results add up."""
+    dn = info.params["dimension_numbers"]
+    operand, indices, updates = info.in_shapes
+    skipped = (*dn.inserted_window_dims, *dn.operand_batching_dims)
+    loops = [Loop(operand[d], (d, None, w), (d,))
+             for d, w in _window_pairs(operand, updates, dn.update_window_dims, skipped,
+                                       dn.scatter_dims_to_operand_dims)]
+    for i, u, od in _batch_triples(indices, updates, dn.update_window_dims,
+                                   dn.scatter_indices_batching_dims, dn.operand_batching_dims):
+        if od is not None:
+            loops.append(Loop(indices[i], (od, i, u), (od,)))
+        elif summable:
+            loops.append(Loop(indices[i], (None, i, u), (None,), reducible=True))
+    return loops
+
+
+def scatter_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
+    return loop_strategies(info, mesh, _scatter_loops(info, summable=False))
+
+
+def scatter_add_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
+    return loop_strategies(info, mesh, _scatter_loops(info, summable=True))
+
+
+RULES[lax.dynamic_slice_p] = dynamic_slice_rule
+RULES[lax.dynamic_update_slice_p] = dynamic_update_slice_rule
+RULES[lax.gather_p] = gather_rule
+RULES[lax.scatter_p] = scatter_rule
+RULES[lax.scatter_mul_p] = scatter_rule
+RULES[lax.scatter_min_p] = scatter_rule
+RULES[lax.scatter_max_p] = scatter_rule
+RULES[lax.scatter_add_p] = scatter_add_rule
+RULES[lax.scatter_sub_p] = scatter_add_rule
