@@ -67,7 +67,7 @@ def make_mesh(shape: int | Sequence[int], axis_names: Sequence[str] | None = Non
 
 
 def _mesh_shape(shape: int | Sequence[int]) -> tuple[int, ...]:
-    if isinstance(shape, bool) or not isinstance(shape, int | Sequence):
+    if isinstance(shape, bool | str) or not isinstance(shape, int | Sequence):
         raise TypeError(f"make_mesh shape={shape!r} must be a device count (int) or a tuple of "
                         "axis sizes, e.g. 8 or (4, 2).")
     if isinstance(shape, int):

@@ -1,0 +1,93 @@
+"""Tracing and the op graph: inlined calls, region ops, parameter paths."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxpar.ir import Lit, build_graph, trace
+
+
+def names(graph):
+    return [op.name for op in graph.ops]
+
+
+def test_nested_calls_are_inlined():
+    @jax.custom_jvp
+    def softplus(x):
+        return jnp.log1p(jnp.exp(x))
+
+    softplus.defjvp(lambda p, t: (softplus(p[0]), jax.nn.sigmoid(p[0]) * t[0]))
+
+    @jax.custom_vjp
+    def double(x):
+        return 2 * x
+
+    double.defvjp(lambda x: (2 * x, None), lambda _, g: (2 * g,))
+
+    def f(x):
+        y = jax.jit(lambda a: a + 1)(x)
+        y = jax.checkpoint(jnp.tanh)(y)
+        return softplus(y) + double(y)
+
+    traced = trace(f, (jnp.ones((4, 2)),))
+    top = [e.primitive.name for e in traced.closed_jaxpr.jaxpr.eqns]
+    assert {"jit", "remat2", "custom_jvp_call", "custom_vjp_call"} <= set(top)
+    graph = build_graph(traced.closed_jaxpr, traced.in_paths)
+    assert not {"jit", "remat2", "custom_jvp_call", "custom_vjp_call"} & set(names(graph))
+    assert {"add", "tanh", "exp", "log1p", "mul"} <= set(names(graph))
+    # def-use edges: every op input is a graph input, a constant, a literal or an earlier output
+    made = set(graph.inputs) | set(graph.consts)
+    for op in graph.ops:
+        assert all(isinstance(v, Lit) or v in made for v in op.inputs)
+        made |= set(op.outputs)
+
+
+def test_regions_keep_their_bodies_once():
+    def f(x, ws):
+        x = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, ws)[0]
+        x = jax.lax.cond(x.sum() > 0, jnp.sin, jnp.cos, x)
+        return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2), (0, x))[1]
+
+    graph = build_graph(trace(f, (jnp.ones((4, 8)), jnp.ones((16, 8, 8)))).closed_jaxpr)
+    regions = {op.name: op for op in graph.ops if op.regions}
+    assert set(regions) == {"scan", "cond", "while"}
+    scan_body = regions["scan"].regions[0]
+    assert [op.name for op in scan_body.ops] == ["dot_general", "tanh"]  # once, not 16 times
+    assert len(regions["cond"].regions) == 2 and len(regions["while"].regions) == 2
+    paths = [p for p, _ in graph.walk()]
+    assert any(len(p) == 3 for p in paths)  # (region op, region, op) paths reach the bodies
+
+
+def test_parameter_paths_name_pytree_leaves():
+    params = {"blocks": [{"wqkv": jnp.ones((4, 12))}, {"wqkv": jnp.ones((4, 12))}],
+              "head": jnp.ones((4, 2))}
+
+    def f(params, x):
+        return x @ params["blocks"][0]["wqkv"]
+
+    traced = trace(f, (params, jnp.ones((3, 4))))
+    assert traced.in_paths == ("params/blocks/0/wqkv", "params/blocks/1/wqkv", "params/head", "x")
+    graph = build_graph(traced.closed_jaxpr, traced.in_paths)
+    assert [graph.values[v].name for v in graph.inputs] == list(traced.in_paths)
+
+
+def test_flax_nnx_state_paths():
+    model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    _, state = nnx.split(model)
+
+    def f(state, x):
+        return x @ state["kernel"][...] + state["bias"][...]
+
+    traced = trace(f, (state, jnp.ones((2, 4))))
+    assert traced.in_paths == ("state/bias/value", "state/kernel/value", "x")
+
+
+def test_shape_dtype_structs_trace_without_data():
+    spec = jax.ShapeDtypeStruct((8, 4), jnp.bfloat16)
+    traced = trace(lambda x: x * 2, (spec,))
+    graph = build_graph(traced.closed_jaxpr)
+    assert graph.values[graph.inputs[0]].shape == (8, 4)
+    assert graph.values[graph.inputs[0]].dtype == np.dtype(jnp.bfloat16)
+    assert traced.fingerprint == trace(lambda x: x * 2, (spec,)).fingerprint
+    assert traced.fingerprint != trace(lambda x: x * 3, (spec,)).fingerprint
