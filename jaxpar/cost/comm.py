@@ -2,14 +2,17 @@
 
 Bytes follow `analysis.collective_stats`: per device, the larger of a collective's operand and
 result (all-gather: the gathered result; reduce-scatter: the full input). Ring costs for a group
-of n devices over a link of bandwidth bw and per-hop latency lat:
-  all-gather, reduce-scatter: (n-1)/n * b / bw + (n-1) lat;  all-reduce: twice that;
-  all-to-all: (n-1)/n * b / bw on a switch, n/4 * b / bw on a ring;  permute: b / bw + lat.
+of n devices over a link of bandwidth bw and per-hop latency lat, with h hops (n-1 on a ring,
+ceil(log2 n) on a switch, where NCCL-style trees and recursive doubling apply):
+  all-gather, reduce-scatter: (n-1)/n * b / bw + h lat;  all-reduce: twice that;
+  all-to-all: (n-1)/n * b / bw + h lat on a switch, n/4 * b / bw + h lat on a ring;
+  permute: b / bw + lat.
 A group spanning several axes runs at its slowest link.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from jaxpar.cost.hardware import Link
@@ -35,15 +38,16 @@ def _once(kind: str, axes: Axes, nbytes: float, mesh: MeshInfo, links: dict[str,
     if n <= 1:
         return 0.0
     bw = min(links[a].bandwidth for a in axes)
-    lat = max(links[a].latency for a in axes)
-    ring = (n - 1) / n * nbytes / bw + (n - 1) * lat
+    on_ring = any(links[a].topology == "ring" for a in axes)
+    # Latency: a ring pays one hop per peer; a switch runs trees/recursive doubling, log2(n).
+    lat = max(links[a].latency for a in axes) * ((n - 1) if on_ring else math.ceil(math.log2(n)))
+    ring = (n - 1) / n * nbytes / bw + lat
     if kind == "all-reduce":
         return 2 * ring
     if kind == "all-to-all":
-        on_ring = any(links[a].topology == "ring" for a in axes)
-        return max((n - 1) / n, n / 4 if on_ring else 0.0) * nbytes / bw + (n - 1) * lat
+        return max((n - 1) / n, n / 4 if on_ring else 0.0) * nbytes / bw + lat
     if kind == "collective-permute":
-        return nbytes / bw + lat
+        return nbytes / bw + max(links[a].latency for a in axes)
     return ring
 
 
