@@ -5,11 +5,7 @@ from jaxpar.api import ShardedFunction, shard
 from jaxpar.mesh import make_mesh
 from jaxpar.plan import Plan
 from jaxpar.spec import OpStrategy, Spec
-
-try:
-    from jaxpar.strategy import Layout
-except ImportError:  # pragma: no cover - strategy.py is always shipped
-    Layout = None
+from jaxpar.strategy import Layout
 
 __all__ = ["Layout", "OpStrategy", "Plan", "ShardedFunction", "Spec", "collective_stats",
            "make_mesh", "shard"]

@@ -136,7 +136,8 @@ class ShardedFunction:
 
     def __call__(self, *args):
         c = self._compiled(args)
-        flat = jax.tree_util.tree_leaves(args)
+        flat = [_placed(x, NamedSharding(self.mesh, s.to_pspec()))
+                for x, s in zip(jax.tree_util.tree_leaves(args), c.in_specs, strict=True)]
         out = c.jitted(*flat)
         return jax.tree_util.tree_unflatten(c.plan.out_tree, list(out))
 
@@ -215,6 +216,14 @@ class ShardedFunction:
             if leaf < count:
                 return i
         return -1
+
+
+def _placed(x, sharding: NamedSharding):
+    """x, moved onto `sharding` first when it is a jax.Array laid out otherwise (jit refuses
+    committed arguments whose sharding differs from in_shardings)."""
+    if isinstance(x, jax.Array) and not x.sharding.is_equivalent_to(sharding, x.ndim):
+        return jax.device_put(x, sharding)
+    return x
 
 
 def _merge(given: Spec | None, planned: Spec, path: str) -> Spec:

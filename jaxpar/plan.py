@@ -100,8 +100,10 @@ class Plan:
                           markup=False, highlight=False)
         console.print(self.table())
         c = self.cost
-        console.print(f"inputs:  {', '.join(f'{p}={s}' for p, s in zip(self.in_paths, self.in_specs))}")
-        console.print(f"outputs: {', '.join(f'{p}={s}' for p, s in zip(self.out_paths, self.out_specs))}")
+        for label, paths, specs in (("inputs: ", self.in_paths, self.in_specs),
+                                    ("outputs:", self.out_paths, self.out_specs)):
+            pairs = zip(paths, specs, strict=True)
+            console.print(f"{label} {', '.join(f'{p}={s}' for p, s in pairs)}")
         console.print(f"modeled per device: compute {_fmt_s(c.compute_s)}, communication "
                       f"{_fmt_s(c.comm_s)} ({_fmt_b(c.comm_bytes)}), peak memory "
                       f"{_fmt_b(c.peak_memory_bytes)}, total {_fmt_s(c.total_s)}")
@@ -157,7 +159,8 @@ class Plan:
 
     @staticmethod
     def from_json(d: dict) -> Plan:
-        return Plan(d["fingerprint"], MeshInfo(tuple(d["mesh"]["names"]), tuple(d["mesh"]["sizes"])),
+        mesh = MeshInfo(tuple(d["mesh"]["names"]), tuple(d["mesh"]["sizes"]))
+        return Plan(d["fingerprint"], mesh,
                     _graph_from_json(d["graph"]), [Spec.from_json(s) for s in d["in_specs"]],
                     [Spec.from_json(s) for s in d["out_specs"]], d["in_paths"], d["out_paths"],
                     PlanCost(**d["cost"]), d["collectives"], [Row(**r) for r in d["rows"]],

@@ -43,7 +43,7 @@ class MeshInfo:
         return tuple(sorted(axes, key=self.names.index))
 
     def describe(self) -> str:
-        return " x ".join(f"{n}{s}" for n, s in zip(self.names, self.sizes, strict=True))
+        return " x ".join(f"{n}={s}" for n, s in zip(self.names, self.sizes, strict=True))
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,8 @@ class Spec:
         return f"[{body}]{tail}"
 
     def to_json(self) -> list:
-        return [list(d) for d in self.dims] + ([{"partial": list(self.partial)}] if self.partial else [])
+        tail = [{"partial": list(self.partial)}] if self.partial else []
+        return [list(d) for d in self.dims] + tail
 
     @staticmethod
     def from_json(data: list) -> Spec:

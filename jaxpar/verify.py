@@ -41,7 +41,8 @@ class Verification:
             m = self.measured.get(k, {"count": 0, "bytes": 0})
             lines.append(f"{k:<20}{p['count']:>8g} x {p['bytes']:>10.0f}B"
                          f"{m['count']:>8g} x {m['bytes']:>10.0f}B")
-        lines.append(f"{'total bytes':<20}{self.predicted_bytes:>22.0f}{self.measured_bytes:>22.0f}")
+        total = f"{self.predicted_bytes:>22.0f}{self.measured_bytes:>22.0f}"
+        lines.append(f"{'total bytes':<20}{total}")
         lines += [f"output sharding differs: {s}" for s in self.sharding_mismatches]
         return "\n".join(lines)
 

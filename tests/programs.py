@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,9 @@ def attention():
 
     def fn(x, wqkv, wo):
         q, k, v = jnp.split(x @ wqkv, 3, axis=-1)
-        split = lambda t: t.reshape(b, s, h, d // h).transpose(0, 2, 1, 3)  # noqa: E731
+        def split(t):
+            return t.reshape(b, s, h, d // h).transpose(0, 2, 1, 3)
+
         q, k, v = split(q), split(k), split(v)
         att = jax.nn.softmax(q @ k.transpose(0, 1, 3, 2) / (d // h) ** 0.5, axis=-1)
         out = (att @ v).transpose(0, 2, 1, 3).reshape(b, s, d)
@@ -117,12 +121,12 @@ def mlp_train_step():
         return jnp.mean((h @ w + b - y) ** 2)
 
     def step(params, x, y):
-        l, grads = jax.value_and_grad(loss)(params, x, y)
-        return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), l
+        value, grads = jax.value_and_grad(loss)(params, x, y)
+        return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), value
 
     dims = [32, 64, 64, 8]
     params = [(_arr(rng, a, c, scale=a ** -0.5), _arr(rng, c, scale=0.1))
-              for a, c in zip(dims[:-1], dims[1:])]
+              for a, c in itertools.pairwise(dims)]
     return step, (params, _arr(rng, 64, 32), _arr(rng, 64, 8)), (None, (8, 1), (8, 1))
 
 

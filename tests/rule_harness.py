@@ -89,12 +89,12 @@ def _check_one(op, s, operands, expected, mesh, grad, rtol, atol):
 
     def run(*a):
         outs = _bind(op, *a)
-        return [jax.lax.with_sharding_constraint(o, sh) for o, sh in zip(outs, out_sh)]
+        return [jax.lax.with_sharding_constraint(o, sh) for o, sh in zip(outs, out_sh, strict=True)]
 
-    placed = [jax.device_put(x, sh) for x, sh in zip(operands, in_sh)]
+    placed = [jax.device_put(x, sh) for x, sh in zip(operands, in_sh, strict=True)]
     compiled = jax.jit(run, in_shardings=in_sh, out_shardings=list(out_sh)).lower(*placed).compile()
     got = compiled(*placed)
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         np.testing.assert_allclose(np.asarray(g), e, rtol=rtol, atol=atol,
                                    err_msg=f"{op.name} strategy {s.label()}")
     stats = collective_stats(compiled)
@@ -115,6 +115,6 @@ def _check_grad(run, operands, placed, in_sh, s, op):
 
     want = jax.jit(jax.grad(loss, argnums=diff))(*operands)
     got = jax.jit(jax.grad(loss, argnums=diff), in_shardings=in_sh)(*placed)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4,
                                    err_msg=f"grad of {op.name} strategy {s.label()}")

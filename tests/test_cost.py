@@ -65,6 +65,8 @@ CASES = [
     (S(("d0", "d1"), None), S("d1", None), {"collective-permute": 256, "all-gather": 512}),
     (S("d2", "d1"), S(("d0", "d2"), "d1"), {"collective-permute": 128}),
     (S("d2", "d0"), S("d0", "d1"), {"collective-permute": 256}),
+    (S(None, ("d0", "d1", "d2")), S(("d0", "d1"), "d2"),
+     {"all-to-all": 128, "collective-permute": 128}),  # d2 stays in dim 1, renumbered
     (S(None, None, partial=("d0",)), S(None, None), {"all-reduce": 1024}),
 ]
 

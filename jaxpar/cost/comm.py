@@ -40,7 +40,8 @@ def _once(kind: str, axes: Axes, nbytes: float, mesh: MeshInfo, links: dict[str,
     bw = min(links[a].bandwidth for a in axes)
     on_ring = any(links[a].topology == "ring" for a in axes)
     # Latency: a ring pays one hop per peer; a switch runs trees/recursive doubling, log2(n).
-    lat = max(links[a].latency for a in axes) * ((n - 1) if on_ring else math.ceil(math.log2(n)))
+    hops = (n - 1) if on_ring else math.ceil(math.log2(n))
+    lat = max(links[a].latency for a in axes) * hops
     ring = (n - 1) / n * nbytes / bw + lat
     if kind == "all-reduce":
         return 2 * ring
@@ -56,12 +57,11 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
     partitioner emits them (checked against compiled HLO in tests/test_cost.py).
 
     When both specs cut every dimension into as many pieces, one collective-permute moves the
-    pieces. Otherwise, in order: slices first (free, they shrink the pieces; a permute when a new
-    axis lands outside an axis the dimension keeps); partial sums reduced (a reduce-scatter
-    where `dst` cuts the axis, else one all-reduce); axes moving between dimensions (an
-    all-to-all); then one
-    all-gather per dimension that loses axes, last dimension first, preceded by a
-    collective-permute when an outer axis leaves while an inner one of that dimension stays.
+    pieces. Otherwise, in order: slices first (free, they shrink the pieces); partial sums
+    reduced (a reduce-scatter where `dst` cuts the axis, else one all-reduce); axes moving
+    between dimensions (an all-to-all); one collective-permute when a dimension keeps an axis
+    but the axes outside it change (the pieces are renumbered); then one all-gather per
+    dimension that loses axes, last dimension first.
     """
     dst = dst.resolved()
     local = nbytes / src.shards(mesh)
@@ -73,11 +73,6 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
            if a not in src.axes() and a not in src.dims[d]]
     local /= mesh.group_size(tuple(new))
     out: list[Collective] = []
-    outer = tuple(a for d, axes in enumerate(dst.dims) for i, a in enumerate(axes) if a in new
-                  and any(b in src.dims[d] for b in axes[i + 1:]))
-    if outer:
-        # A new axis outside one the dim keeps renumbers the pieces: they move once.
-        out.append(Collective("collective-permute", outer, local))
     scatter = tuple(a for a in src.partial if dst.dim_of(a) is not None)
     reduce = tuple(a for a in src.partial if a not in scatter)
     if scatter:
@@ -89,13 +84,24 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
                   if dst.dim_of(a) is not None and dst.dim_of(a) != d)
     if moved:
         out.append(Collective("all-to-all", moved, local))
+    renumbered = _renumbered(src, dst)
+    if renumbered:
+        out.append(Collective("collective-permute", renumbered, local))
     for axes in reversed(src.dims):
         gone = tuple(a for a in axes if dst.dim_of(a) is None)
         if not gone:
             continue
-        kept_after = any(dst.dim_of(a) is not None for a in axes[axes.index(gone[0]) + 1:])
-        if kept_after:
-            out.append(Collective("collective-permute", gone, local))
         local *= mesh.group_size(gone)
         out.append(Collective("all-gather", gone, local))
     return out
+
+
+def _renumbered(src: Spec, dst: Spec) -> Axes:
+    """Axes a dimension keeps while the axes outside them in that dimension change: the piece
+    each device holds along that axis is then another one, and the pieces must move."""
+    out = []
+    for s_axes, d_axes in zip(src.dims, dst.dims, strict=True):
+        for a in s_axes:
+            if a in d_axes and s_axes[:s_axes.index(a)] != d_axes[:d_axes.index(a)]:
+                out.append(a)
+    return tuple(out)

@@ -126,7 +126,7 @@ def _source(eqn) -> str:
     try:
         from jax._src import source_info_util
         return source_info_util.summarize(eqn.source_info)
-    except Exception:  # source info is cosmetic; never fail planning over it
+    except (ImportError, AttributeError, TypeError):  # cosmetic: never fail planning over it
         return ""
 
 

@@ -17,10 +17,11 @@ def dot_general_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
     lhs, rhs = info.in_shapes[:2]
     lfree = [d for d in range(len(lhs)) if d not in lc and d not in lb]
     rfree = [d for d in range(len(rhs)) if d not in rc and d not in rb]
-    loops = [Loop(lhs[l], (l, r), (i,)) for i, (l, r) in enumerate(zip(lb, rb, strict=True))]
-    loops += [Loop(lhs[l], (l, None), (len(lb) + i,)) for i, l in enumerate(lfree)]
-    loops += [Loop(rhs[r], (None, r), (len(lb) + len(lfree) + i,)) for i, r in enumerate(rfree)]
-    loops += [Loop(lhs[l], (l, r), (None,), reducible=True) for l, r in zip(lc, rc, strict=True)]
+    pairs = enumerate(zip(lb, rb, strict=True))
+    loops = [Loop(lhs[a], (a, b), (i,)) for i, (a, b) in pairs]
+    loops += [Loop(lhs[a], (a, None), (len(lb) + i,)) for i, a in enumerate(lfree)]
+    loops += [Loop(rhs[b], (None, b), (len(lb) + len(lfree) + i,)) for i, b in enumerate(rfree)]
+    loops += [Loop(lhs[a], (a, b), (None,), reducible=True) for a, b in zip(lc, rc, strict=True)]
     return loop_strategies(info, mesh, loops)
 
 

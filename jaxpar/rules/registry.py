@@ -87,7 +87,8 @@ def _assemble(info: OpInfo, loops: Sequence[Loop], cut: list[Axes]) -> OpStrateg
                     dims[k][d] = dims[k][d] + axes
         return tuple(Spec(tuple(d)) for d in dims)
 
-    partial = tuple(a for loop, axes in zip(loops, cut, strict=True) if loop.reducible for a in axes)
+    partial = tuple(a for loop, axes in zip(loops, cut, strict=True) if loop.reducible
+                    for a in axes)
     return OpStrategy(specs(info.in_shapes, "ins"), specs(info.out_shapes, "outs"),
                       tuple(partial for _ in info.out_shapes))
 

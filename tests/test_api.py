@@ -1,0 +1,185 @@
+"""jaxpar.shard end to end: the reference examples, plans, save/load, and malformed input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxpar
+from jaxpar.demo import dense_relu, three_blocks
+
+RNG = np.random.default_rng(0)
+X = jnp.asarray(RNG.uniform(0, 1, (32, 128)), jnp.float32)
+W = jnp.asarray(RNG.uniform(0, 1, (128, 10)), jnp.float32)
+B = jnp.asarray(RNG.uniform(0, 1, (10,)), jnp.float32)
+
+
+def blocks_params(d=32):
+    def dense():
+        return {"weight": jnp.asarray(RNG.standard_normal((d, d)) / d ** 0.5, jnp.float32),
+                "bias": jnp.asarray(RNG.standard_normal(d) * 0.1, jnp.float32)}
+    return {b: {"dense1": dense(), "dense2": dense()} for b in ("block1", "block2", "block3")}
+
+
+def test_reference_dense_relu():
+    f = jaxpar.shard(dense_relu, in_strategy=((4, 2), None, None))
+    y = f(X, W, B)
+    np.testing.assert_allclose(y, jax.jit(dense_relu)(X, W, B), rtol=1e-5, atol=1e-5)
+    assert isinstance(y.sharding, NamedSharding)
+    plan = f.plan(X, W, B)
+    assert plan.in_specs[0].to_pspec() == P(("d0", "d1"), "d2")
+    assert plan.in_specs_tree[0] == P(("d0", "d1"), "d2")
+    assert y.sharding.spec == plan.out_specs[0].to_pspec()
+
+
+def test_reference_three_blocks_with_parameter_plan():
+    params, x = blocks_params(), jnp.asarray(RNG.standard_normal((64, 32)), jnp.float32)
+    f = jaxpar.shard(three_blocks, in_strategy=(None, (8, 1)),
+                     parameter_plan={"block1/dense2/weight": (8, 1)})
+    np.testing.assert_allclose(f(params, x), jax.jit(three_blocks)(params, x),
+                               rtol=1e-5, atol=1e-5)
+    plan = f.plan(params, x)
+    spec = dict(zip(plan.in_paths, plan.in_specs, strict=True))["params/block1/dense2/weight"]
+    assert spec.to_pspec() == P(("d0", "d1", "d2"))
+
+
+def test_plan_from_shape_dtype_structs_matches_plan_from_arrays():
+    f = jaxpar.shard(dense_relu, in_strategy=((4, 2), None, None))
+    abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (X, W, B)]
+    p1, p2 = f.plan(*abstract), f.plan(X, W, B)
+    assert p1.fingerprint == p2.fingerprint and p1.in_specs == p2.in_specs
+
+
+def test_explain_shows_every_op_and_totals():
+    f = jaxpar.shard(dense_relu, in_strategy=((4, 2), None, None))
+    text = f.plan(X, W, B).explain()
+    for word in ("dot_general", "add", "max", "runner-up", "modeled per device",
+                 "predicted collectives", "[d0+d1, d2]"):
+        assert word in text
+    cost = f.plan(X, W, B).cost
+    assert cost.total_s == pytest.approx(cost.compute_s + cost.comm_s)
+    assert cost.peak_memory_bytes > 0
+
+
+def test_primitive_without_rule_is_replicated_and_marked():
+    def fn(x):
+        return jax.lax.cumlogsumexp(x, axis=0) if False else jnp.linalg.cholesky(x @ x.T + 8.0)
+
+    x = jnp.asarray(RNG.standard_normal((8, 8)), jnp.float32)
+    f = jaxpar.shard(fn, in_strategy=((8, 1),))
+    np.testing.assert_allclose(f(x), jax.jit(fn)(x), rtol=1e-4, atol=1e-4)
+    assert "no rule: replicated" in f.plan(x).explain()
+
+
+def test_save_load_round_trip_and_refusals(tmp_path):
+    f = jaxpar.shard(dense_relu, in_strategy=((4, 2), None, None))
+    plan = f.plan(X, W, B)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = jaxpar.Plan.load(path)
+    assert loaded.in_specs == plan.in_specs and loaded.out_specs == plan.out_specs
+    assert loaded.explain() == plan.explain()
+    g = jaxpar.shard(dense_relu).with_plan(loaded)
+    np.testing.assert_allclose(g(X, W, B), f(X, W, B), rtol=1e-6)
+    assert g.lower(X, W, B).as_text() == f.lower(X, W, B).as_text()
+    other = jaxpar.shard(lambda x, w, b: dense_relu(x, w, b) * 2).with_plan(loaded)
+    with pytest.raises(ValueError, match="another program"):
+        other(X, W, B)
+    small = jaxpar.shard(dense_relu, mesh=jaxpar.make_mesh((2, 2))).with_plan(loaded)
+    with pytest.raises(ValueError, match="made for mesh"):
+        small(X, W, B)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read"):
+        jaxpar.Plan.load(tmp_path / "bad.json")
+    (tmp_path / "other.json").write_text('{"format": "something"}')
+    with pytest.raises(ValueError, match="not a jaxpar plan"):
+        jaxpar.Plan.load(tmp_path / "other.json")
+
+
+def test_out_strategy_places_outputs():
+    f = jaxpar.shard(dense_relu, in_strategy=((8, 1), None, None), out_strategy=((1, 2),))
+    y = f(X, W, B)
+    assert y.sharding.spec == P(None, "d0")
+    np.testing.assert_allclose(y, jax.jit(dense_relu)(X, W, B), rtol=1e-5, atol=1e-5)
+
+
+def test_verify_reports_predicted_and_measured():
+    f = jaxpar.shard(dense_relu, in_strategy=((4, 2), None, None))
+    v = f.plan(X, W, B).verify(f.lower(X, W, B).compile())
+    assert v.ok, str(v)
+    assert v.measured_bytes > 0 and "total bytes" in str(v)
+
+
+def test_donation_and_cache():
+    f = jaxpar.shard(lambda x: x * 2, in_strategy=((8, 1),), donate_argnums=0)
+    spec = f.plan(jnp.ones((16, 4))).in_specs[0].to_pspec()
+    x = jax.device_put(jnp.ones((16, 4)), NamedSharding(f.mesh, spec))  # already placed
+    f(x)
+    assert x.is_deleted()  # its buffer was reused
+    f(jnp.ones((16, 4)))
+    assert len(f._cache) == 1
+    f(jnp.ones((32, 4)))
+    assert len(f._cache) == 2  # a new shape plans again
+
+
+BAD_CALLS = [
+    # (shard kwargs, call args, exception, regex the message must match)
+    ({"in_strategy": ((4, 2), None)}, (X, W, B), ValueError, r"in_strategy.*3"),
+    ({"in_strategy": ((4, 2, 1), None, None)}, (X, W, B), ValueError, r"in_strategy\[0\]"),
+    ({"in_strategy": ((3, 1), None, None)}, (X, W, B), ValueError, r"in_strategy\[0\]"),
+    ({"in_strategy": ((0, 1), None, None)}, (X, W, B), ValueError, r"in_strategy\[0\]"),
+    ({"in_strategy": ((4.0, 2), None, None)}, (X, W, B), TypeError, r"in_strategy\[0\]"),
+    ({"in_strategy": ((16, 1), None, None)}, (X, W, B), ValueError, r"in_strategy\[0\]"),
+    ({"in_strategy": (None, None, (4,))}, (X, W, B), ValueError, r"in_strategy\[2\].*10"),
+    ({"in_strategy": (P("tp"), None, None)}, (X, W, B), ValueError, r"in_strategy\[0\].*tp"),
+    ({"in_strategy": "dp"}, (X, W, B), TypeError, r"in_strategy"),
+    ({"out_strategy": ((3, 1),)}, (X, W, B), ValueError, r"out_strategy\[0\]"),
+    ({"parameter_plan": {"wieght": (2, 1)}}, (X, W, B), ValueError, r"wieght.*weight"),
+    ({"parameter_plan": {"weight": (2, 1, 1)}}, (X, W, B), ValueError, r"parameter_plan"),
+]
+
+
+@pytest.mark.parametrize("kwargs,args,exc,match", BAD_CALLS,
+                         ids=[str(i) for i in range(len(BAD_CALLS))])
+def test_malformed_calls_fail_before_tracing(kwargs, args, exc, match):
+    traced = []
+
+    def fn(x, weight, bias):
+        traced.append(1)
+        return dense_relu(x, weight, bias)
+
+    with pytest.raises(exc, match=match):
+        jaxpar.shard(fn, **kwargs)(*args)
+    if "out_strategy" not in kwargs:
+        assert not traced, "validation must come before tracing"
+
+
+BAD_OPTIONS = [
+    ({"level": 3}, ValueError, r"level=3.*0.*1.*2"),
+    ({"level": True}, ValueError, r"level=True"),
+    ({"search_mode": "magic"}, ValueError, r"search_mode='magic'"),
+    ({"device": "Ascend"}, ValueError, r"device='Ascend'"),
+    ({"mesh": "8"}, TypeError, r"mesh='8'.*Mesh"),
+    ({"hardware": "h900"}, ValueError, r"hardware='h900'.*h100-nvlink"),
+    ({"memory_budget": -1}, ValueError, r"memory_budget=-1"),
+    ({"mem_coeff": -0.5}, ValueError, r"mem_coeff=-0.5"),
+    ({"parameter_plan": [("w", (1, 8))]}, TypeError, r"parameter_plan.*dict"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,match", BAD_OPTIONS, ids=[str(k) for k, _, _ in BAD_OPTIONS])
+def test_malformed_options(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        jaxpar.shard(dense_relu, **kwargs)
+
+
+def test_not_callable():
+    with pytest.raises(TypeError, match="callable"):
+        jaxpar.shard("dense_relu")
+
+
+def test_memory_budget_too_small_is_a_clear_error():
+    with pytest.raises(ValueError, match="memory_budget=100 bytes"):
+        jaxpar.shard(dense_relu, memory_budget=100).plan(X, W, B)
