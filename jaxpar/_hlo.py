@@ -10,6 +10,7 @@ semantics live here: what counts as a collective and how many bytes it moves is 
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass, field
@@ -48,8 +49,8 @@ def shape_bytes(text: str) -> int:
         bits = _DTYPE_BITS.get(dtype)
         if bits is None:
             continue
-        n = math.prod(int(d.removeprefix("<=")) for d in dims.split(",") if d.strip("<= ")
-                      and d.strip("<= ").isdigit())
+        sizes = [d.removeprefix("<=") for d in dims.split(",")]  # `<=8`: a bounded dynamic dim
+        n = math.prod(int(d) for d in sizes if d.isdigit())
         packed = _PACKED.search(layout)
         total += -(-n * int(packed.group(1)) // 8) if packed else n * max(bits // 8, 1)
     return total
@@ -150,10 +151,11 @@ def parse_instr(line: str) -> Instr | None:
 
 def _take_type(text: str) -> tuple[str, str]:
     if text.startswith("("):
-        return _take_group(text)
-    head, _, tail = text.partition(" ")
+        inner, rest = _take_group(text)
+        return f"({inner})", rest
     if _OPCODE.match(text):  # no type printed: `ROOT t = tuple(a, b)`
         return "", text
+    head, _, tail = text.partition(" ")
     return head, tail
 
 
@@ -180,7 +182,8 @@ def parse_module(text: str) -> Module:
     """Computations of an HLO module's text. The entry is the `ENTRY` one (else the last)."""
     comps: dict[str, list[Instr]] = {}
     entry, current, pending = None, None, ""
-    num = {k: int(v) for k, v in _MODULE_INT.findall(text.split("\n", 1)[0])}
+    first = re.search(r"^\s*HloModule.*$", text, re.MULTILINE)
+    num = {k: int(v) for k, v in _MODULE_INT.findall(first.group() if first else "")}
     for raw in text.splitlines():
         line = raw.strip()
         header = _HEADER.match(line) if "=" not in line.split("(")[0] else None
@@ -268,6 +271,8 @@ def _mesh_groups(text: str) -> list[list[int]] | None:
         return None
     refs = [_axis_ref(r) for r in split_top(m.group(3)) if r]
     names = [n for n, _ in axes]
+    if None in refs or any(r[0] not in names for r in refs):
+        return None
     return _group_devices(devices.reshape(sizes), names, refs)
 
 
@@ -282,10 +287,11 @@ def _device_ids(text: str | None, n: int) -> np.ndarray | None:
     return np.array(ids) if len(ids) == n else None
 
 
-def _axis_ref(text: str) -> tuple[str, int, int | None]:
+def _axis_ref(text: str) -> tuple[str, int, int | None] | None:
     """`'b'` or `'b':(2)2` -> (name, pre_size, size); size None for the whole axis."""
     m = re.match(r"""['"]?([^'":]+)['"]?(?::\((\d+)\)(\d+))?$""", text.strip())
-    assert m, f"unreadable mesh axis reference {text!r}"
+    if not m:
+        return None
     return m.group(1), int(m.group(2) or 1), int(m.group(3)) if m.group(3) else None
 
 
@@ -297,11 +303,11 @@ def _group_devices(mesh: np.ndarray, names: list[str],
     # MeshAxesReplicaGroupList::flattened_replica_groups).
     factors: list[int] = []
     covers: dict[tuple[str, int | None], list[int]] = {}
-    for name, size in zip(names, mesh.shape):
+    for name, size in zip(names, mesh.shape, strict=True):
         cuts = sorted({1, size} | {c for n, pre, sub in refs if n == name and sub
                                    for c in (pre, pre * sub)})
         first = len(factors)
-        for lo, hi in zip(cuts, cuts[1:]):
+        for lo, hi in itertools.pairwise(cuts):
             covers[(name, lo)] = [len(factors)]
             factors.append(hi // lo)
         covers[(name, None)] = list(range(first, len(factors)))
@@ -313,7 +319,8 @@ def _group_devices(mesh: np.ndarray, names: list[str],
 
 def source_target_pairs(attrs: str) -> list[tuple[int, int]]:
     """The (source, target) pairs of a collective-permute."""
-    m = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
+    m = re.search(r"source_target_pairs=(\{.*)", attrs)
     if not m:
         return []
-    return [(int(a), int(b)) for a, b in re.findall(r"\{?(\d+),(\d+)\}?", m.group(1) + "}")]
+    inner, _ = _take_group(m.group(1))
+    return [(int(a), int(b)) for a, b in re.findall(r"(\d+)\s*,\s*(\d+)", inner)]

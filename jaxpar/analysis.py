@@ -30,8 +30,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxpar._hlo import (Instr, Module, parse_module, replica_groups, shape_bytes,
-                         source_target_pairs, tuple_elements)
+from jaxpar._hlo import (
+    Instr,
+    Module,
+    parse_module,
+    replica_groups,
+    shape_bytes,
+    source_target_pairs,
+    tuple_elements,
+)
 
 __all__ = ["KINDS", "collective_stats", "flops", "memory_stats", "shape_bytes"]
 

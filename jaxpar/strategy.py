@@ -54,7 +54,8 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.spec import Axes, MeshInfo, Spec
 
 Shape = tuple[int, ...]
-_HINT_FORMS = ("give a tuple with one positive int per dimension such as {ex}, a PartitionSpec, "
+MeshLike = Mesh | AbstractMesh  # an AbstractMesh plans for meshes larger than the machine
+_HINT_FORMS = ("give a tuple with one positive int per dimension (e.g. {ex}), a PartitionSpec, "
                "a Layout(...)(...) mapping, or None to let jaxpar decide")
 
 
@@ -124,7 +125,7 @@ class Layout:
 # Public entry points
 
 
-def parse_in_strategy(in_strategy, args: tuple, mesh: Mesh | AbstractMesh) -> list[Spec | None]:
+def parse_in_strategy(in_strategy, args: tuple, mesh: MeshLike) -> list[Spec | None]:
     """One `Spec | None` per flattened leaf of `args` (jax.tree_util order).
 
     Args:
@@ -142,7 +143,7 @@ def parse_in_strategy(in_strategy, args: tuple, mesh: Mesh | AbstractMesh) -> li
     return _parse_entries(in_strategy, tuple(args), "in_strategy", "positional argument", mesh)
 
 
-def parse_out_strategy(out_strategy, out_shapes_tree, mesh: Mesh | AbstractMesh) -> list[Spec | None]:
+def parse_out_strategy(out_strategy, out_shapes_tree, mesh: MeshLike) -> list[Spec | None]:
     """One `Spec | None` per flattened leaf of the function's output.
 
     Args:
@@ -163,7 +164,7 @@ def parse_out_strategy(out_strategy, out_shapes_tree, mesh: Mesh | AbstractMesh)
 
 
 def parse_parameter_plan(parameter_plan, paths: Sequence[str], shapes: Sequence[tuple],
-                         mesh: Mesh | AbstractMesh) -> dict[int, Spec]:
+                         mesh: MeshLike) -> dict[int, Spec]:
     """Strategies for named leaves: `{path or suffix or glob: strategy}` -> `{leaf index: Spec}`.
 
     A key matches a leaf whose path equals it or ends with "/" + key (an exact match wins). A
@@ -210,7 +211,8 @@ def parse_parameter_plan(parameter_plan, paths: Sequence[str], shapes: Sequence[
 # Entries and pytree prefixes
 
 
-def _parse_entries(strategy, items: tuple, name: str, what: str, mesh: Mesh | AbstractMesh) -> list[Spec | None]:
+def _parse_entries(strategy, items: tuple, name: str, what: str,
+                   mesh: MeshLike) -> list[Spec | None]:
     n_leaves, info = len(jax.tree_util.tree_leaves(items)), MeshInfo.of(mesh)
     if strategy is None:
         return [None] * n_leaves
@@ -220,7 +222,8 @@ def _parse_entries(strategy, items: tuple, name: str, what: str, mesh: Mesh | Ab
                         f"{what} ({len(items)}: shapes {shapes}) on mesh {info.describe()}, "
                         f"e.g. {example}.")
     if len(strategy) != len(items):
-        raise ValueError(f"{name}={strategy!r} has {len(strategy)} entr{'y' if len(strategy) == 1 else 'ies'} but there "
+        entries = "1 entry" if len(strategy) == 1 else f"{len(strategy)} entries"
+        raise ValueError(f"{name}={strategy!r} has {entries} but there "
                          f"{'is' if len(items) == 1 else 'are'} {len(items)} {what}(s) "
                          f"(shapes {shapes}) on mesh {info.describe()}; give one entry per "
                          f"{what}, None to let jaxpar decide, e.g. {example}"
@@ -324,8 +327,9 @@ def _leaf_spec(entry, shape: Shape, path: str, mesh: MeshInfo) -> Spec | None:
         return _layout_spec(entry, shape, path, mesh)
     if isinstance(entry, tuple | list):
         return _counts_spec(tuple(entry), shape, path, mesh)
-    raise _bad(path, entry, shape, mesh, f"{type(entry).__name__} {entry!r} is not a strategy",
-               _HINT_FORMS.format(ex=_example(shape, mesh)), TypeError)
+    note = " (a tuple facing a tuple or list gives one entry per item)" if _is_int(entry) else ""
+    raise _bad(path, entry, shape, mesh, f"{type(entry).__name__} {entry!r} is not a strategy"
+               + note, _HINT_FORMS.format(ex=_example(shape, mesh)), TypeError)
 
 
 def _bad(path: str, value, shape: Shape, mesh: MeshInfo, problem: str, hint: str,
@@ -340,7 +344,7 @@ def _counts_spec(counts: tuple, shape: Shape, path: str, mesh: MeshInfo) -> Spec
 
     _check_count_types(counts, bad, _example(shape, mesh))
     if len(counts) != len(shape):
-        raise bad(f"{len(counts)} counts for an array of rank {len(shape)}",
+        raise bad(f"an array of rank {len(shape)} needs {len(shape)} counts, got {len(counts)}",
                   f"give one count per dimension, e.g. {_example(shape, mesh)}")
     for i, (c, n) in enumerate(zip(counts, shape, strict=True)):
         if n % c:
@@ -458,7 +462,7 @@ def _pspec_spec(pspec: P, shape: Shape, path: str, mesh: MeshInfo) -> Spec:
 
     entries = tuple(pspec)
     if len(entries) > len(shape):
-        raise bad(f"{len(entries)} entries for an array of rank {len(shape)}",
+        raise bad(f"{len(entries)} entries are more than the array's rank {len(shape)}",
                   f"give at most {len(shape)} (missing trailing entries are None), e.g. "
                   f"{_pspec_example(shape, mesh)}")
     dims = tuple(_pspec_axes(e, i, bad, mesh) for i, e in enumerate(entries))
@@ -478,7 +482,7 @@ def _pspec_axes(entry, dim: int, bad, mesh: MeshInfo) -> Axes:
                   f"axis name or a tuple of them; the mesh axes are {mesh.names}", TypeError)
     for a in axes:
         if a not in mesh.names:
-            close = difflib.get_close_matches(a, mesh.names, n=1)
+            close = difflib.get_close_matches(a, mesh.names, n=1, cutoff=0.5)
             guess = f"did you mean {close[0]!r}? " if close else ""
             raise bad(f"axis {a!r} is not in the mesh",
                       f"{guess}the mesh axes are {', '.join(mesh.names)}")
@@ -518,8 +522,8 @@ def _layout_spec(layout: Layout, shape: Shape, path: str, mesh: MeshInfo) -> Spe
                   f"call it with one alias per dimension, e.g. layout({layout.alias_names[0]!r}"
                   + ", 'None'" * max(len(shape) - 1, 0) + ")", TypeError)
     if len(layout.tensor_map) != len(shape):
-        raise bad(f"{len(layout.tensor_map)} tensor_map entries for an array of rank "
-                  f"{len(shape)}", "give one alias (or 'None') per dimension")
+        raise bad(f"an array of rank {len(shape)} needs {len(shape)} tensor_map entries, got "
+                  f"{len(layout.tensor_map)}", "give one alias (or 'None') per dimension")
     used = [a for d in layout.tensor_map for a in d]
     for alias in used:
         if alias not in layout.alias_names:
