@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     import jaxpar
 
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)  # logs and pipes: wide enough for the plan table
     rng = np.random.default_rng(0)
     mesh = jaxpar.make_mesh(8)
     console.print(f"jaxpar demo on {mesh.devices.size} {mesh.devices.flat[0].platform} devices, "
