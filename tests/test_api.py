@@ -73,6 +73,22 @@ def test_primitive_without_rule_is_replicated_and_marked():
     assert "no rule: replicated" in f.plan(x).explain()
 
 
+def test_user_sharding_constraint_is_kept():
+    mesh = jaxpar.make_mesh(8)
+
+    def fn(x, w):
+        h = jax.lax.with_sharding_constraint(x @ w, NamedSharding(mesh, P(None, "d1")))
+        return jnp.tanh(h)
+
+    f = jaxpar.shard(fn, in_strategy=((8, 1), None), mesh=mesh)
+    np.testing.assert_allclose(f(X, W[:, :8]), jax.jit(fn)(X, W[:, :8]), rtol=1e-5, atol=1e-5)
+    rows = {r.op: r for r in f.plan(X, W[:, :8]).rows}
+    assert rows["sharding_constraint"].chosen == "user constraint"
+    choice = next(c for c in f.plan(X, W[:, :8]).graph_plan.choices.values()
+                  if c.strategy.name == "user constraint")
+    assert choice.strategy.outs[0].to_pspec() == P(None, "d1")
+
+
 def test_save_load_round_trip_and_refusals(tmp_path):
     f = jaxpar.shard(dense_relu, in_strategy=((4, 2), None, None))
     plan = f.plan(X, W, B)
