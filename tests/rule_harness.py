@@ -55,8 +55,10 @@ def check_rule(fn, args, name: str, *, mesh=None, grad: bool = False, rtol: floa
     expected = [np.asarray(o) for o in jax.jit(lambda *a: _bind(op, *a))(*operands)]
     checked = strategies if limit is None else _spread(strategies, limit)
     with_grad = {id(s) for s in _spread(checked, grad_limit)} if grad else set()
+    want = _unsharded_grad(op, operands) if grad else None
     for s in checked:
-        _check_one(op, s, operands, expected, mesh, id(s) in with_grad, rtol, atol)
+        _check_one(op, s, operands, expected, mesh, want if id(s) in with_grad else None,
+                   rtol, atol)
     return checked
 
 
@@ -83,7 +85,7 @@ def _operand(graph, v, args, traced):
     return jnp.asarray(rng.integers(0, 4, info.shape), info.dtype)
 
 
-def _check_one(op, s, operands, expected, mesh, grad, rtol, atol):
+def _check_one(op, s, operands, expected, mesh, want_grad, rtol, atol):
     in_sh = tuple(NamedSharding(mesh, spec.to_pspec()) for spec in s.ins)
     out_sh = tuple(NamedSharding(mesh, spec.to_pspec()) for spec in s.outs)
 
@@ -102,22 +104,37 @@ def _check_one(op, s, operands, expected, mesh, grad, rtol, atol):
         assert stats, f"{op.name} {s.label()}: partial result but no collective in the program"
     else:
         assert not stats, f"{op.name} {s.label()}: rule promises no communication, got {stats}"
-    if grad:
-        _check_grad(run, operands, placed, in_sh, s, op)
+    if want_grad is not None:
+        _check_grad(run, operands, placed, in_sh, s, op, want_grad)
 
 
-def _check_grad(run, operands, placed, in_sh, s, op):
-    diff = [i for i, x in enumerate(operands) if jnp.issubdtype(x.dtype, jnp.floating)]
-    outs = jax.eval_shape(run, *operands)
-    if not diff or not any(jnp.issubdtype(o.dtype, jnp.floating) for o in outs):
-        return  # nothing differentiable (e.g. argmax: integer result)
-
+def _weighted_loss(run):
     def loss(*a):
         return sum(jnp.sum(o * jnp.cos(jnp.arange(o.size).reshape(o.shape)))
                    for o in run(*a) if jnp.issubdtype(o.dtype, jnp.floating))
+    return loss
 
-    want = jax.jit(jax.grad(loss, argnums=diff))(*operands)
-    got = jax.jit(jax.grad(loss, argnums=diff), in_shardings=in_sh)(*placed)
+
+def _diff_args(operands) -> list[int]:
+    return [i for i, x in enumerate(operands) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+
+def _unsharded_grad(op, operands):
+    """Gradient of a weighted sum of the op's float results, unsharded (None: nothing to
+    differentiate, e.g. argmax's integer result)."""
+    def run(*a):
+        return _bind(op, *a)
+
+    diff = _diff_args(operands)
+    outs = jax.eval_shape(run, *operands)
+    if not diff or not any(jnp.issubdtype(o.dtype, jnp.floating) for o in outs):
+        return None
+    return jax.jit(jax.grad(_weighted_loss(run), argnums=diff))(*operands)
+
+
+def _check_grad(run, operands, placed, in_sh, s, op, want):
+    got = jax.jit(jax.grad(_weighted_loss(run), argnums=_diff_args(operands)),
+                  in_shardings=in_sh)(*placed)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4,
                                    err_msg=f"grad of {op.name} strategy {s.label()}")

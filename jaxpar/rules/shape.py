@@ -5,7 +5,8 @@ loop only when cutting it gives every device exactly the operand block its resul
 dims that slicing, padding, reversal or concatenation cross are never cut, reshape cuts only the
 majormost dims of each group of merged or split dims, and an op that pins its own result sharding
 (a non-None `sharding` param, from explicit-axis meshes) keeps only the replicated strategy.
-Scalar operands (pad value, dynamic start indices) always stay replicated.
+Scalar operands (the pad value) always stay replicated. dynamic_slice and
+dynamic_update_slice live with the indexing family (indexing.py).
 """
 
 from __future__ import annotations
@@ -62,17 +63,6 @@ def split_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
     return _kept_dims(info, mesh, [d for d in range(rank) if d != axis])
 
 
-def dynamic_slice_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
-    # A dim sliced at full size has its start index clamped to 0, whatever the index operand.
-    sizes, shape = info.params["slice_sizes"], info.in_shapes[0]
-    return _kept_dims(info, mesh, [d for d, n in enumerate(shape) if sizes[d] == n])
-
-
-def dynamic_update_slice_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
-    shape, update = info.in_shapes[:2]
-    return _kept_dims(info, mesh, [d for d, n in enumerate(shape) if update[d] == n], arrays=2)
-
-
 def bitcast_convert_type_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
     # Changing the element width adds or drops a trailing dim; the leading dims are shared.
     rank = min(len(info.in_shapes[0]), len(info.out_shapes[0]))
@@ -106,7 +96,8 @@ def broadcast_in_dim_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
 def iota_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
     if info.params.get("sharding") is not None:
         return []
-    return loop_strategies(info, mesh, [Loop(n, (), (d,)) for d, n in enumerate(info.out_shapes[0])])
+    shape = info.out_shapes[0]
+    return loop_strategies(info, mesh, [Loop(n, (), (d,)) for d, n in enumerate(shape)])
 
 
 def tile_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
@@ -119,11 +110,13 @@ def tile_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
 
 
 def reshape_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
-    p = info.params
-    if p.get("dimensions") is not None or p.get("sharding") is not None:
+    if info.params.get("sharding") is not None:
         return []
-    src, dst = info.in_shapes[0], info.out_shapes[0]
-    loops = [Loop(math.gcd(src[i], dst[j]), _index(info, {0: i}), (j,))
+    # `dimensions` transposes the operand first: group the dims in that order.
+    operand, dst = info.in_shapes[0], info.out_shapes[0]
+    perm = info.params.get("dimensions") or tuple(range(len(operand)))
+    src = tuple(operand[d] for d in perm)
+    loops = [Loop(math.gcd(src[i], dst[j]), _index(info, {0: perm[i]}), (j,))
              for i, j in _reshape_groups(src, dst) if math.gcd(src[i], dst[j]) > 1]
     return loop_strategies(info, mesh, loops)
 
@@ -166,8 +159,7 @@ _RULES = {
     "broadcast_in_dim": broadcast_in_dim_rule, "reshape": reshape_rule,
     "transpose": transpose_rule, "squeeze": squeeze_rule, "concatenate": concatenate_rule,
     "pad": pad_rule, "slice": slice_rule, "split": split_rule, "iota": iota_rule,
-    "rev": rev_rule, "dynamic_slice": dynamic_slice_rule,
-    "dynamic_update_slice": dynamic_update_slice_rule, "tile": tile_rule,
+    "rev": rev_rule, "tile": tile_rule,
     "bitcast_convert_type": bitcast_convert_type_rule, "device_put": identity_rule,
     "optimization_barrier": identity_rule,
 }
