@@ -31,6 +31,16 @@ def attention():
     return fn, args, ((8, 1, 1), None, None)
 
 
+def attention_tensor_parallel():
+    fn, args, _ = attention()
+    return fn, args, ((1, 1, 1), (1, 8), (8, 1))  # Megatron: qkv by columns, output by rows
+
+
+def conv_net_feature_parallel():
+    fn, args, _ = conv_net()
+    return fn, args, ((2, 1, 1, 1), (1, 1, 1, 4), None, None)  # first conv's filters cut
+
+
 def moe_top2():
     rng = np.random.default_rng(2)
     t, d, f, e = 32, 16, 32, 8
@@ -130,5 +140,10 @@ def mlp_train_step():
     return step, (params, _arr(rng, 64, 32), _arr(rng, 64, 8)), (None, (8, 1), (8, 1))
 
 
-PROGRAMS = {f.__name__: f for f in (attention, moe_top2, conv_net, scan_layers, cond_and_fori,
+PROGRAMS = {f.__name__: f for f in (attention, attention_tensor_parallel, moe_top2, conv_net,
+                                     conv_net_feature_parallel, scan_layers, cond_and_fori,
                                      while_loop, embedding_xent, mlp_train_step)}
+
+# Programs whose plans must communicate (so the byte check compares real traffic).
+COMMUNICATING = {"attention_tensor_parallel", "moe_top2", "conv_net_feature_parallel",
+                 "scan_layers", "cond_and_fori", "embedding_xent", "mlp_train_step"}

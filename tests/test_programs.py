@@ -9,7 +9,7 @@ what the compiled program really moves (jaxpar.collective_stats).
 import jax
 import numpy as np
 import pytest
-from programs import PROGRAMS
+from programs import COMMUNICATING, PROGRAMS
 
 import jaxpar
 
@@ -24,6 +24,8 @@ def test_program_matches_single_device_and_predicted_bytes(name):
     plan = f.plan(*args)
     check = plan.verify(f.lower(*args).compile())
     assert check.bytes_ok, f"{name}: predicted vs measured\n{check}"
+    if name in COMMUNICATING:
+        assert check.measured_bytes > 0, f"{name} was expected to communicate"
     assert not check.sharding_mismatches, check.sharding_mismatches
 
 
