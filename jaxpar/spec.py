@@ -9,6 +9,7 @@ and the spec each output comes out with. `MeshInfo` is the part of a mesh the pl
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -36,7 +37,7 @@ class MeshInfo:
         return self.sizes[self.names.index(name)]
 
     def group_size(self, axes: Axes) -> int:
-        return math.prod(self.axis_size(a) for a in axes)
+        return _group_size(self, tuple(axes))
 
     def order(self, axes) -> Axes:
         """`axes` sorted into mesh order (the canonical order within one dimension)."""
@@ -44,6 +45,11 @@ class MeshInfo:
 
     def describe(self) -> str:
         return " x ".join(f"{n}={s}" for n, s in zip(self.names, self.sizes, strict=True))
+
+
+@functools.lru_cache(maxsize=65536)
+def _group_size(mesh: MeshInfo, axes: Axes) -> int:
+    return math.prod(mesh.sizes[mesh.names.index(a)] for a in axes)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ what the compiled program really moves (jaxpar.collective_stats).
 import jax
 import numpy as np
 import pytest
-from programs import COMMUNICATING, PROGRAMS
+from jaxpar.models import COMMUNICATING, PROGRAMS
 
 import jaxpar
 

@@ -73,6 +73,7 @@ class CostModel:
                  mem_coeff: float = 0.0):
         self.mesh, self.profile, self.level, self.mem_coeff = mesh, profile, level, mem_coeff
         self.links = profile.axis_links(mesh)
+        self._reshard_cache: dict = {}
 
     def collectives_cost(self, cs: list[Collective]) -> OpCost:
         return OpCost(comm_s=sum(collective_time(c, self.mesh, self.links) for c in cs),
@@ -81,7 +82,11 @@ class CostModel:
     def reshard(self, src: Spec, dst: Spec, shape, dtype) -> OpCost:
         if src.resolved() == dst.resolved() and not src.partial:
             return OpCost()
-        return self.collectives_cost(reshard(src, dst, nbytes(shape, dtype), self.mesh))
+        key = (src, dst, tuple(shape), np.dtype(dtype))
+        if key not in self._reshard_cache:  # the search prices the same edges many times
+            self._reshard_cache[key] = self.collectives_cost(
+                reshard(src, dst, nbytes(shape, dtype), self.mesh))
+        return self._reshard_cache[key]
 
     def op(self, info: OpInfo, s: OpStrategy) -> OpCost:
         """Compute, the op's own reductions (partial results), and per-device memory."""

@@ -1,4 +1,4 @@
-"""Small real programs used by the end-to-end tests: each returns (fn, args, in_strategy)."""
+"""Small real programs (forward passes, a training step): each returns (fn, args, in_strategy)."""
 
 from __future__ import annotations
 
