@@ -9,9 +9,9 @@ what the compiled program really moves (jaxpar.collective_stats).
 import jax
 import numpy as np
 import pytest
-from jaxpar.models import COMMUNICATING, PROGRAMS
 
 import jaxpar
+from jaxpar.models import COMMUNICATING, PROGRAMS
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))

@@ -1,18 +1,24 @@
-"""Convolutions and windowed reductions: the batch-like dims are loops, the windowed dims are not.
+"""Convolutions and windowed reductions: batch-like dims are loops, windowed dims mostly are not.
 
 conv_general_dilated (dimension numbers: lhs (batch, feature, spatial...), rhs (out feature, in
 feature, spatial...), out (batch, feature, spatial...)) has three loops when ungrouped: batch
-(lhs <-> out), output feature (rhs <-> out) and input feature (lhs <-> rhs, a reduction). A grouped
-conv keeps the group index major in every dim it splits, so with `feature_group_count` G > 1 the
-group loop (lhs feature, rhs out feature, out feature) replaces the two feature loops, and with
-`batch_group_count` B > 1 (the weight gradient of a grouped conv, where the lhs "batch" holds the
-channels) the group loop (lhs batch, rhs out feature, out feature) replaces batch and output
-feature. A cut of a group loop keeps whole groups on each device.
+(lhs <-> out), output feature (rhs <-> out) and input feature (lhs <-> rhs, a reduction), plus any
+spatial dim a 1x1 window, stride 1, unpadded, leaves pointwise. Grouped convs keep the group index
+majormost in every dim it splits, so cutting the group loop keeps whole groups on a device, but
+XLA's partitioner only handles some of them (each restriction below was seen on XLA, not derived):
 
-A windowed dim is a loop only where its windows tile it exactly (window == stride, no padding, no
-dilation, size == output size * window): then a block of output rows reads exactly the matching
-block of input rows, and no halo crosses a shard boundary. Window 1, stride 1 (the untouched
-batch and channel dims of a pooling op, the spatial dims of a 1x1 conv) is the common case.
+* `feature_group_count` G > 1: only depthwise convs (one input channel per group) partition
+  without communication, on batch and on the group loop (lhs feature, rhs out feature, out
+  feature); a batch cut must leave no mesh axis unused, or jax.grad's weight gradient comes out
+  wrong. Other grouped convs all-gather even a batch cut, so they get no cuts.
+* `batch_group_count` B > 1 (jax.grad's weight gradient of a grouped conv: lhs "batch" holds the
+  channels, lhs "feature" the real batch): only the group loop (lhs batch, rhs out feature, out
+  feature). Cutting the contraction there gives wrong values.
+
+A windowed-reduction dim is a loop where its windows tile it exactly (window == stride, no
+padding, no dilation, size == output size * window): a block of output rows then reads exactly
+the matching block of input rows, with no halo across shards. Window 1, stride 1 (the untouched
+batch and channel dims of a pool) is the common case; a 2x2 stride-2 pool also tiles.
 """
 
 from __future__ import annotations
@@ -23,9 +29,8 @@ from jaxpar.rules.registry import RULES, Loop, OpInfo, loop_strategies
 from jaxpar.spec import MeshInfo, OpStrategy
 
 
-def _tiles(size: int, out: int, window: int, stride: int, pad: tuple[int, int],
-           dilations: tuple[int, ...]) -> bool:
-    """True when non-overlapping windows cover the dim exactly, so output blocks own input blocks."""
+def _tiles(size: int, out: int, window: int, stride: int, pad, dilations) -> bool:
+    """Non-overlapping windows cover the dim exactly: output blocks own input blocks."""
     return (window == stride and tuple(pad) == (0, 0) and all(d == 1 for d in dilations)
             and size == out * window)
 
@@ -33,64 +38,78 @@ def _tiles(size: int, out: int, window: int, stride: int, pad: tuple[int, int],
 def conv_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
     p = info.params
     (lb, lf, *ls), (ro, ri, *rs), (ob, of, *os) = p["dimension_numbers"]
-    lhs, rhs = info.in_shapes
-    out = info.out_shapes[0]
+    (lhs, rhs), out = info.in_shapes, info.out_shapes[0]
     groups, batch_groups = p["feature_group_count"], p["batch_group_count"]
-    loops = []
-    if batch_groups == 1:
-        loops.append(Loop(out[ob], (lb, None), (ob,)))
-    if groups == batch_groups == 1:
-        loops.append(Loop(out[of], (None, ro), (of,)))
-    if groups == 1:
-        loops.append(Loop(lhs[lf], (lf, ri), (None,), reducible=True))
-    if groups > 1 or batch_groups > 1:
-        loops.append(Loop(max(groups, batch_groups), (lf if groups > 1 else lb, ro), (of,)))
-    for i, (l, r, o) in enumerate(zip(ls, rs, os, strict=True)):
-        if _tiles(lhs[l], out[o], rhs[r], p["window_strides"][i], p["padding"][i],
-                  (p["lhs_dilation"][i], p["rhs_dilation"][i])):
-            loops.append(Loop(out[o], (l, None), (o,)))
+    if batch_groups > 1:
+        return loop_strategies(info, mesh, [Loop(batch_groups, (lb, ro), (of,))])
+    batch = Loop(out[ob], (lb, None), (ob,))
+    if groups > 1:
+        return _depthwise(info, mesh, [batch, Loop(groups, (lf, ro), (of,))]) if rhs[ri] == 1 \
+            else []
+    loops = [batch, Loop(out[of], (None, ro), (of,)),
+             Loop(lhs[lf], (lf, ri), (None,), reducible=True)]
+    # Only 1x1 windows: XLA miscomputes conv cuts along tiling spatial dims of larger windows.
+    loops += [Loop(out[o], (l, None), (o,))
+              for i, (l, r, o) in enumerate(zip(ls, rs, os, strict=True))
+              if rhs[r] == 1 and _tiles(lhs[l], out[o], 1, p["window_strides"][i],
+                                        p["padding"][i], (p["lhs_dilation"][i],))]
     return loop_strategies(info, mesh, loops)
 
 
-RULES[lax.conv_general_dilated_p] = conv_rule
+def _depthwise(info: OpInfo, mesh: MeshInfo, loops: list[Loop]) -> list[OpStrategy]:
+    # XLA all-reduces the weight gradient of a batch-cut depthwise conv over the whole mesh, so
+    # a batch cut is right only when no mesh axis is left replicated.
+    batch = loops[0].ins[0]
+    return [s for s in loop_strategies(info, mesh, loops)
+            if not s.ins[0].dims[batch] or set(s.ins[0].axes()) == set(mesh.names)]
 
 
 def _window_loops(shape: tuple[int, ...], out: tuple[int, ...], p: dict) -> list[tuple[int, int]]:
     """(dim, loop size) of every dim whose windows tile it exactly."""
-    strides = p["window_strides"]
+    ones = (1,) * len(shape)
     pads = p.get("padding", ((0, 0),) * len(shape))
-    dil = [p.get(k, (1,) * len(shape)) for k in ("base_dilation", "window_dilation")]
+    base, win = p.get("base_dilation", ones), p.get("window_dilation", ones)
     return [(d, out[d]) for d in range(len(shape))
-            if _tiles(shape[d], out[d], p["window_dimensions"][d], strides[d], pads[d],
-                      (dil[0][d], dil[1][d]))]
+            if _tiles(shape[d], out[d], p["window_dimensions"][d], p["window_strides"][d],
+                      pads[d], (base[d], win[d]))]
 
 
 def reduce_window_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
-    """reduce_window_{sum,max,min} and generic reduce_window: operands (arrays..., inits...)."""
-    shape, out = info.in_shapes[0], info.out_shapes[0]
+    """reduce_window_{sum,max,min} (one operand) and reduce_window (operands..., inits...)."""
     n = len(info.out_shapes)
     loops = [Loop(size, tuple(d if k < n else None for k in range(len(info.in_shapes))),
                   (d,) * n)
-             for d, size in _window_loops(shape, out, info.params)]
+             for d, size in _window_loops(info.in_shapes[0], info.out_shapes[0], info.params)]
     return loop_strategies(info, mesh, loops)
 
 
 def select_and_scatter_add_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
-    """select_and_scatter_add(source, operand): source is window-output shaped, result input shaped."""
+    """select_and_scatter_add(source, operand): the gradient of a max/min pool."""
     source, operand = info.in_shapes
     loops = [Loop(size, (d, d), (d,)) for d, size in _window_loops(operand, source, info.params)]
     return loop_strategies(info, mesh, loops)
 
 
+def select_and_scatter_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
+    """select_and_scatter(operand, source, init): result shaped like operand."""
+    operand, source = info.in_shapes[:2]
+    loops = [Loop(size, (d, d, None), (d,))
+             for d, size in _window_loops(operand, source, info.params)]
+    return loop_strategies(info, mesh, loops)
+
+
 def select_and_gather_add_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
-    """select_and_gather_add(tangents, operand): both input shaped, result window-output shaped."""
+    """select_and_gather_add(tangents, operand): the JVP of a max/min pool."""
     operand, out = info.in_shapes[1], info.out_shapes[0]
     loops = [Loop(size, (d, d), (d,)) for d, size in _window_loops(operand, out, info.params)]
     return loop_strategies(info, mesh, loops)
 
 
-for _prim in (lax.reduce_window_sum_p, lax.reduce_window_max_p, lax.reduce_window_min_p,
-              lax.reduce_window_p):
-    RULES[_prim] = reduce_window_rule
+RULES[lax.conv_general_dilated_p] = conv_rule
+RULES[lax.reduce_window_sum_p] = reduce_window_rule
+RULES[lax.reduce_window_max_p] = reduce_window_rule
+RULES[lax.reduce_window_min_p] = reduce_window_rule
+RULES[lax.reduce_window_p] = reduce_window_rule
 RULES[lax.select_and_scatter_add_p] = select_and_scatter_add_rule
+RULES[lax.select_and_scatter_p] = select_and_scatter_rule
 RULES[lax.select_and_gather_add_p] = select_and_gather_add_rule
