@@ -141,6 +141,8 @@ class OpStrategy:
     outs: tuple[Spec, ...]
     partial: tuple[Axes, ...] = field(default=())
     name: str = ""
+    # Result dims a partial result may be reduce-scattered onto (None: any); rules only.
+    scatter_dims: tuple[int, ...] | None = field(default=None, compare=False)
 
     def label(self) -> str:
         if self.name:

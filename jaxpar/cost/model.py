@@ -15,10 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from jaxpar.cost.comm import Collective, collective_time, reshard
 from jaxpar.cost.hardware import HardwareProfile
+from jaxpar.ir.graph import itemsize
 from jaxpar.rules.registry import OpInfo
 from jaxpar.spec import MeshInfo, OpStrategy, Spec
 
@@ -48,7 +47,7 @@ class OpCost:
 
 
 def nbytes(shape: tuple[int, ...], dtype) -> float:
-    return float(math.prod(shape)) * np.dtype(dtype).itemsize
+    return float(math.prod(shape)) * itemsize(dtype)
 
 
 def flops(info: OpInfo) -> float:
@@ -82,7 +81,7 @@ class CostModel:
     def reshard(self, src: Spec, dst: Spec, shape, dtype) -> OpCost:
         if src.resolved() == dst.resolved() and not src.partial:
             return OpCost()
-        key = (src, dst, tuple(shape), np.dtype(dtype))
+        key = (src, dst, tuple(shape), dtype)
         if key not in self._reshard_cache:  # the search prices the same edges many times
             self._reshard_cache[key] = self.collectives_cost(
                 reshard(src, dst, nbytes(shape, dtype), self.mesh))

@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import numpy as np
+from jax._src import core as jax_core
 from jax.extend import core as jcore
 
 # Call primitives whose body is inlined, and the param holding the body.
@@ -24,6 +26,21 @@ _INLINE_PARAM = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
 REGION_PARAMS = {"scan": ("jaxpr",), "while": ("cond_jaxpr", "body_jaxpr"), "cond": ("branches",)}
 
 
+def as_dtype(dtype) -> Any:
+    """numpy dtype of an array, or JAX's own dtype object for extended types (PRNG keys)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return dtype
+    return np.dtype(dtype)
+
+
+def itemsize(dtype) -> int:
+    """Bytes per element; a PRNG key counts its key data (a threefry key: 2 x uint32)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        phys = jax_core.physical_element_aval(dtype)
+        return int(np.prod(phys.shape, dtype=np.int64)) * np.dtype(phys.dtype).itemsize
+    return np.dtype(dtype).itemsize
+
+
 @dataclass(frozen=True)
 class ValueInfo:
     """Shape, dtype and a readable name (parameter path for inputs) of one value."""
@@ -34,7 +51,7 @@ class ValueInfo:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return int(np.prod(self.shape, dtype=np.int64)) * itemsize(self.dtype)
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,7 +135,7 @@ def build_graph(closed, in_names: tuple[str, ...] | None = None) -> OpGraph:
 def _read(env, atom) -> int | Lit:
     if isinstance(atom, jcore.Literal):
         aval = atom.aval
-        return Lit(atom.val, tuple(aval.shape), np.dtype(aval.dtype))
+        return Lit(atom.val, tuple(aval.shape), as_dtype(aval.dtype))
     return env[atom]
 
 
@@ -137,7 +154,7 @@ class _Builder:
     def new(self, aval, name: str = "") -> int:
         vid = len(self.graph.values)
         shape = tuple(int(d) for d in getattr(aval, "shape", ()))
-        dtype = np.dtype(getattr(aval, "dtype", np.float32))
+        dtype = as_dtype(getattr(aval, "dtype", np.float32))
         self.graph.values.append(ValueInfo(shape, dtype, name or f"%{vid}"))
         return vid
 

@@ -40,28 +40,34 @@ def conv_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
     (lb, lf, *ls), (ro, ri, *rs), (ob, of, *os) = p["dimension_numbers"]
     (lhs, rhs), out = info.in_shapes, info.out_shapes[0]
     groups, batch_groups = p["feature_group_count"], p["batch_group_count"]
-    if batch_groups > 1:
+    if batch_groups > 1:  # the group loop only (module docstring)
         return loop_strategies(info, mesh, [Loop(batch_groups, (lb, ro), (of,))])
     batch = Loop(out[ob], (lb, None), (ob,))
+    if groups > 1 and rhs[ri] > 1:  # grouped, not depthwise: no cut partitions cleanly
+        return []
     if groups > 1:
-        return _depthwise(info, mesh, [batch, Loop(groups, (lf, ro), (of,))]) if rhs[ri] == 1 \
-            else []
+        return _depthwise(info, mesh, [batch, Loop(groups, (lf, ro), (of,))])
     loops = [batch, Loop(out[of], (None, ro), (of,)),
              Loop(lhs[lf], (lf, ri), (None,), reducible=True)]
     # Only 1x1 windows: XLA miscomputes conv cuts along tiling spatial dims of larger windows.
-    loops += [Loop(out[o], (l, None), (o,))
-              for i, (l, r, o) in enumerate(zip(ls, rs, os, strict=True))
-              if rhs[r] == 1 and _tiles(lhs[l], out[o], 1, p["window_strides"][i],
-                                        p["padding"][i], (p["lhs_dilation"][i],))]
-    return loop_strategies(info, mesh, loops)
+    spatial = [Loop(out[o], (d, None), (o,))
+               for i, (d, r, o) in enumerate(zip(ls, rs, os, strict=True))
+               if rhs[r] == 1 and _tiles(lhs[d], out[o], 1, p["window_strides"][i],
+                                         p["padding"][i], (p["lhs_dilation"][i],))]
+    # A partial result reduce-scattered onto a spatial dim of a windowed conv makes XLA's
+    # backward convs all-reduce over the whole mesh (wrong gradients): keep them as targets
+    # only where that dim is a loop (1x1, stride 1).
+    targets = [ob, of] + [loop.outs[0] for loop in spatial]
+    return loop_strategies(info, mesh, loops + spatial, scatter_dims=targets)
 
 
 def _depthwise(info: OpInfo, mesh: MeshInfo, loops: list[Loop]) -> list[OpStrategy]:
     # XLA all-reduces the weight gradient of a batch-cut depthwise conv over the whole mesh, so
     # a batch cut is right only when no mesh axis is left replicated.
     batch = loops[0].ins[0]
+    real = {a for a in mesh.names if mesh.axis_size(a) > 1}
     return [s for s in loop_strategies(info, mesh, loops)
-            if not s.ins[0].dims[batch] or set(s.ins[0].axes()) == set(mesh.names)]
+            if not s.ins[0].dims[batch] or real <= set(s.ins[0].axes())]
 
 
 def _window_loops(shape: tuple[int, ...], out: tuple[int, ...], p: dict) -> list[tuple[int, int]]:

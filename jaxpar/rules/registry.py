@@ -63,8 +63,13 @@ class Loop:
     reducible: bool = False
 
 
-def loop_strategies(info: OpInfo, mesh: MeshInfo, loops: Sequence[Loop]) -> list[OpStrategy]:
-    """Every assignment of mesh axes to loops (each axis to one loop or to none)."""
+def loop_strategies(info: OpInfo, mesh: MeshInfo, loops: Sequence[Loop],
+                    scatter_dims: Sequence[int] | None = None) -> list[OpStrategy]:
+    """Every assignment of mesh axes to loops (each axis to one loop or to none).
+
+    scatter_dims: the result dims a partial result may be reduce-scattered onto (None: any),
+    for ops where XLA mishandles some of them.
+    """
     for loop in loops:
         assert loop.reducible or any(d is not None for d in loop.outs), \
             f"{info.primitive}: a loop indexing no result must be reducible"
@@ -74,11 +79,12 @@ def loop_strategies(info: OpInfo, mesh: MeshInfo, loops: Sequence[Loop]) -> list
                for li in range(len(loops))]
         if all(loop.size % mesh.group_size(axes) == 0 for loop, axes in zip(loops, cut,
                                                                              strict=True)):
-            strategies.append(_assemble(info, loops, cut))
+            strategies.append(_assemble(info, loops, cut, scatter_dims))
     return strategies
 
 
-def _assemble(info: OpInfo, loops: Sequence[Loop], cut: list[Axes]) -> OpStrategy:
+def _assemble(info: OpInfo, loops: Sequence[Loop], cut: list[Axes],
+              scatter_dims: Sequence[int] | None) -> OpStrategy:
     def specs(shapes, side):
         dims = [[() for _ in shape] for shape in shapes]
         for loop, axes in zip(loops, cut, strict=True):
@@ -89,8 +95,9 @@ def _assemble(info: OpInfo, loops: Sequence[Loop], cut: list[Axes]) -> OpStrateg
 
     partial = tuple(a for loop, axes in zip(loops, cut, strict=True) if loop.reducible
                     for a in axes)
+    allowed = None if scatter_dims is None else tuple(scatter_dims)
     return OpStrategy(specs(info.in_shapes, "ins"), specs(info.out_shapes, "outs"),
-                      tuple(partial for _ in info.out_shapes))
+                      tuple(partial for _ in info.out_shapes), scatter_dims=allowed)
 
 
 def replicated(info: OpInfo) -> OpStrategy:
@@ -126,8 +133,9 @@ def _resolve_partials(s: OpStrategy, info: OpInfo, mesh: MeshInfo) -> list[OpStr
     if len(s.outs) != 1:
         return [s]
     (out,), (partial,), (shape,) = s.outs, s.partial, info.out_shapes
+    targets = range(len(shape)) if s.scatter_dims is None else s.scatter_dims
     variants = []
-    for dims in itertools.product(range(-1, len(shape)), repeat=len(partial)):
+    for dims in itertools.product((-1, *targets), repeat=len(partial)):
         new = [list(d) for d in out.dims]
         for axis, d in zip(partial, dims, strict=True):
             if d >= 0:
