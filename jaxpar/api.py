@@ -46,9 +46,6 @@ class ShardOptions:
 @dataclass
 class _Compiled:
     plan: Plan
-    graph: Any
-    in_specs: list[Spec]
-    out_specs: list[Spec]
     jitted: Any
 
 
@@ -137,7 +134,7 @@ class ShardedFunction:
     def __call__(self, *args):
         c = self._compiled(args)
         flat = [_placed(x, NamedSharding(self.mesh, s.to_pspec()))
-                for x, s in zip(jax.tree_util.tree_leaves(args), c.in_specs, strict=True)]
+                for x, s in zip(jax.tree_util.tree_leaves(args), c.plan.in_specs, strict=True)]
         out = c.jitted(*flat)
         return jax.tree_util.tree_unflatten(c.plan.out_tree, list(out))
 
@@ -150,7 +147,7 @@ class ShardedFunction:
         c = self._compiled(args)
         flat = [jax.ShapeDtypeStruct(x.shape, x.dtype,
                                      sharding=NamedSharding(self.mesh, s.to_pspec()))
-                for x, s in zip(jax.tree_util.tree_leaves(args), c.in_specs, strict=True)]
+                for x, s in zip(jax.tree_util.tree_leaves(args), c.plan.in_specs, strict=True)]
         return c.jitted.lower(*flat)
 
     def with_plan(self, plan: Plan) -> ShardedFunction:
@@ -205,7 +202,7 @@ class ShardedFunction:
                        if self._leaf_arg(args, i) in self.opts.donate_argnums)
         jitted = build_callable(graph, plan.graph_plan, self.mesh, plan.in_specs,
                                 plan.out_specs, donate)
-        return _Compiled(plan, graph, plan.in_specs, plan.out_specs, jitted)
+        return _Compiled(plan, jitted)
 
     @staticmethod
     def _leaf_arg(args: tuple, leaf: int) -> int:

@@ -70,10 +70,6 @@ class Plan:
     out_tree: object = None
 
     @property
-    def in_pspecs(self) -> list:
-        return [s.to_pspec() for s in self.in_specs]
-
-    @property
     def in_specs_tree(self):
         """PartitionSpecs in the structure of the arguments (when known)."""
         return _unflatten(self.in_tree, [s.to_pspec() for s in self.in_specs])

@@ -20,7 +20,7 @@ from jax.extend import core as jcore
 _INLINE_PARAM = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
                  "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
                  "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
-                 "remat2": "jaxpr", "checkpoint": "jaxpr", "custom_lin": None}
+                 "remat2": "jaxpr", "checkpoint": "jaxpr"}
 
 # Region primitives and the params holding their bodies, in order.
 REGION_PARAMS = {"scan": ("jaxpr",), "while": ("cond_jaxpr", "body_jaxpr"), "cond": ("branches",)}

@@ -19,7 +19,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from jaxpar.cost.model import CostModel, OpCost, flops, nbytes
+from jaxpar.cost.model import CostModel, OpCost, flops
 from jaxpar.ir.graph import Lit, Op, OpGraph
 from jaxpar.rules.registry import OpInfo, candidates, has_rule
 from jaxpar.spec import OpStrategy, Spec
@@ -190,9 +190,3 @@ def graph_cost(graph: OpGraph, plan: GraphPlan, model: CostModel,
                 info = graph.values[v]
                 total = total + model.reshard(plan.specs[v], need, info.shape, info.dtype)
     return total
-
-
-def value_bytes(graph: OpGraph, plan: GraphPlan, model: CostModel) -> dict[int, float]:
-    """Per-device bytes of every value under the plan."""
-    return {v: nbytes(info.shape, info.dtype) / plan.specs[v].shards(model.mesh)
-            for v, info in enumerate(graph.values) if v in plan.specs}
