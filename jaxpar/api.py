@@ -25,7 +25,7 @@ from jaxpar.plan import Plan, build_plan
 from jaxpar.search.propagation import out_spec, propagate
 from jaxpar.spec import MeshInfo, Spec
 
-SEARCH_MODES = ("sharding_propagation",)
+SEARCH_MODES = ("sharding_propagation", "dynamic_programming")
 LEVELS = (0, 1, 2)
 
 
@@ -65,7 +65,8 @@ def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=N
       device: "CPU", "GPU", "TPU" or None (default backend); used when `mesh` is None.
       level: 0 maximise compute/communication ratio, 1 minimise memory, 2 maximise speed.
       mesh: the mesh to use; default `make_mesh(<all devices>)`.
-      search_mode: "sharding_propagation" (default).
+      search_mode: "sharding_propagation" (default: from the fixed strategies outward, op by
+        op) or "dynamic_programming" (the exact optimum of the cost model: chain DP or an ILP).
       hardware: a hardware profile name (`h100-nvlink`, `tpu-v5e`, `cpu`, ...) or YAML path.
       memory_budget: bytes per device the plan must fit in.
       mem_coeff: weight of per-device memory against time in the objective.
@@ -184,15 +185,28 @@ class ShardedFunction:
         if self._pinned is not None:
             self._pinned.check_matches(traced.fingerprint, model.mesh)
             return self._finish(graph, self._pinned, args)
-        gp = propagate(graph, model, {graph.inputs[i]: s for i, s in enumerate(fixed) if s},
-                       {i: s for i, s in enumerate(out_fixed) if s})
+        fixed_in = {graph.inputs[i]: s for i, s in enumerate(fixed) if s}
+        fixed_out = {i: s for i, s in enumerate(out_fixed) if s}
+        gp, notes = self._search(graph, model, fixed_in, fixed_out)
         in_specs = [gp.specs[v] for v in graph.inputs]
         out_specs = [s or out_spec(graph, gp, v) for s, v in zip(out_fixed, graph.outputs,
                                                                  strict=True)]
         plan = build_plan(graph, gp, model, traced, in_specs, out_specs, o.search_mode,
                           profile.name)
+        plan.notes = notes
         _check_budget(plan, o.memory_budget)
         return self._finish(graph, plan, args)
+
+    def _search(self, graph, model, fixed_in, fixed_out):
+        """(GraphPlan, notes) from the chosen search mode."""
+        if self.opts.search_mode == "dynamic_programming":
+            from jaxpar.search.exact import dynamic_programming
+
+            gp, sol = dynamic_programming(graph, model, fixed_in, fixed_out,
+                                          self.opts.memory_budget)
+            verdict = "optimal" if sol.optimal else f"stopped at gap {sol.gap:.1%}"
+            return gp, [f"dynamic_programming: {verdict} ({sol.method}, {sol.seconds:.2f} s)"]
+        return propagate(graph, model, fixed_in, fixed_out), []
 
     def _finish(self, graph, plan: Plan, args) -> _Compiled:
         if plan.in_tree is None:  # a loaded plan: take the structure from these arguments

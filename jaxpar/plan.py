@@ -68,6 +68,7 @@ class Plan:
     hardware: str = "cpu"
     in_tree: object = None
     out_tree: object = None
+    notes: list[str] = field(default_factory=list)  # what the search reports (optimality, ...)
 
     @property
     def in_specs_tree(self):
@@ -103,6 +104,8 @@ class Plan:
         console.print(f"modeled per device: compute {_fmt_s(c.compute_s)}, communication "
                       f"{_fmt_s(c.comm_s)} ({_fmt_b(c.comm_bytes)}), peak memory "
                       f"{_fmt_b(c.peak_memory_bytes)}, total {_fmt_s(c.total_s)}")
+        for note in self.notes:
+            console.print(note)
         console.print("predicted collectives: " + (", ".join(
             f"{k} x{v['count']:g} {_fmt_b(v['bytes'])}" for k, v in self.collectives.items())
             or "none"))
@@ -150,7 +153,7 @@ class Plan:
                 "out_specs": [s.to_json() for s in self.out_specs],
                 "in_paths": self.in_paths, "out_paths": self.out_paths,
                 "cost": asdict(self.cost), "collectives": self.collectives,
-                "rows": [asdict(r) for r in self.rows],
+                "rows": [asdict(r) for r in self.rows], "notes": self.notes,
                 "graph": _graph_to_json(self.graph_plan)}
 
     @staticmethod
@@ -160,7 +163,7 @@ class Plan:
                     _graph_from_json(d["graph"]), [Spec.from_json(s) for s in d["in_specs"]],
                     [Spec.from_json(s) for s in d["out_specs"]], d["in_paths"], d["out_paths"],
                     PlanCost(**d["cost"]), d["collectives"], [Row(**r) for r in d["rows"]],
-                    d["search_mode"], d["hardware"])
+                    d["search_mode"], d["hardware"], notes=list(d.get("notes", [])))
 
 
 def _unflatten(tree, leaves):

@@ -1,0 +1,254 @@
+"""The exact strategy-selection kernel against brute force on seeded random tiny graphs."""
+
+import doctest
+
+import numpy as np
+import pytest
+
+from jaxpar.search import dynamic
+from jaxpar.search.dynamic import (
+    Problem,
+    brute_force,
+    objective,
+    peak_memory,
+    prune_dominated,
+    solve,
+)
+
+SHAPES = ("chain", "tree", "dag", "dense")  # dense: DAGs with two parents per node, k >= 2
+
+
+def _pairs(rng: np.random.Generator, n: int, shape: str) -> list[tuple[int, int]]:
+    """Node pairs of a chain, a tree or a DAG with diamonds (and parallel edges), shuffled."""
+    order = rng.permutation(n)
+    if shape == "chain":
+        pairs = [(order[i], order[i + 1]) for i in range(n - 1)]
+    else:
+        pairs = [(order[int(rng.integers(0, v))], order[v]) for v in range(1, n)]
+    if shape == "dag" and n > 2:
+        extra = rng.integers(0, n, (n // 2 + 1, 2))
+        pairs += [(order[min(a, b)], order[max(a, b)]) for a, b in extra if a != b]
+    if shape == "dense":
+        pairs += [(order[int(rng.integers(0, v - 1))], order[v]) for v in range(2, n)]
+    return [(int(v), int(u)) if rng.random() < 0.3 else (int(u), int(v)) for u, v in pairs]
+
+
+def _budget(rng: np.random.Generator, mem: list[np.ndarray], groups) -> float:
+    """A feasible budget somewhere between the smallest and the largest possible peak."""
+    low = max(sum(mem[i].min() for i in g) for g in groups)
+    high = max(sum(mem[i].max() for i in g) for g in groups)
+    return float(np.floor(low + rng.random() * (high - low)))
+
+
+def _random_edge(rng: np.random.Generator, u: int, v: int, k: np.ndarray) -> tuple:
+    """A dense matrix (sometimes zero), or the class form (u, v, K, row, col) with few classes."""
+    if rng.random() < 0.6:
+        return u, v, rng.integers(0, 10, (k[u], k[v])) * float(rng.random() > 0.15)
+    na, nb = int(rng.integers(1, k[u] + 1)), int(rng.integers(1, k[v] + 1))
+    return (u, v, rng.integers(0, 10, (na, nb)).astype(float), rng.integers(0, na, k[u]),
+            rng.integers(0, nb, k[v]))
+
+
+def random_problem(seed: int, shape: str, with_budget: bool) -> Problem:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(4 if shape == "dense" else 1, 8))
+    k = rng.integers(2 if shape == "dense" else 1, 5, n)
+    costs = tuple(rng.integers(0, 10, ki).astype(float) for ki in k)
+    edges = tuple(_random_edge(rng, u, v, k) for u, v in _pairs(rng, n, shape))
+    if not with_budget:
+        return Problem(costs, edges)
+    mem = [rng.integers(0, 20, ki).astype(float) for ki in k]
+    live = None
+    if rng.random() < 0.5:
+        live = tuple(tuple(int(i) for i in rng.choice(n, int(rng.integers(1, n + 1)),
+                                                      replace=False)) for _ in range(3))
+    budget = _budget(rng, mem, live or (tuple(range(n)),))
+    return Problem(costs, edges, tuple(mem), live, budget)
+
+
+@pytest.mark.parametrize("with_budget", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("seed", range(20))
+def test_solve_matches_brute_force(seed, shape, with_budget):
+    problem = random_problem(seed, shape, with_budget)
+    exact, got = brute_force(problem), solve(problem)
+    assert got.cost == pytest.approx(exact.cost, rel=1e-9, abs=1e-9)
+    assert got.cost == pytest.approx(objective(problem, got.choice), rel=1e-12)
+    assert got.optimal and got.gap == 0.0
+    if with_budget:
+        assert peak_memory(problem, got.choice) <= problem.budget
+    if shape == "chain" and not with_budget:
+        assert got.method == "chain-dp"
+
+
+def _mat(rows) -> np.ndarray:
+    return np.array(rows, dtype=float)
+
+
+SWAP = _mat([[0, 5], [5, 0]])  # non-separable: keeping the same candidate is free
+
+
+def test_methods_chain_tree_and_ilp():
+    cost = tuple(_mat([1, 0]) for _ in range(4))
+    chain = Problem(cost, ((0, 1, SWAP), (2, 1, SWAP), (2, 3, SWAP)))
+    star = Problem(cost, ((0, 1, SWAP), (0, 2, SWAP), (0, 3, SWAP)))
+    diamond = Problem(cost, ((0, 1, SWAP), (0, 2, SWAP), (1, 3, SWAP), (2, 3, SWAP)))
+    assert solve(chain).method == "chain-dp"
+    assert solve(star).method == "tree-dp"
+    assert solve(diamond).method == "ilp"
+    for p in (chain, star, diamond):
+        assert solve(p).cost == brute_force(p).cost == 0.0
+
+
+def test_zero_parallel_and_pinned_edges_do_not_break_a_chain():
+    cost = (_mat([1, 0]), _mat([0, 1]), _mat([2]), _mat([0, 3]))
+    edges = ((0, 1, SWAP), (1, 0, SWAP), (0, 1, np.zeros((2, 2))), (1, 2, _mat([[4], [0]])),
+             (2, 3, _mat([[0, 9]])), (3, 0, _mat([[1, 2], [3, 4]])), (3, 1, np.zeros((2, 2))))
+    problem = Problem(cost, edges)
+    got = solve(problem)
+    assert got.method == "chain-dp"
+    assert got.cost == brute_force(problem).cost
+
+
+def test_class_form_edges_expand_and_shrink_the_ilp():
+    k_classes = _mat([[0, 4], [4, 1]])
+    row, col = np.array([0, 0, 1]), np.array([1, 0, 0, 1])
+    cost = (_mat([0, 1, 2]), _mat([3, 2, 1, 0]), _mat([0, 0]))
+    classed = Problem(cost, ((0, 1, k_classes, row, col), (1, 2, SWAP[col]), (0, 2, SWAP[row])))
+    dense = Problem(cost, ((0, 1, k_classes[np.ix_(row, col)]), (1, 2, SWAP[col]),
+                           (0, 2, SWAP[row])))
+    assert np.array_equal(classed.edges[0][2], dense.edges[0][2])
+    got = solve(classed)
+    assert got.method == "ilp" and got.cost == brute_force(dense).cost
+    _, constraints, _ = dynamic._build_ilp(classed, list(cost), {(0, 1): dense.edges[0][2]})
+    assert constraints[0].A.shape[1] == 3 + 4 + 2 + 2 * 2  # x, then e over 2 x 2 classes
+
+
+def test_binding_budget_goes_to_the_ilp_and_holds():
+    problem = Problem((_mat([0, 3]), _mat([0, 3])), ((0, 1, SWAP),),
+                      node_mem=(_mat([10, 1]), _mat([10, 1])), budget=12.0)
+    got = solve(problem)
+    assert got.method == "ilp"
+    assert peak_memory(problem, got.choice) <= 12.0
+    assert got.cost == brute_force(problem).cost == 6.0
+
+
+def test_infeasible_budget_names_budget_and_smallest_peak():
+    mem = (_mat([5, 7]), _mat([3, 4]))
+    problem = Problem((_mat([0, 0]), _mat([0, 0])), ((0, 1, SWAP),), mem, budget=6.0)
+    for fn in (solve, brute_force):
+        with pytest.raises(ValueError, match=r"memory_budget=6 bytes.*smallest possible peak is "
+                                             r"8 bytes.*least-memory candidate"):
+            fn(problem)
+    live = Problem(problem.node_cost, problem.edges, mem, ((0,), (0, 1)), budget=7.0)
+    with pytest.raises(ValueError, match=r"peak is 8 bytes in live_sets\[1\]"):
+        solve(live)
+
+
+def test_pruning_removes_a_dominated_candidate():
+    # Candidate 1 of node 0 costs more, uses more memory and reshards no cheaper: dominated.
+    problem = Problem((_mat([1, 2, 0]), _mat([0, 0])),
+                      ((0, 1, _mat([[0, 1], [1, 2], [0, 0]])),),
+                      node_mem=(_mat([1, 2, 9]), _mat([1, 1])))
+    pruned, keep = prune_dominated(problem)
+    assert keep[0].tolist() == [0, 2] and keep[1].tolist() == [0]
+    assert pruned.sizes == (2, 1) and problem.sizes == (3, 2)
+
+
+def test_pruning_keeps_exactly_one_of_identical_candidates():
+    pruned, keep = prune_dominated(Problem((_mat([1, 1, 1]),)))
+    assert keep[0].tolist() == [0]
+
+
+@pytest.mark.parametrize("with_budget", [False, True])
+@pytest.mark.parametrize("seed", range(15))
+def test_pruning_keeps_the_optimum(seed, with_budget):
+    problem = random_problem(100 + seed, SHAPES[seed % 4], with_budget)
+    pruned, keep = prune_dominated(problem)
+    got = solve(pruned)
+    choice = np.array([keep[i][c] for i, c in enumerate(got.choice)])
+    assert objective(problem, choice) == pytest.approx(brute_force(problem).cost, rel=1e-9)
+    if with_budget:
+        assert peak_memory(problem, choice) <= problem.budget
+
+
+def layout_dag(seed: int, n: int = 40, k: int = 25, m: int = 60) -> Problem:
+    """A DAG whose resharding costs are edge sizes times an L1 distance between layouts."""
+    rng = np.random.default_rng(seed)
+    layouts = rng.integers(0, 4, (k, 3))
+    distance = np.abs(layouts[:, None, :] - layouts[None, :, :]).sum(-1).astype(float)
+    edges = [(int(rng.integers(0, v)), v) for v in range(1, n)]
+    while len(edges) < m:
+        u, v = sorted(int(x) for x in rng.choice(n, 2, replace=False))
+        edges.append((u, v))
+    return Problem(tuple(rng.integers(0, 50, k).astype(float) for _ in range(n)),
+                   tuple((u, v, float(rng.integers(1, 20)) * distance) for u, v in edges))
+
+
+def test_scale_forty_nodes_twenty_five_candidates():
+    problem = layout_dag(0)  # 1,000 binaries and 37,500 edge variables
+    got = solve(problem, time_limit=60.0)
+    assert got.method == "ilp" and got.optimal and got.gap == 0.0
+    assert got.choice.shape == (40,) and got.choice.dtype == np.int64
+    assert np.all((got.choice >= 0) & (got.choice < 25))
+    assert got.cost == pytest.approx(objective(problem, got.choice))
+    assert got.seconds > 0
+
+
+@pytest.mark.parametrize("with_budget", [False, True])
+@pytest.mark.parametrize("time_limit", [0.05, 1.0])
+def test_time_limit_returns_a_valid_assignment_with_its_gap(time_limit, with_budget):
+    # Uniform random costs on a cyclic graph: the LP bound is loose (about 5%) and proving
+    # optimality takes HiGHS ~20 s, so it stops with no incumbent (0.05 s) or a heuristic one.
+    rng = np.random.default_rng(0)
+    n, k = 40, 25
+    edges = [(int(rng.integers(0, v)), v) for v in range(1, n)]
+    while len(edges) < 60:
+        edges.append(tuple(sorted(int(x) for x in rng.choice(n, 2, replace=False))))
+    costs = tuple(rng.integers(0, 100, k).astype(float) for _ in range(n))
+    matrices = tuple((u, v, rng.integers(0, 100, (k, k)).astype(float)) for u, v in edges)
+    mem = [rng.integers(0, 100, k).astype(float) for _ in range(n)]
+    budget = _budget(rng, mem, [range(n)]) if with_budget else None
+    problem = Problem(costs, matrices, tuple(mem), None, budget)
+    got = solve(problem, time_limit=time_limit)
+    assert got.method == "ilp" and not got.optimal and got.gap > 0
+    assert got.choice.shape == (n,) and np.all((got.choice >= 0) & (got.choice < k))
+    assert got.cost == pytest.approx(objective(problem, got.choice))
+    if with_budget:
+        assert peak_memory(problem, got.choice) <= budget
+
+
+def test_empty_and_pinned_problems():
+    assert solve(Problem(())).choice.shape == (0,)
+    pinned = Problem((_mat([2]), _mat([3])), ((0, 1, _mat([[4]])),))
+    got = solve(pinned)
+    assert got.choice.tolist() == [0, 0] and got.cost == 9.0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(node_cost=(_mat([1]), _mat([1, 2])), edges=((0, 1, np.zeros((2, 2))),)),
+     r"edges\[0\] \(0 -> 1\) has a cost matrix of shape \(2, 2\); expected .* \(1, 2\)"),
+    (dict(node_cost=(_mat([1]), _mat([1, -2]))), r"node_cost\[1\]\[1\]=-2.0 must be finite"),
+    (dict(node_cost=(_mat([1, np.nan]),)), r"node_cost\[0\]"),
+    (dict(node_cost=(np.zeros(0),)), r"node_cost\[0\] has shape \(0,\)"),
+    (dict(node_cost=(_mat([1]), _mat([1]), _mat([1])),
+          edges=((0, 1, _mat([[0]])), (2, 1, _mat([[np.nan]])))),
+     r"edges\[1\] \(2 -> 1\) has C\[0, 0\]=nan"),
+    (dict(node_cost=(_mat([1]), _mat([1])), edges=((0, 0, _mat([[0]])),)), r"edges\[0\] joins"),
+    (dict(node_cost=(_mat([1, 2]), _mat([1])), edges=((0, 1, _mat([[0]]), [0, 1], [0]),)),
+     r"edges\[0\] \(0 -> 1\) has K of shape \(1, 1\) and row \[0, 1\]"),
+    (dict(node_cost=(_mat([1]), _mat([1])), edges=((0, 5, _mat([[0]])),)), r"edges\[0\] joins"),
+    (dict(node_cost=(_mat([1]),), node_mem=(_mat([1]), _mat([1]))), r"node_mem has 2 entries"),
+    (dict(node_cost=(_mat([1, 2]),), node_mem=(_mat([1]),)), r"node_mem\[0\] has shape"),
+    (dict(node_cost=(_mat([1]),), budget=10.0), r"need node_mem"),
+    (dict(node_cost=(_mat([1]),), node_mem=(_mat([1]),), budget=float("nan")), r"budget=nan"),
+    (dict(node_cost=(_mat([1]),), node_mem=(_mat([1]),), live_sets=((0, 3),), budget=1.0),
+     r"live_sets\[0\]=\(0, 3\)"),
+])
+def test_problem_validation_names_the_culprit(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Problem(**kwargs)
+
+
+def test_docstring_examples_run():
+    assert doctest.testmod(dynamic).failed == 0
