@@ -188,6 +188,14 @@ class ShardedFunction:
         fixed_in = {graph.inputs[i]: s for i, s in enumerate(fixed) if s}
         fixed_out = {i: s for i, s in enumerate(out_fixed) if s}
         gp, notes = self._search(graph, model, fixed_in, fixed_out)
+        ties = [(i, j) for i, j in carried_pairs(args, out_shapes) if out_fixed[j] is None]
+        if ties:  # plan again with each carried value's spec the same in and out
+            spec = {i: gp.specs[graph.inputs[i]] for i, _ in ties}
+            fixed_in |= {graph.inputs[i]: spec[i] for i, _ in ties}
+            fixed_out |= {j: spec[i] for i, j in ties}
+            gp, notes = self._search(graph, model, fixed_in, fixed_out)
+            notes.append(f"carried state: {len(ties)} outputs keep the sharding of the input "
+                         "they replace, so the step can be called in a loop without resharding")
         in_specs = [gp.specs[v] for v in graph.inputs]
         out_specs = [s or out_spec(graph, gp, v) for s, v in zip(out_fixed, graph.outputs,
                                                                  strict=True)]
@@ -227,6 +235,28 @@ class ShardedFunction:
             if leaf < count:
                 return i
         return -1
+
+
+def carried_pairs(args: tuple, out_shapes) -> list[tuple[int, int]]:
+    """(input leaf, output leaf) pairs of state a step returns in place of its input.
+
+    When the function returns a tuple whose k-th element has the structure, shapes and dtypes
+    of its k-th argument (params in, params out; optimizer state in, optimizer state out), the
+    leaves of the two are paired.
+    """
+    if not isinstance(out_shapes, tuple | list):
+        return []
+    pairs, in_off, out_off = [], 0, 0
+    for arg, out in zip(args, out_shapes, strict=False):
+        a_leaves, a_tree = jax.tree_util.tree_flatten(arg)
+        o_leaves, o_tree = jax.tree_util.tree_flatten(out)
+        same = a_tree == o_tree and all(
+            tuple(a.shape) == tuple(o.shape) and a.dtype == o.dtype
+            for a, o in zip(a_leaves, o_leaves, strict=True))
+        if same:
+            pairs += [(in_off + k, out_off + k) for k in range(len(a_leaves))]
+        in_off, out_off = in_off + len(a_leaves), out_off + len(o_leaves)
+    return pairs
 
 
 def _placed(x, sharding: NamedSharding):

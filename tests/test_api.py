@@ -199,3 +199,17 @@ def test_not_callable():
 def test_memory_budget_too_small_is_a_clear_error():
     with pytest.raises(ValueError, match="memory_budget=100 bytes"):
         jaxpar.shard(dense_relu, memory_budget=100).plan(X, W, B)
+
+
+def test_carried_pairs_match_state_returned_in_place():
+    from jaxpar.api import carried_pairs
+
+    params = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32), "b": jax.ShapeDtypeStruct((4,),
+                                                                                           jnp.float32)}
+    x = jax.ShapeDtypeStruct((8, 4), jnp.float32)
+    loss = jax.ShapeDtypeStruct((), jnp.float32)
+    assert carried_pairs((params, x), (params, loss)) == [(0, 0), (1, 1)]
+    assert carried_pairs((x, params), (loss, params)) == [(1, 1), (2, 2)]
+    assert carried_pairs((params, x), params) == []  # not a tuple: nothing is carried
+    other = {"w": jax.ShapeDtypeStruct((4, 4), jnp.bfloat16), "b": params["b"]}
+    assert carried_pairs((params, x), (other, loss)) == []  # dtype changed: not the same state

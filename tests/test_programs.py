@@ -29,6 +29,20 @@ def test_program_matches_single_device_and_predicted_bytes(name):
     assert not check.sharding_mismatches, check.sharding_mismatches
 
 
+@pytest.mark.parametrize("mode", ["sharding_propagation", "dynamic_programming"])
+def test_training_step_keeps_its_state_sharding(mode):
+    fn, (params, x, y), in_strategy = PROGRAMS["mlp_train_step"]()
+    f = jaxpar.shard(fn, in_strategy=in_strategy, search_mode=mode)
+    plan = f.plan(params, x, y)
+    n = len(jax.tree_util.tree_leaves(params))
+    assert plan.out_specs[:n] == plan.in_specs[:n]  # params out as params came in
+    assert any("carried state" in note for note in plan.notes)
+    new_params, _ = f(params, x, y)
+    for a, b in zip(jax.tree_util.tree_leaves(new_params),
+                    jax.tree_util.tree_leaves(f(new_params, x, y)[0]), strict=True):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+
+
 def test_training_step_can_loop_on_its_own_outputs():
     fn, (params, x, y), in_strategy = PROGRAMS["mlp_train_step"]()
     f = jaxpar.shard(fn, in_strategy=in_strategy)
