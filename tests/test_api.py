@@ -204,8 +204,8 @@ def test_memory_budget_too_small_is_a_clear_error():
 def test_carried_pairs_match_state_returned_in_place():
     from jaxpar.api import carried_pairs
 
-    params = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32), "b": jax.ShapeDtypeStruct((4,),
-                                                                                           jnp.float32)}
+    params = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32),
+              "b": jax.ShapeDtypeStruct((4,), jnp.float32)}
     x = jax.ShapeDtypeStruct((8, 4), jnp.float32)
     loss = jax.ShapeDtypeStruct((), jnp.float32)
     assert carried_pairs((params, x), (params, loss)) == [(0, 0), (1, 1)]
