@@ -22,6 +22,7 @@ from jaxpar.ir.trace import arg_names
 from jaxpar.lower.jit import build_callable
 from jaxpar.mesh import make_mesh
 from jaxpar.plan import Plan, build_plan
+from jaxpar.search.exact import dynamic_programming
 from jaxpar.search.propagation import out_spec, propagate
 from jaxpar.spec import MeshInfo, Spec
 
@@ -208,8 +209,6 @@ class ShardedFunction:
     def _search(self, graph, model, fixed_in, fixed_out):
         """(GraphPlan, notes) from the chosen search mode."""
         if self.opts.search_mode == "dynamic_programming":
-            from jaxpar.search.exact import dynamic_programming
-
             gp, sol = dynamic_programming(graph, model, fixed_in, fixed_out,
                                           self.opts.memory_budget)
             verdict = "optimal" if sol.optimal else f"stopped at gap {sol.gap:.1%}"
