@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from jaxpar.analysis import collective_stats
+from jaxpar.spec import Spec
 
 
 @dataclass
@@ -58,13 +59,7 @@ def verify_plan(plan, compiled, rtol: float = 0.10) -> Verification:
     for path, spec, sh in zip(plan.out_paths, plan.out_specs, jax.tree_util.tree_leaves(
             shardings), strict=False):
         got = getattr(sh, "spec", None)
-        if got is not None and _norm(got) != _norm(spec.to_pspec()):
+        if got is not None and Spec.from_pspec(got, spec.rank) != spec.resolved():
             mismatches.append(f"{path}: planned {spec.to_pspec()}, compiled {got}")
     return Verification(plan.collectives, measured, mismatches, rtol)
 
-
-def _norm(pspec) -> tuple:
-    entries = [tuple(e) if isinstance(e, tuple) else ((e,) if e else ()) for e in pspec]
-    while entries and not entries[-1]:
-        entries.pop()
-    return tuple(entries)

@@ -25,26 +25,27 @@ from collections.abc import Sequence
 
 from jax import lax
 
-from jaxpar.rules.registry import RULES, Loop, OpInfo, loop_strategies
+from jaxpar.rules.registry import (
+    RULES,
+    Loop,
+    OpInfo,
+    loop_strategies,
+    same_dim_strategies,
+)
 from jaxpar.spec import MeshInfo, OpStrategy
 
 Shape = tuple[int, ...]
 
 
 def dynamic_slice_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
-    operand, starts = info.in_shapes[0], len(info.in_shapes) - 1
-    loops = [Loop(n, (d,) + (None,) * starts, (d,))
-             for d, (n, size) in enumerate(zip(operand, info.params["slice_sizes"], strict=True))
-             if size == n]
-    return loop_strategies(info, mesh, loops)
+    operand, sizes = info.in_shapes[0], info.params["slice_sizes"]
+    return same_dim_strategies(info, mesh, [d for d, n in enumerate(operand) if sizes[d] == n])
 
 
 def dynamic_update_slice_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
     operand, update = info.in_shapes[:2]
-    starts = len(info.in_shapes) - 2
-    loops = [Loop(n, (d, d) + (None,) * starts, (d,))
-             for d, (n, u) in enumerate(zip(operand, update, strict=True)) if u == n]
-    return loop_strategies(info, mesh, loops)
+    whole = [d for d, (n, u) in enumerate(zip(operand, update, strict=True)) if u == n]
+    return same_dim_strategies(info, mesh, whole, arrays=2)
 
 
 def _window_pairs(operand: Shape, window: Shape, window_dims: Sequence[int],

@@ -15,7 +15,7 @@ can mark them.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +81,17 @@ def loop_strategies(info: OpInfo, mesh: MeshInfo, loops: Sequence[Loop],
                                                                              strict=True)):
             strategies.append(_assemble(info, loops, cut, scatter_dims))
     return strategies
+
+
+def same_dim_strategies(info: OpInfo, mesh: MeshInfo, dims: Iterable[int],
+                        arrays: int = 1) -> list[OpStrategy]:
+    """One loop per dim in `dims`, indexing that dim of the first `arrays` operands and of every
+    result: ops that take those dims whole (slice, pad, concatenate, dynamic_slice, ...)."""
+    outs = len(info.out_shapes)
+    ins = len(info.in_shapes)
+    loops = [Loop(info.out_shapes[0][d], tuple(d if i < arrays else None for i in range(ins)),
+                  (d,) * outs) for d in dims]
+    return loop_strategies(info, mesh, loops)
 
 
 def _assemble(info: OpInfo, loops: Sequence[Loop], cut: list[Axes],

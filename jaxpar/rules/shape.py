@@ -12,11 +12,16 @@ dynamic_update_slice live with the indexing family (indexing.py).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 from jax import lax
 
-from jaxpar.rules.registry import RULES, Loop, OpInfo, loop_strategies
+from jaxpar.rules.registry import (
+    RULES,
+    Loop,
+    OpInfo,
+    loop_strategies,
+    same_dim_strategies,
+)
 from jaxpar.spec import MeshInfo, OpStrategy
 
 
@@ -25,48 +30,41 @@ def _index(info: OpInfo, dims: dict[int, int]) -> tuple[int | None, ...]:
     return tuple(dims.get(i) for i in range(len(info.in_shapes)))
 
 
-def _kept_dims(info: OpInfo, mesh: MeshInfo, dims: Iterable[int], arrays: int = 1
-               ) -> list[OpStrategy]:
-    """One loop per dim in `dims`, indexing that dim of the first `arrays` operands and of every
-    result (the op takes those dims whole)."""
-    outs = len(info.out_shapes)
-    loops = [Loop(info.out_shapes[0][d], _index(info, dict.fromkeys(range(arrays), d)),
-                  (d,) * outs) for d in dims]
-    return loop_strategies(info, mesh, loops)
-
-
 def slice_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
     p, shape = info.params, info.in_shapes[0]
     strides = p["strides"] or (1,) * len(shape)
     whole = [d for d, n in enumerate(shape)
              if (p["start_indices"][d], p["limit_indices"][d], strides[d]) == (0, n, 1)]
-    return _kept_dims(info, mesh, whole)
+    return same_dim_strategies(info, mesh, whole)
 
 
 def pad_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
     config = info.params["padding_config"]
-    return _kept_dims(info, mesh, [d for d, c in enumerate(config) if tuple(c) == (0, 0, 0)])
+    unpadded = [d for d, c in enumerate(config) if tuple(c) == (0, 0, 0)]
+    return same_dim_strategies(info, mesh, unpadded)
 
 
 def rev_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
     reversed_ = info.params["dimensions"]
-    return _kept_dims(info, mesh, [d for d in range(len(info.in_shapes[0])) if d not in reversed_])
+    kept = [d for d in range(len(info.in_shapes[0])) if d not in reversed_]
+    return same_dim_strategies(info, mesh, kept)
 
 
 def concatenate_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
     rank, axis = len(info.out_shapes[0]), info.params["dimension"]
-    return _kept_dims(info, mesh, [d for d in range(rank) if d != axis], len(info.in_shapes))
+    others = [d for d in range(rank) if d != axis]
+    return same_dim_strategies(info, mesh, others, arrays=len(info.in_shapes))
 
 
 def split_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
     rank, axis = len(info.in_shapes[0]), info.params["axis"]
-    return _kept_dims(info, mesh, [d for d in range(rank) if d != axis])
+    return same_dim_strategies(info, mesh, [d for d in range(rank) if d != axis])
 
 
 def bitcast_convert_type_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
     # Changing the element width adds or drops a trailing dim; the leading dims are shared.
     rank = min(len(info.in_shapes[0]), len(info.out_shapes[0]))
-    return _kept_dims(info, mesh, range(rank))
+    return same_dim_strategies(info, mesh, range(rank))
 
 
 def transpose_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
