@@ -67,10 +67,10 @@ def _live_sets(graph: OpGraph, t: Tables) -> tuple[tuple[int, ...], ...]:
                  for p in range(len(graph.ops)))
 
 
-def _local_costs(t: Tables, choice: np.ndarray, node: int) -> np.ndarray:
+def _local_costs(t: Tables, choice: np.ndarray, node: int, touching: list) -> np.ndarray:
     """Cost of each candidate of `node` with every other node kept at its choice."""
     cost = t.node_cost[node].copy()
-    for e in t.edges:
+    for e in touching:
         if e.u == node:
             cost += e.cost[e.row, e.col[choice[e.v]]]
         elif e.v == node:
@@ -83,9 +83,13 @@ def _to_plan(graph: OpGraph, model: CostModel, t: Tables, choice: np.ndarray,
     plan = GraphPlan(specs=dict(fixed_in))
     for v, node in t.input_nodes.items():
         plan.specs[v] = t.cands[node][choice[node]]
+    touching: dict[int, list] = {}
+    for e in t.edges:
+        touching.setdefault(e.u, []).append(e)
+        touching.setdefault(e.v, []).append(e)
     for op in graph.ops:
         node = t.op_nodes[op.index]
-        local = _local_costs(t, choice, node)
+        local = _local_costs(t, choice, node, touching.get(node, []))
         k = int(choice[node])
         s = t.cands[node][k]
         others = [j for j in np.argsort(local, kind="stable") if j != k]
