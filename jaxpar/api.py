@@ -27,6 +27,7 @@ from jaxpar.search.propagation import out_spec, propagate
 from jaxpar.spec import MeshInfo, Spec
 
 SEARCH_MODES = ("sharding_propagation", "dynamic_programming")
+AUTOMATIC_MODES = ("dynamic_programming",)  # spread heavy ops over the whole mesh
 LEVELS = (0, 1, 2)
 
 
@@ -52,7 +53,7 @@ class _Compiled:
 
 def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=None, level=0, *,
           mesh: Mesh | None = None, search_mode: str | None = None, hardware=None,
-          memory_budget: float | None = None, mem_coeff: float = 0.0,
+          memory_budget: float | None = None, mem_coeff: float = 0.1,
           donate_argnums: int | tuple[int, ...] = ()) -> ShardedFunction:
     """Shard `fn` over a device mesh, MindSpore style.
 
@@ -70,7 +71,9 @@ def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=N
         op) or "dynamic_programming" (the exact optimum of the cost model: chain DP or an ILP).
       hardware: a hardware profile name (`h100-nvlink`, `tpu-v5e`, `cpu`, ...) or YAML path.
       memory_budget: bytes per device the plan must fit in.
-      mem_coeff: weight of per-device memory against time in the objective.
+      mem_coeff: weight of per-device memory against time in the objective (MindSpore's,
+        default 0.1): larger favours model parallel plans that cut weights, smaller data
+        parallel, 0 time alone.
       donate_argnums: positional arguments whose buffers the call may reuse.
 
     Returns:
@@ -182,35 +185,39 @@ class ShardedFunction:
         out_fixed = strat.parse_out_strategy(o.out_strategy, out_shapes, mesh)
         graph = build_graph(traced.closed_jaxpr, traced.in_paths)
         profile = load_profile(o.hardware)
-        model = CostModel(MeshInfo.of(mesh), profile, o.level, o.mem_coeff)
+        model = CostModel(MeshInfo.of(mesh), profile, o.level, o.mem_coeff,
+                          recompute_heavy=o.search_mode not in AUTOMATIC_MODES)
         if self._pinned is not None:
             self._pinned.check_matches(traced.fingerprint, model.mesh)
             return self._finish(graph, self._pinned, args)
         fixed_in = {graph.inputs[i]: s for i, s in enumerate(fixed) if s}
         fixed_out = {i: s for i, s in enumerate(out_fixed) if s}
-        gp, notes = self._search(graph, model, fixed_in, fixed_out)
         ties = [(i, j) for i, j in carried_pairs(args, out_shapes) if out_fixed[j] is None]
-        if ties:  # plan again with each carried value's spec the same in and out
+        gp, notes = self._search(graph, model, fixed_in, fixed_out,
+                                 [(graph.inputs[i], j) for i, j in ties])
+        if ties:  # each carried output takes the spec of the input it replaces
             spec = {i: gp.specs[graph.inputs[i]] for i, _ in ties}
-            fixed_in |= {graph.inputs[i]: spec[i] for i, _ in ties}
             fixed_out |= {j: spec[i] for i, j in ties}
-            gp, notes = self._search(graph, model, fixed_in, fixed_out)
+            if o.search_mode != "dynamic_programming":  # the exact search tied them already
+                fixed_in |= {graph.inputs[i]: spec[i] for i, _ in ties}
+                gp, notes = self._search(graph, model, fixed_in, fixed_out, [])
             notes.append(f"carried state: {len(ties)} outputs keep the sharding of the input "
                          "they replace, so the step can be called in a loop without resharding")
         in_specs = [gp.specs[v] for v in graph.inputs]
-        out_specs = [s or out_spec(graph, gp, v) for s, v in zip(out_fixed, graph.outputs,
-                                                                 strict=True)]
+        out_specs = [fixed_out.get(j) or out_spec(graph, gp, v)
+                     for j, v in enumerate(graph.outputs)]
         plan = build_plan(graph, gp, model, traced, in_specs, out_specs, o.search_mode,
                           profile.name)
         plan.notes = notes
         _check_budget(plan, o.memory_budget)
         return self._finish(graph, plan, args)
 
-    def _search(self, graph, model, fixed_in, fixed_out):
-        """(GraphPlan, notes) from the chosen search mode."""
+    def _search(self, graph, model, fixed_in, fixed_out, ties):
+        """(GraphPlan, notes) from the chosen search mode; ties: (input value, output position)
+        pairs of carried state (only the exact search takes them into its objective)."""
         if self.opts.search_mode == "dynamic_programming":
             gp, sol = dynamic_programming(graph, model, fixed_in, fixed_out,
-                                          self.opts.memory_budget)
+                                          self.opts.memory_budget, ties=ties)
             verdict = "optimal" if sol.optimal else f"stopped at gap {sol.gap:.1%}"
             return gp, [f"dynamic_programming: {verdict} ({sol.method}, {sol.seconds:.2f} s)"]
         return propagate(graph, model, fixed_in, fixed_out), []
@@ -241,21 +248,28 @@ def carried_pairs(args: tuple, out_shapes) -> list[tuple[int, int]]:
 
     When the function returns a tuple whose k-th element has the structure, shapes and dtypes
     of its k-th argument (params in, params out; optimizer state in, optimizer state out), the
-    leaves of the two are paired.
+    leaves of the two are paired; so are the leaves of a function that returns just its new
+    first argument (`sgd_step(params, batch) -> params`).
     """
+    if args and _same_structure(args[0], out_shapes):
+        return [(k, k) for k in range(len(jax.tree_util.tree_leaves(args[0])))]
     if not isinstance(out_shapes, tuple | list):
         return []
     pairs, in_off, out_off = [], 0, 0
     for arg, out in zip(args, out_shapes, strict=False):
-        a_leaves, a_tree = jax.tree_util.tree_flatten(arg)
-        o_leaves, o_tree = jax.tree_util.tree_flatten(out)
-        same = a_tree == o_tree and all(
-            tuple(a.shape) == tuple(o.shape) and a.dtype == o.dtype
-            for a, o in zip(a_leaves, o_leaves, strict=True))
-        if same:
-            pairs += [(in_off + k, out_off + k) for k in range(len(a_leaves))]
-        in_off, out_off = in_off + len(a_leaves), out_off + len(o_leaves)
+        n_in, n_out = len(jax.tree_util.tree_leaves(arg)), len(jax.tree_util.tree_leaves(out))
+        if _same_structure(arg, out):
+            pairs += [(in_off + k, out_off + k) for k in range(n_in)]
+        in_off, out_off = in_off + n_in, out_off + n_out
     return pairs
+
+
+def _same_structure(arg, out) -> bool:
+    a_leaves, a_tree = jax.tree_util.tree_flatten(arg)
+    o_leaves, o_tree = jax.tree_util.tree_flatten(out)
+    return bool(a_leaves) and a_tree == o_tree and all(
+        tuple(a.shape) == tuple(o.shape) and a.dtype == o.dtype
+        for a, o in zip(a_leaves, o_leaves, strict=True))
 
 
 def _placed(x, sharding: NamedSharding):

@@ -210,6 +210,7 @@ def test_carried_pairs_match_state_returned_in_place():
     loss = jax.ShapeDtypeStruct((), jnp.float32)
     assert carried_pairs((params, x), (params, loss)) == [(0, 0), (1, 1)]
     assert carried_pairs((x, params), (loss, params)) == [(1, 1), (2, 2)]
-    assert carried_pairs((params, x), params) == []  # not a tuple: nothing is carried
+    assert carried_pairs((params, x), params) == [(0, 0), (1, 1)]  # sgd_step -> params
+    assert carried_pairs((x, params), params) == []  # only a first argument is replaced whole
     other = {"w": jax.ShapeDtypeStruct((4, 4), jnp.bfloat16), "b": params["b"]}
     assert carried_pairs((params, x), (other, loss)) == []  # dtype changed: not the same state

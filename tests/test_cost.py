@@ -49,7 +49,12 @@ def test_collective_times_follow_alpha_beta():
     outer = collective_time(Collective("all-gather", ("d0",), 1e8), MESH, links)
     assert outer > 5 * inner  # 50 GB/s InfiniBand against 370 GB/s NVLink
     ar = collective_time(Collective("all-reduce", ("d2",), 1e8), MESH, links)
-    assert ar == pytest.approx(2 * inner)
+    assert ar == pytest.approx(2 * inner - links["d2"].latency)  # twice the bytes, one latency
+    small = [collective_time(Collective(k, ("d2",), 1e3), MESH, links)
+             for k in ("all-reduce", "reduce-scatter", "all-gather")]
+    assert small[0] < small[1] + small[2]  # one all-reduce beats reduce-scatter + all-gather
+    tail = collective_time(Collective("all-reduce", ("d2",), 1e3), MESH, links, latency=0.25)
+    assert tail == pytest.approx(small[0] - 0.75 * links["d2"].latency)
     twice = collective_time(Collective("all-reduce", ("d2",), 2e8, count=2), MESH, links)
     assert twice == pytest.approx(2 * ar)
 

@@ -29,11 +29,15 @@ class Collective:
     count: float = 1
 
 
-def collective_time(c: Collective, mesh: MeshInfo, links: dict[str, Link]) -> float:
-    return c.count * _once(c.kind, c.axes, c.bytes / c.count, mesh, links)
+def collective_time(c: Collective, mesh: MeshInfo, links: dict[str, Link],
+                    latency: float = 1.0) -> float:
+    """Seconds for `c`; `latency` scales its latency (below 1 for a collective XLA combines with
+    others, which share one latency)."""
+    return c.count * _once(c.kind, c.axes, c.bytes / c.count, mesh, links, latency)
 
 
-def _once(kind: str, axes: Axes, nbytes: float, mesh: MeshInfo, links: dict[str, Link]) -> float:
+def _once(kind: str, axes: Axes, nbytes: float, mesh: MeshInfo, links: dict[str, Link],
+          latency: float = 1.0) -> float:
     n = mesh.group_size(axes)
     if n <= 1:
         return 0.0
@@ -41,10 +45,11 @@ def _once(kind: str, axes: Axes, nbytes: float, mesh: MeshInfo, links: dict[str,
     on_ring = any(links[a].topology == "ring" for a in axes)
     # Latency: a ring pays one hop per peer; a switch runs trees/recursive doubling, log2(n).
     hops = (n - 1) if on_ring else math.ceil(math.log2(n))
-    lat = max(links[a].latency for a in axes) * hops
+    lat = max(links[a].latency for a in axes) * hops * latency
     ring = (n - 1) / n * nbytes / bw + lat
-    if kind == "all-reduce":
-        return 2 * ring
+    if kind == "all-reduce":  # twice a ring's bytes; one latency (tree / recursive doubling on
+        return 2 * (ring - lat) + lat  # small messages), so it beats reduce-scatter+all-gather
+
     if kind == "all-to-all":
         return max((n - 1) / n, n / 4 if on_ring else 0.0) * nbytes / bw + lat
     if kind == "collective-permute":

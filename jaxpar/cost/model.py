@@ -5,9 +5,20 @@ bytes over HBM bandwidth), divided by the number of pieces the strategy cuts its
 The objective (`score`) follows MindSpore's `level`:
   0: maximise the compute/communication ratio: compute + 2 x communication (exposed
      communication is what lowers the ratio, so it weighs double);
-  1: minimise memory: time plus per-device bytes over HBM bandwidth, weighted 10x;
+  1: minimise memory: time plus the memory term below at weight 1;
   2: maximise speed: compute + communication.
-`mem_coeff` adds mem_coeff x (per-device bytes / HBM bandwidth) at every level.
+`mem_coeff` (MindSpore's, default 0.1) adds mem_coeff x the memory term at every level. The
+memory term prices the per-device bytes each op reads and writes as the time to send them once
+over the mesh's slowest link: holding a replica of a weight costs about as much as moving it.
+A larger mem_coeff favours plans that cut weights (model parallel), a smaller one data parallel;
+0 leaves time alone.
+
+`options(info)` lists an op's candidate strategies that fit its shapes, with their costs, once per
+op signature (primitive, params, shapes, dtypes): the layers of a deep model repeat the same ops,
+so a search prices each distinct op once. With `recompute_heavy=False` (the automatic searches)
+heavy ops (dot_general, conv) keep only the candidates that cut their work into the most pieces
+the shapes allow, Alpa's rule against computing a matmul redundantly: without it a model of toy
+size is cheapest fully replicated, since its compute costs less than one collective's latency.
 """
 
 from __future__ import annotations
@@ -18,11 +29,13 @@ from dataclasses import dataclass
 from jaxpar.cost.comm import Collective, collective_time, reshard
 from jaxpar.cost.hardware import HardwareProfile
 from jaxpar.ir.graph import itemsize
-from jaxpar.rules.registry import OpInfo
+from jaxpar.rules.registry import OpInfo, candidates
 from jaxpar.spec import MeshInfo, OpStrategy, Spec
 
 _LEVEL_COMM_WEIGHT = {0: 2.0, 1: 1.0, 2: 1.0}
-_LEVEL_MEM_WEIGHT = {0: 0.0, 1: 10.0, 2: 0.0}
+_LEVEL_MEM_WEIGHT = {0: 0.0, 1: 1.0, 2: 0.0}
+_COMBINED_KINDS = frozenset({"all-reduce", "reduce-scatter"})  # what XLA's combiners merge
+HEAVY_OPS = frozenset({"dot_general", "conv_general_dilated"})
 
 
 @dataclass(frozen=True)
@@ -69,28 +82,60 @@ class CostModel:
     """Prices strategies and reshardings on one mesh and hardware profile."""
 
     def __init__(self, mesh: MeshInfo, profile: HardwareProfile, level: int = 0,
-                 mem_coeff: float = 0.0):
+                 mem_coeff: float = 0.0, recompute_heavy: bool = True):
         self.mesh, self.profile, self.level, self.mem_coeff = mesh, profile, level, mem_coeff
+        self.recompute_heavy = recompute_heavy
         self.links = profile.axis_links(mesh)
+        # Bytes per second at which the memory term prices memory (see the module doc).
+        self.memory_rate = min((link.bandwidth for link in self.links.values()),
+                               default=profile.intra.bandwidth)
         self._reshard_cache: dict = {}
+        self._options_cache: dict = {}
 
-    def collectives_cost(self, cs: list[Collective]) -> OpCost:
-        return OpCost(comm_s=sum(collective_time(c, self.mesh, self.links) for c in cs),
+    def options(self, info: OpInfo, share: float = 1.0
+                ) -> tuple[list[OpStrategy], list[OpCost]]:
+        """The op's candidates that fit its shapes, and the cost of each (see module doc)."""
+        key = _signature(info)
+        key = None if key is None else (key, share)
+        hit = self._options_cache.get(key) if key is not None else None
+        if hit is None:
+            shapes = info.in_shapes + info.out_shapes
+            cands = [s for s in candidates(info, self.mesh)
+                     if all(sp.fits(sh, self.mesh) for sp, sh in zip(s.ins + s.outs, shapes,
+                                                                      strict=True))]
+            if not self.recompute_heavy and info.primitive.name in HEAVY_OPS:
+                most = max(self.pieces(s) for s in cands)
+                cands = [s for s in cands if self.pieces(s) == most]
+            hit = (cands, [self.op(info, s, share) for s in cands])
+            if key is not None:
+                self._options_cache[key] = hit
+        return hit
+
+    def pieces(self, s: OpStrategy) -> int:
+        """How many pieces a strategy cuts its op's work into (axes cutting results or partial)."""
+        used = {a for spec in s.outs for a in spec.axes()} | {a for p in s.partial for a in p}
+        return self.mesh.group_size(tuple(sorted(used)))
+
+    def collectives_cost(self, cs: list[Collective], share: float = 1.0) -> OpCost:
+        return OpCost(comm_s=sum(collective_time(c, self.mesh, self.links,
+                                                 share if c.kind in _COMBINED_KINDS else 1.0)
+                                 for c in cs),
                       comm_bytes=sum(c.bytes for c in cs), collectives=tuple(cs))
 
-    def reshard(self, src: Spec, dst: Spec, shape, dtype) -> OpCost:
+    def reshard(self, src: Spec, dst: Spec, shape, dtype, share: float = 1.0) -> OpCost:
+        """Moving a value from `src` to `dst`. share: the fraction of a latency its reductions
+        pay (OpGraph.latency_share: below 1 in a step's tail, where XLA combines them)."""
         if src.resolved() == dst.resolved() and not src.partial:
             return OpCost()
-        key = (src, dst, tuple(shape), dtype)
+        key = (src, dst, tuple(shape), dtype, share)
         if key not in self._reshard_cache:  # the search prices the same edges many times
             self._reshard_cache[key] = self.collectives_cost(
-                reshard(src, dst, nbytes(shape, dtype), self.mesh))
+                reshard(src, dst, nbytes(shape, dtype), self.mesh), share)
         return self._reshard_cache[key]
 
-    def op(self, info: OpInfo, s: OpStrategy) -> OpCost:
+    def op(self, info: OpInfo, s: OpStrategy, share: float = 1.0) -> OpCost:
         """Compute, the op's own reductions (partial results), and per-device memory."""
-        used = {a for spec in s.outs for a in spec.axes()} | {a for p in s.partial for a in p}
-        pieces = self.mesh.group_size(tuple(used))
+        pieces = self.pieces(s)
         io = [(sh, dt, sp) for sh, dt, sp in zip(info.in_shapes, info.in_dtypes, s.ins,
                                                    strict=True)]
         io += list(zip(info.out_shapes, info.out_dtypes, s.outs, strict=True))
@@ -104,10 +149,22 @@ class CostModel:
             if partial:
                 raw = Spec(tuple(tuple(a for a in d if a not in partial) for d in out.dims),
                            partial)
-                cost = cost + self.reshard(raw, out, shape, dtype)
+                cost = cost + self.reshard(raw, out, shape, dtype, share)
         return cost
 
     def score(self, c: OpCost) -> float:
-        mem_s = c.memory_bytes / self.profile.memory_bandwidth
+        mem_s = c.memory_bytes / self.memory_rate
         return (c.compute_s + _LEVEL_COMM_WEIGHT[self.level] * c.comm_s
                 + (_LEVEL_MEM_WEIGHT[self.level] + self.mem_coeff) * mem_s)
+
+
+def _signature(info: OpInfo):
+    """A hashable key for everything a rule and the cost model read of an op, or None when its
+    params hold something unhashable (region ops carry jaxprs; those are never cached)."""
+    try:
+        key = (info.primitive, tuple(sorted(info.params.items())), info.in_shapes,
+               info.out_shapes, info.in_dtypes, info.out_dtypes)
+        hash(key)
+    except TypeError:
+        return None
+    return key

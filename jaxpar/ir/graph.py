@@ -3,7 +3,9 @@
 Before: a ClosedJaxpr, possibly with nested `jit`, `custom_jvp_call`, `custom_vjp_call` and
 `remat` calls. After: an OpGraph in which those calls are inlined (their bodies' ops appear in
 place, their consts become graph constants), while `scan`, `while` and `cond` stay single
-*region* ops whose bodies are OpGraphs of their own (planned once, not per iteration).
+*region* ops whose bodies are OpGraphs of their own (planned once, not per iteration). Ops whose
+results reach no output and that have no effects are dropped, as XLA would drop them (the loss
+value of a step that returns only gradients, say), so the search never pays for them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ _INLINE_PARAM = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
                  "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
                  "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
                  "remat2": "jaxpr", "checkpoint": "jaxpr"}
+
+_HEAVY = frozenset({"dot_general", "conv_general_dilated"})
 
 # Region primitives and the params holding their bodies, in order.
 REGION_PARAMS = {"scan": ("jaxpr",), "while": ("cond_jaxpr", "body_jaxpr"), "cond": ("branches",)}
@@ -75,6 +79,7 @@ class Op:
     ctx: Any
     source: str
     regions: tuple[OpGraph, ...] = ()
+    effectful: bool = False
 
     @property
     def name(self) -> str:
@@ -90,6 +95,7 @@ class OpGraph:
     inputs: tuple[int, ...] = ()
     outputs: tuple[int | Lit, ...] = ()
     consts: dict[int, Any] = field(default_factory=dict)
+    _tail: frozenset[int] | None = field(default=None, repr=False, compare=False)
 
     def producers(self) -> dict[int, Op]:
         return {v: op for op in self.ops for v in op.outputs}
@@ -107,6 +113,32 @@ class OpGraph:
 
     def dtype(self, v: int | Lit) -> np.dtype:
         return v.dtype if isinstance(v, Lit) else self.values[v].dtype
+
+    def tail_values(self) -> frozenset[int]:
+        """Values from which no heavy op (dot_general, conv) or region op can be reached: what
+        a training step computes after its last matmul (gradient reductions, the optimizer).
+        XLA's combiners merge the independent reductions there (all-reduce, reduce-scatter)
+        into one, so they share one latency (see latency_share)."""
+        if self._tail is None:
+            reaches: set[int] = set()
+            for op in reversed(self.ops):
+                if op.name in _HEAVY or op.regions or any(v in reaches for v in op.outputs):
+                    reaches.update(v for v in op.inputs if isinstance(v, int))
+            self._tail = frozenset(range(len(self.values))) - reaches
+        return self._tail
+
+    def latency_share(self, v: int) -> float:
+        """The fraction of a latency a reduction of value v pays: 1, or in the tail 1/m where m
+        is the number of outputs there (one reduction per returned gradient or parameter that
+        XLA combines into one collective with one latency)."""
+        tail = self.tail_values()
+        if v not in tail:
+            return 1.0
+        return 1.0 / max(1, sum(1 for o in set(self.outputs) if isinstance(o, int) and o in tail))
+
+    def op_latency_share(self, op: Op) -> float:
+        """latency_share of an op's own reductions: the largest over its results."""
+        return max((self.latency_share(v) for v in op.outputs), default=1.0)
 
     def walk(self, path: tuple[int, ...] = ()):
         """Yield (path, op) for every op, region bodies included; path indexes nested regions."""
@@ -129,7 +161,21 @@ def build_graph(closed, in_names: tuple[str, ...] | None = None) -> OpGraph:
     b.emit(jaxpr, env)
     b.graph.inputs = inputs
     b.graph.outputs = tuple(_read(env, v) for v in jaxpr.outvars)
+    _drop_dead(b.graph)
     return b.graph
+
+
+def _drop_dead(graph: OpGraph) -> None:
+    """Remove ops that feed no output and have no effects; renumber the rest in order."""
+    live = {v for v in graph.outputs if isinstance(v, int)}
+    kept = []
+    for op in reversed(graph.ops):
+        if op.effectful or any(v in live for v in op.outputs):
+            kept.append(op)
+            live.update(v for v in op.inputs if isinstance(v, int))
+    graph.ops = list(reversed(kept))
+    for i, op in enumerate(graph.ops):
+        op.index = i
 
 
 def _read(env, atom) -> int | Lit:
@@ -176,7 +222,7 @@ class _Builder:
             regions = tuple(build_graph(j) for j in _region_bodies(eqn)) if name in REGION_PARAMS \
                 else ()
             self.graph.ops.append(Op(len(self.graph.ops), eqn.primitive, dict(eqn.params), ins,
-                                     outs, eqn.ctx, _source(eqn), regions))
+                                     outs, eqn.ctx, _source(eqn), regions, bool(eqn.effects)))
 
     def _inline(self, closed, ins, outvars, env) -> None:
         inner = closed.jaxpr

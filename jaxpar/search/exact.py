@@ -22,9 +22,12 @@ from jaxpar.spec import Spec
 
 def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
                         fixed_out: dict[int, Spec], memory_budget: float | None = None,
-                        time_limit: float = 30.0) -> tuple[GraphPlan, Solution]:
-    """The cheapest plan of `graph` under `model` (see the module docstring)."""
-    t = build_tables(graph, model, fixed_in, fixed_out)
+                        time_limit: float = 30.0, ties: tuple[tuple[int, int], ...] = ()
+                        ) -> tuple[GraphPlan, Solution]:
+    """The cheapest plan of `graph` under `model` (see the module docstring). ties: (input
+    value, output position) pairs whose output must come back in the input's spec (the caller
+    fixes those outputs to the planned input specs)."""
+    t = build_tables(graph, model, fixed_in, fixed_out, tuple(ties))
     budget = _budget_left(graph, model, fixed_in, memory_budget)
     problem = Problem(tuple(t.node_cost),
                       tuple((e.u, e.v, e.cost, e.row, e.col) for e in t.edges),
@@ -95,7 +98,9 @@ def _to_plan(graph: OpGraph, model: CostModel, t: Tables, choice: np.ndarray,
         others = [j for j in np.argsort(local, kind="stable") if j != k]
         runner = int(others[0]) if others else None
         plans, trips, region_cost = t.regions.get(op.index, ((), 1, None))
-        own = region_cost if region_cost is not None else model.op(OpInfo.of(op, graph), s)
+        if region_cost is None:
+            region_cost = model.op(OpInfo.of(op, graph), s, graph.op_latency_share(op))
+        own = region_cost
         plan.choices[op.index] = Choice(
             s, own, float(local[k]), t.cands[node][runner] if runner is not None else None,
             float(local[runner]) if runner is not None else None, len(t.cands[node]),

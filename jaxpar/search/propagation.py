@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from jaxpar.cost.model import CostModel, OpCost, flops
 from jaxpar.ir.graph import Lit, Op, OpGraph
-from jaxpar.rules.registry import OpInfo, candidates, has_rule
+from jaxpar.rules.registry import OpInfo, has_rule
 from jaxpar.spec import OpStrategy, Spec
 
 
@@ -104,11 +104,7 @@ class _Propagation:
         if op.regions:
             choice = self._plan_region(op, info)
         else:
-            cands = candidates(info, self.model.mesh)
-            cands = [s for s in cands if all(sp.fits(sh, self.model.mesh) for sp, sh in
-                                              zip(s.ins + s.outs, info.in_shapes + info.out_shapes,
-                                                  strict=True))]
-            choice = self._choose(op, info, cands)
+            choice = self._choose(op, *self.model.options(info, self.g.op_latency_share(op)))
         self.plan.choices[op.index] = choice
         s = choice.strategy
         for v, spec in zip(op.inputs, s.ins, strict=True):
@@ -122,31 +118,26 @@ class _Propagation:
             if isinstance(v, int) and v in self.producer:
                 self._push(self.producer[v], self.g.values[v].nbytes)
 
-    def _choose(self, op: Op, info: OpInfo, cands: list[OpStrategy]) -> Choice:
-        priced = sorted(((self._price(op, info, s), i, s) for i, s in enumerate(cands)),
-                        key=lambda t: (self.model.score(t[0][1]), t[1]))
-        (own, total), _, best = priced[0]
-        runner = priced[1] if len(priced) > 1 else None
-        return Choice(best, own, self.model.score(total),
-                      runner[2] if runner else None,
-                      self.model.score(runner[0][1]) if runner else None,
+    def _choose(self, op: Op, cands: list[OpStrategy], costs: list[OpCost]) -> Choice:
+        """The candidate whose own cost plus edges to what is already planned is cheapest."""
+        score = self.model.score
+        priced = sorted(((score(own) + score(self._edges(op, s)), i)
+                         for i, (s, own) in enumerate(zip(cands, costs, strict=True))))
+        (best_score, best), runner = priced[0], (priced[1] if len(priced) > 1 else None)
+        return Choice(cands[best], costs[best], best_score,
+                      cands[runner[1]] if runner else None, runner[0] if runner else None,
                       len(cands), has_rule(op.primitive))
 
-    def _price(self, op: Op, info: OpInfo, s: OpStrategy) -> tuple[OpCost, OpCost]:
-        """(the op's own cost, own cost plus edges to what is already planned)."""
-        own = self.model.op(info, s)
-        return own, own + self._edges(op, s)
-
     def _edges(self, op: Op, s: OpStrategy) -> OpCost:
-        cost = OpCost()
+        cost, share = OpCost(), self.g.latency_share
         for v, need in zip(op.inputs, s.ins, strict=True):
             if isinstance(v, int) and v in self.plan.specs:
                 cost = cost + self.model.reshard(self.plan.specs[v], need, self.g.values[v].shape,
-                                                 self.g.values[v].dtype)
+                                                 self.g.values[v].dtype, share(v))
         for v, have in zip(op.outputs, s.outs, strict=True):
             for need in self._demands(v):
                 cost = cost + self.model.reshard(have, need, self.g.values[v].shape,
-                                                 self.g.values[v].dtype)
+                                                 self.g.values[v].dtype, share(v))
         return cost
 
     def _demands(self, v: int) -> list[Spec]:
@@ -177,16 +168,17 @@ def graph_cost(graph: OpGraph, plan: GraphPlan, model: CostModel,
                fixed_out: dict[int, Spec] | None = None) -> OpCost:
     """Total modeled cost of a planned graph: ops (regions times their trips), resharding of
     operands, and resharding of outputs into `fixed_out` (output position -> spec)."""
-    total = OpCost()
+    total, share = OpCost(), graph.latency_share
     for pos, need in (fixed_out or {}).items():
         v = graph.outputs[pos]
         total = total + model.reshard(out_spec(graph, plan, v), need, graph.shape(v),
-                                      graph.dtype(v))
+                                      graph.dtype(v), share(v))
     for op in graph.ops:
         choice = plan.choices[op.index]
         total = total + choice.cost
         for v, need in zip(op.inputs, choice.strategy.ins, strict=True):
             if isinstance(v, int):
                 info = graph.values[v]
-                total = total + model.reshard(plan.specs[v], need, info.shape, info.dtype)
+                total = total + model.reshard(plan.specs[v], need, info.shape, info.dtype,
+                                              share(v))
     return total

@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxpar.cost.model import CostModel, nbytes
 from jaxpar.ir.graph import Lit, OpGraph
-from jaxpar.rules.registry import OpInfo, candidates
+from jaxpar.rules.registry import OpInfo
 from jaxpar.search.regions import plan_region
 from jaxpar.spec import Spec
 
@@ -49,7 +49,10 @@ class Tables:
 
 
 def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
-                 fixed_out: dict[int, Spec]) -> Tables:
+                 fixed_out: dict[int, Spec], ties: tuple[tuple[int, int], ...] = ()) -> Tables:
+    """ties: (free input value, output position) pairs of carried state: the output is handed
+    back in the input's spec, so the resharding from its producer into that spec is an edge
+    between the producer and the input node, priced with everything else."""
     t = Tables()
     for op in graph.ops:
         t.op_nodes[op.index] = _add_op(t, graph, model, op)
@@ -68,7 +71,25 @@ def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
         v = graph.outputs[pos]
         if isinstance(v, int) and v in producer:
             _charge_fixed_output(t, graph, model, producer[v], spec)
+    for v_in, pos in ties:
+        v = graph.outputs[pos]
+        if v_in not in fixed_in and pos not in fixed_out and isinstance(v, int) and \
+                v in producer:
+            _add_tie(t, graph, model, v_in, producer[v])
     return t
+
+
+def _add_tie(t: Tables, graph, model, v_in: int, prod) -> None:
+    op, j = prod
+    u = t.op_nodes[op.index]
+    src, row = _classes([s.outs[j] for s in t.cands[u]])
+    if v_in not in t.input_nodes:  # read by no op: any spec the output can come in
+        info = graph.values[v_in]
+        t.input_nodes[v_in] = _add_node(t, list(src), np.zeros(len(src)),
+                                        [info.nbytes / s.shards(model.mesh) for s in src])
+    w = t.input_nodes[v_in]
+    dst, col = _classes(t.cands[w])
+    t.edges.append(Edge(u, w, _matrix(model, graph, op.outputs[j], src, dst), row, col))
 
 
 def _add_node(t: Tables, cands: list, cost, mem) -> int:
@@ -84,11 +105,8 @@ def _add_op(t: Tables, graph: OpGraph, model: CostModel, op) -> int:
         s, plans, cost, trips = plan_region(op, info, [None] * len(op.inputs), model)
         t.regions[op.index] = (plans, trips, cost)
         return _add_node(t, [s], [model.score(cost)], [cost.memory_bytes])
-    shapes = info.in_shapes + info.out_shapes
-    cands = [s for s in candidates(info, model.mesh)
-             if all(sp.fits(sh, model.mesh) for sp, sh in zip(s.ins + s.outs, shapes,
-                                                              strict=True))]
-    costs = [model.score(model.op(info, s)) for s in cands]
+    cands, own = model.options(info, graph.op_latency_share(op))
+    costs = [model.score(c) for c in own]
     # Memory a node holds: its results, per device (operands belong to their producers).
     mem = [sum(nbytes(sh, dt) / sp.shards(model.mesh) for sh, dt, sp in
                zip(info.out_shapes, info.out_dtypes, s.outs, strict=True)) for s in cands]
@@ -102,9 +120,9 @@ def _classes(specs: list[Spec]) -> tuple[list[Spec], np.ndarray]:
 
 
 def _matrix(model: CostModel, graph: OpGraph, v: int, src: list[Spec], dst: list[Spec]):
-    info = graph.values[v]
-    return np.array([[model.score(model.reshard(a, b, info.shape, info.dtype)) for b in dst]
-                     for a in src])
+    info, share = graph.values[v], graph.latency_share(v)
+    return np.array([[model.score(model.reshard(a, b, info.shape, info.dtype, share))
+                      for b in dst] for a in src])
 
 
 def _add_edge(t: Tables, graph, model, prod, cons) -> None:
