@@ -26,8 +26,8 @@ from jaxpar.search.exact import dynamic_programming
 from jaxpar.search.propagation import out_spec, propagate
 from jaxpar.spec import MeshInfo, Spec
 
-SEARCH_MODES = ("sharding_propagation", "dynamic_programming")
-AUTOMATIC_MODES = ("dynamic_programming",)  # spread heavy ops over the whole mesh
+SEARCH_MODES = ("sharding_propagation", "recursive_programming", "dynamic_programming")
+AUTOMATIC_MODES = ("recursive_programming", "dynamic_programming")  # heavy ops use every device
 LEVELS = (0, 1, 2)
 
 
@@ -68,7 +68,9 @@ def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=N
       level: 0 maximise compute/communication ratio, 1 minimise memory, 2 maximise speed.
       mesh: the mesh to use; default `make_mesh(<all devices>)`.
       search_mode: "sharding_propagation" (default: from the fixed strategies outward, op by
-        op) or "dynamic_programming" (the exact optimum of the cost model: chain DP or an ILP).
+        op), "recursive_programming" (SAPP: main ops cut axis by axis, then propagation; fast)
+        or "dynamic_programming" (the exact optimum of the cost model: chain DP or an ILP). The
+        two automatic modes spread every matmul/conv over all devices the shapes allow.
       hardware: a hardware profile name (`h100-nvlink`, `tpu-v5e`, `cpu`, ...) or YAML path.
       memory_budget: bytes per device the plan must fit in.
       mem_coeff: weight of per-device memory against time in the objective (MindSpore's,
@@ -193,34 +195,43 @@ class ShardedFunction:
         fixed_in = {graph.inputs[i]: s for i, s in enumerate(fixed) if s}
         fixed_out = {i: s for i, s in enumerate(out_fixed) if s}
         ties = [(i, j) for i, j in carried_pairs(args, out_shapes) if out_fixed[j] is None]
-        gp, notes = self._search(graph, model, fixed_in, fixed_out,
-                                 [(graph.inputs[i], j) for i, j in ties])
+        gp, notes, decisions = self._search(graph, model, fixed_in, fixed_out,
+                                            [(graph.inputs[i], j) for i, j in ties])
         if ties:  # each carried output takes the spec of the input it replaces
             spec = {i: gp.specs[graph.inputs[i]] for i, _ in ties}
             fixed_out |= {j: spec[i] for i, j in ties}
             if o.search_mode != "dynamic_programming":  # the exact search tied them already
                 fixed_in |= {graph.inputs[i]: spec[i] for i, _ in ties}
-                gp, notes = self._search(graph, model, fixed_in, fixed_out, [])
+                gp, notes, decisions = self._search(graph, model, fixed_in, fixed_out, [])
             notes.append(f"carried state: {len(ties)} outputs keep the sharding of the input "
                          "they replace, so the step can be called in a loop without resharding")
         in_specs = [gp.specs[v] for v in graph.inputs]
         out_specs = [fixed_out.get(j) or out_spec(graph, gp, v)
                      for j, v in enumerate(graph.outputs)]
+        # Weights, for the layout report: carried state, else all but the first argument.
+        first = len(jax.tree_util.tree_leaves(args[0])) if args else 0
+        weights = {graph.inputs[i] for i, _ in ties} if ties else set(graph.inputs[first:])
         plan = build_plan(graph, gp, model, traced, in_specs, out_specs, o.search_mode,
-                          profile.name)
-        plan.notes = notes
+                          profile.name, weights)
+        plan.notes, plan.decisions = notes, decisions
         _check_budget(plan, o.memory_budget)
         return self._finish(graph, plan, args)
 
     def _search(self, graph, model, fixed_in, fixed_out, ties):
-        """(GraphPlan, notes) from the chosen search mode; ties: (input value, output position)
-        pairs of carried state (only the exact search takes them into its objective)."""
-        if self.opts.search_mode == "dynamic_programming":
+        """(GraphPlan, notes, decisions) from the chosen search mode; ties: (input value,
+        output position) pairs of carried state (the exact search prices them itself)."""
+        mode = self.opts.search_mode
+        if mode == "dynamic_programming":
             gp, sol = dynamic_programming(graph, model, fixed_in, fixed_out,
                                           self.opts.memory_budget, ties=ties)
             verdict = "optimal" if sol.optimal else f"stopped at gap {sol.gap:.1%}"
-            return gp, [f"dynamic_programming: {verdict} ({sol.method}, {sol.seconds:.2f} s)"]
-        return propagate(graph, model, fixed_in, fixed_out), []
+            return gp, [f"dynamic_programming: {verdict} ({sol.method}, {sol.seconds:.2f} s)"], []
+        if mode == "recursive_programming":
+            from jaxpar.search.recursive import recursive_programming
+            gp, decisions = recursive_programming(graph, model, fixed_in, fixed_out,
+                                                  self.opts.memory_budget)
+            return gp, [], decisions
+        return propagate(graph, model, fixed_in, fixed_out), [], []
 
     def _finish(self, graph, plan: Plan, args) -> _Compiled:
         if plan.in_tree is None:  # a loaded plan: take the structure from these arguments

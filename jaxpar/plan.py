@@ -69,6 +69,8 @@ class Plan:
     in_tree: object = None
     out_tree: object = None
     notes: list[str] = field(default_factory=list)  # what the search reports (optimality, ...)
+    layout: str = ""  # the logical mesh the plan uses, e.g. "dp4 x tp2" (see describe_layout)
+    decisions: list[str] = field(default_factory=list)  # recursive_programming's decision log
 
     @property
     def in_specs_tree(self):
@@ -81,7 +83,8 @@ class Plan:
 
     def table(self) -> Table:
         """The per-op plan as a rich Table."""
-        t = Table(title=f"jaxpar plan ({self.search_mode}, {self.mesh.describe()}, "
+        layout = f" as {self.layout}" if self.layout else ""
+        t = Table(title=f"jaxpar plan ({self.search_mode}, {self.mesh.describe()}{layout}, "
                         f"{self.hardware})", show_lines=False)
         for col in ("#", "op", "shapes", "chosen", "runner-up", "cost", "next", "note"):
             t.add_column(col, overflow="fold")
@@ -90,8 +93,9 @@ class Plan:
                                            _fmt_s(r.cost_s), _fmt_s(r.runner_cost_s), r.note)))
         return t
 
-    def explain(self, width: int = 160) -> str:
-        """The plan as text: one row per op (chosen spec, runner-up, modeled costs), totals."""
+    def explain(self, width: int = 160, decisions: bool = False) -> str:
+        """The plan as text: one row per op (chosen spec, runner-up, modeled costs), totals;
+        with decisions=True also the search's decision log (recursive_programming)."""
         buf = io.StringIO()
         console = Console(file=buf, width=width, force_terminal=False, color_system=None,
                           markup=False, highlight=False)
@@ -104,8 +108,17 @@ class Plan:
         console.print(f"modeled per device: compute {_fmt_s(c.compute_s)}, communication "
                       f"{_fmt_s(c.comm_s)} ({_fmt_b(c.comm_bytes)}), peak memory "
                       f"{_fmt_b(c.peak_memory_bytes)}, total {_fmt_s(c.total_s)}")
+        if self.layout:
+            console.print(f"logical mesh: {self.layout}")
         for note in self.notes:
             console.print(note)
+        if self.decisions and decisions:
+            console.print("decisions:")
+            for line in self.decisions:
+                console.print(f"  {line}")
+        elif self.decisions:
+            console.print(f"{len(self.decisions)} search decisions logged: "
+                          "plan.explain(decisions=True) lists them")
         console.print("predicted collectives: " + (", ".join(
             f"{k} x{v['count']:g} {_fmt_b(v['bytes'])}" for k, v in self.collectives.items())
             or "none"))
@@ -154,6 +167,7 @@ class Plan:
                 "in_paths": self.in_paths, "out_paths": self.out_paths,
                 "cost": asdict(self.cost), "collectives": self.collectives,
                 "rows": [asdict(r) for r in self.rows], "notes": self.notes,
+                "layout": self.layout, "decisions": self.decisions,
                 "graph": _graph_to_json(self.graph_plan)}
 
     @staticmethod
@@ -163,7 +177,8 @@ class Plan:
                     _graph_from_json(d["graph"]), [Spec.from_json(s) for s in d["in_specs"]],
                     [Spec.from_json(s) for s in d["out_specs"]], d["in_paths"], d["out_paths"],
                     PlanCost(**d["cost"]), d["collectives"], [Row(**r) for r in d["rows"]],
-                    d["search_mode"], d["hardware"], notes=list(d.get("notes", [])))
+                    d["search_mode"], d["hardware"], notes=list(d.get("notes", [])),
+                    layout=d.get("layout", ""), decisions=list(d.get("decisions", [])))
 
 
 def _unflatten(tree, leaves):
@@ -230,8 +245,9 @@ def _choice_from(d: dict) -> Choice:
 
 
 def build_plan(graph, gp: GraphPlan, model, traced, in_specs: list[Spec], out_specs: list[Spec],
-               search_mode: str, hardware: str) -> Plan:
-    """Assemble a Plan: totals, predicted collectives, peak memory and the explain rows."""
+               search_mode: str, hardware: str, weights: set[int] | None = None) -> Plan:
+    """Assemble a Plan: totals, predicted collectives, peak memory and the explain rows.
+    weights: the input values that are weights (for describe_layout)."""
     from jaxpar.search.propagation import graph_cost
 
     total = graph_cost(graph, gp, model, dict(enumerate(out_specs)))
@@ -241,7 +257,59 @@ def build_plan(graph, gp: GraphPlan, model, traced, in_specs: list[Spec], out_sp
     return Plan(traced.fingerprint, model.mesh, gp, in_specs, out_specs, list(traced.in_paths),
                 list(traced.out_paths), cost, _by_kind(total.collectives),
                 list(_rows(graph, gp, model)), search_mode, hardware, traced.in_tree,
-                traced.out_tree)
+                traced.out_tree, layout=describe_layout(graph, gp, model.mesh, weights))
+
+
+_PASS_THROUGH = frozenset({"convert_element_type", "transpose", "reshape", "broadcast_in_dim",
+                           "copy", "copy_p"})
+_ROLE_ORDER = ("dp", "fsdp", "tp", "rep")
+
+
+def describe_layout(graph, gp: GraphPlan, mesh: MeshInfo, weights: set[int] | None = None) -> str:
+    """The logical mesh a plan uses, e.g. "dp4 x tp2", from what each mesh axis cuts.
+
+    At every matmul/conv that reads a weight (an input value in `weights`, default every input,
+    possibly through a convert, transpose or reshape) and one other operand, an axis that
+    cuts the weight operand works as tensor parallelism (tp) there, one that cuts only the other
+    operand as data parallelism (dp). Each axis takes its role by flops. A dp axis that also
+    cuts the weights as they are stored is fsdp (weights gathered before use); an axis that cuts
+    no matmul is rep (replicated work). Axes with one role are multiplied together.
+    """
+    from jaxpar.cost.model import HEAVY_OPS, flops
+    from jaxpar.rules.registry import OpInfo
+
+    producer = graph.producers()
+    inputs = set(graph.inputs) if weights is None else set(weights)
+
+    def root(v):
+        while isinstance(v, int) and v in producer and producer[v].name in _PASS_THROUGH:
+            v = producer[v].inputs[0]
+        return v if isinstance(v, int) and v in inputs else None
+
+    weight = {a: {"dp": 0.0, "tp": 0.0} for a in mesh.names}
+    stored: set[str] = set()
+    for op in graph.ops:
+        if op.name not in HEAVY_OPS or op.index not in gp.choices:
+            continue
+        roots = [root(v) for v in op.inputs[:2]]
+        if (roots[0] is None) == (roots[1] is None):
+            continue
+        k = 0 if roots[0] is not None else 1
+        s, work = gp.choices[op.index].strategy, flops(OpInfo.of(op, graph))
+        stored.update(gp.specs[roots[k]].axes() if roots[k] in gp.specs else ())
+        for a in mesh.names:
+            if a in s.ins[k].axes():
+                weight[a]["tp"] += work
+            elif a in s.ins[1 - k].axes():
+                weight[a]["dp"] += work
+    sizes: dict[str, int] = {}
+    for a, n in zip(mesh.names, mesh.sizes, strict=True):
+        w = weight[a]
+        role = "rep" if not (w["dp"] or w["tp"]) else ("tp" if w["tp"] > w["dp"] else "dp")
+        if role == "dp" and a in stored:
+            role = "fsdp"
+        sizes[role] = sizes.get(role, 1) * n
+    return " x ".join(f"{r}{sizes[r]}" for r in _ROLE_ORDER if r in sizes)
 
 
 def _by_kind(cols) -> dict[str, dict[str, float]]:
