@@ -180,6 +180,9 @@ class ShardedFunction:
         shapes = [tuple(x.shape) for x in jax.tree_util.tree_leaves(args)]
         for i, spec in strat.parse_parameter_plan(o.parameter_plan, paths, shapes, mesh).items():
             fixed[i] = _merge(fixed[i], spec, paths[i])
+        for i, j in optimizer_followers(paths, shapes).items():
+            if fixed[i] is None and fixed[j] is not None:
+                fixed[i] = fixed[j]  # optimizer state follows its parameter's fixed strategy
         traced = trace(self.fn, args)
         out_shapes = jax.tree_util.tree_unflatten(
             traced.out_tree, [jax.ShapeDtypeStruct(tuple(v.aval.shape), v.aval.dtype)
@@ -273,6 +276,32 @@ def carried_pairs(args: tuple, out_shapes) -> list[tuple[int, int]]:
             pairs += [(in_off + k, out_off + k) for k in range(n_in)]
         in_off, out_off = in_off + n_in, out_off + n_out
     return pairs
+
+
+def optimizer_followers(paths: list[str], shapes: list[tuple]) -> dict[int, int]:
+    """{leaf: parameter leaf} for optimizer-state leaves that belong to a parameter.
+
+    A leaf follows parameter leaf j when it lies in another argument, has j's shape, and its
+    path ends with j's path below the argument name: `opt_state/0/mu/blocks/0/w` follows
+    `params/blocks/0/w` (optax keeps one such leaf per parameter and moment). The longest such
+    match wins.
+    """
+    by_suffix: dict[tuple[str, tuple], list[int]] = {}
+    for j, (path, shape) in enumerate(zip(paths, shapes, strict=True)):
+        head, _, rest = path.partition("/")
+        if rest:
+            by_suffix.setdefault((rest, tuple(shape)), []).append(j)
+    follows = {}
+    for i, (path, shape) in enumerate(zip(paths, shapes, strict=True)):
+        parts = path.split("/")
+        for start in range(1, len(parts)):  # longest suffix first
+            for j in by_suffix.get(("/".join(parts[start:]), tuple(shape)), []):
+                if paths[j].partition("/")[0] != parts[0]:
+                    follows[i] = j
+                    break
+            if i in follows:
+                break
+    return follows
 
 
 def _same_structure(arg, out) -> bool:

@@ -1,0 +1,133 @@
+"""What the automatic searches choose, measured on the compiled program: Alpa's MLP cases,
+`level`, `mem_coeff`, the logical mesh report, optimizer state following its parameter."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxpar
+from jaxpar.api import optimizer_followers
+
+AUTOMATIC = ["dynamic_programming"]
+
+
+def mlp_step(params, x, y):
+    """Alpa's MLP test: layers with bias, squared loss, one SGD step."""
+    def loss(params):
+        h = x
+        for w, b in params:
+            h = h @ w + b
+        return jnp.mean((h - y) ** 2)
+
+    grads = jax.grad(loss)(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+
+def mlp_args(batch, hidden, layers=6):
+    rng = np.random.default_rng(0)
+    params = [(jnp.asarray(rng.standard_normal((hidden, hidden)) * 0.1, jnp.float32),
+               jnp.asarray(rng.standard_normal(hidden) * 0.1, jnp.float32))
+              for _ in range(layers)]
+    x = jnp.asarray(rng.standard_normal((batch, hidden)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((batch, hidden)), jnp.float32)
+    return params, x, y
+
+
+def _planned(batch, hidden, mode, **kw):
+    args = mlp_args(batch, hidden)
+    f = jaxpar.shard(mlp_step, mesh=jaxpar.make_mesh((4,), ("x",)), search_mode=mode, **kw)
+    return f, args, f.plan(*args)
+
+
+@pytest.mark.parametrize("mode", AUTOMATIC)
+@pytest.mark.parametrize("batch,hidden,layout,want", [
+    # Data parallel: the gradients (6 x (32 x 32 + 32) floats) reduced by one all-reduce.
+    (256, 32, "dp4", {"all-reduce": {"count": 1, "bytes": 6 * (32 * 32 + 32) * 4}}),
+    # Megatron: column then row kernels; 3 forward and 2 backward activation all-reduces.
+    (32, 256, "tp4", {"all-reduce": {"count": 5, "bytes": 5 * 32 * 256 * 4}}),
+])
+def test_alpa_mlp_cases(mode, batch, hidden, layout, want):
+    f, args, plan = _planned(batch, hidden, mode)
+    assert plan.layout == layout
+    assert jaxpar.collective_stats(f.lower(*args).compile()) == want
+    for got, ref in zip(jax.tree.leaves(f(*args)), jax.tree.leaves(jax.jit(mlp_step)(*args)),
+                        strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", AUTOMATIC)
+def test_the_carried_parameters_keep_their_sharding(mode):
+    f, args, plan = _planned(32, 256, mode)
+    assert plan.out_specs == plan.in_specs[:12]
+    assert any("carried state: 12 outputs" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("mode", AUTOMATIC)
+def test_latency_makes_small_megatron_lose_on_nvlink(mode):
+    # On H100s five serial all-reduces (about 10 us of latency each) cost more than one
+    # 1.6 MB gradient all-reduce (about 16 us), so the same program goes data parallel.
+    f, args, plan = _planned(32, 256, mode, hardware="h100-nvlink")
+    assert plan.layout == "dp4"
+    assert jaxpar.collective_stats(f.lower(*args).compile()) == {
+        "all-reduce": {"count": 1, "bytes": 6 * (256 * 256 + 256) * 4}}
+
+
+@pytest.mark.parametrize("mode", AUTOMATIC)
+def test_mem_coeff_trades_data_parallel_for_sharded_weights(mode):
+    f_small, args, small = _planned(128, 128, mode, mem_coeff=0.1)
+    f_big, _, big = _planned(128, 128, mode, mem_coeff=1.0)
+    assert (small.layout, big.layout) == ("dp4", "fsdp4")
+    assert big.cost.peak_memory_bytes < 0.7 * small.cost.peak_memory_bytes
+    assert "all-gather" not in jaxpar.collective_stats(f_small.lower(*args).compile())
+    assert "all-gather" in jaxpar.collective_stats(f_big.lower(*args).compile())
+
+
+@pytest.mark.parametrize("mode", AUTOMATIC)
+def test_level_changes_the_plan(mode):
+    # level 0 weighs communication double (compute/communication ratio): data parallel;
+    # level 1 (memory) shards the weights; level 2 (speed) takes the sharded update, whose
+    # extra all-gathers cost less than the replicated optimizer arithmetic.
+    layouts = [_planned(128, 128, mode, level=level)[2].layout for level in (0, 1, 2)]
+    assert layouts == ["dp4", "fsdp4", "fsdp4"]
+
+
+def test_layout_names_the_logical_mesh_of_a_hand_written_plan():
+    args = mlp_args(32, 64, layers=2)
+    mesh = jaxpar.make_mesh((4, 2), ("dp", "tp"))
+    megatron = [((1, 2), (2,)), ((2, 1), (1,))]
+    f = jaxpar.shard(mlp_step, in_strategy=(megatron, (4, 1), (4, 1)), mesh=mesh)
+    assert f.plan(*args).layout == "dp4 x tp2"
+    assert "logical mesh: dp4 x tp2" in f.plan(*args).explain()
+    replicated = [((1, 1), (1,)), ((1, 1), (1,))]
+    f = jaxpar.shard(mlp_step, in_strategy=(replicated, (8, 1), (8, 1)),
+                     search_mode="dynamic_programming")
+    assert f.plan(*args).layout == "dp8"
+
+
+def test_optimizer_state_follows_a_fixed_parameter():
+    paths = ["params/w", "params/b", "x", "opt_state/0/mu/w", "opt_state/0/nu/w",
+             "opt_state/0/mu/b", "opt_state/0/count"]
+    shapes = [(8, 4), (4,), (16, 8), (8, 4), (8, 4), (4,), ()]
+    assert optimizer_followers(paths, shapes) == {3: 0, 4: 0, 5: 1}
+    assert optimizer_followers(["params/w", "opt/w"], [(8, 4), (4, 8)]) == {}  # shapes differ
+
+    opt = optax.adam(1e-2)
+
+    def step(params, opt_state, x):
+        grads = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"]) ** 2))(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params = {"w": jnp.ones((16, 32)) * 0.1}
+    state = opt.init(params)
+    x = jnp.ones((8, 16))
+    f = jaxpar.shard(step, parameter_plan={"params/w": (1, 8)})
+    plan = f.plan(params, state, x)
+    specs = dict(zip(plan.in_paths, plan.in_specs, strict=True))
+    assert specs["opt_state/0/mu/w"] == specs["opt_state/0/nu/w"] == specs["params/w"]
+    assert str(specs["params/w"]) == "[-, d0+d1+d2]"
+    got, want = f(params, state, x), jax.jit(step)(params, state, x)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
