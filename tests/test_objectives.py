@@ -131,3 +131,35 @@ def test_optimizer_state_follows_a_fixed_parameter():
     got, want = f(params, state, x), jax.jit(step)(params, state, x)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", AUTOMATIC)
+def test_training_step_runs_in_a_loop_with_donated_state(mode):
+    opt = optax.adam(1e-2)
+
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(
+            lambda p: jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2))(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    rng = np.random.default_rng(1)
+    params = {"w1": jnp.asarray(rng.standard_normal((16, 32)) * 0.3, jnp.float32),
+              "w2": jnp.asarray(rng.standard_normal((32, 8)) * 0.3, jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((64, 8)), jnp.float32)
+    p_ref, s_ref = params, opt.init(params)
+    for _ in range(4):
+        p_ref, s_ref, loss_ref = jax.jit(step)(p_ref, s_ref, x, y)
+    f = jaxpar.shard(step, search_mode=mode, donate_argnums=(0, 1))
+    p, s, _ = f(params, opt.init(params), x, y)
+    assert "input_output_alias" in f.lower(p, s, x, y).compile().as_text()
+    for _ in range(3):
+        before = [a.sharding for a in jax.tree.leaves((p, s))]
+        old = jax.tree.leaves(p)[0]
+        p, s, loss = f(p, s, x, y)
+        assert old.is_deleted()  # donated, not copied
+        assert [a.sharding for a in jax.tree.leaves((p, s))] == before  # no resharding
+    np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(p), jax.tree.leaves(p_ref), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6)
