@@ -53,7 +53,7 @@ class _Compiled:
 
 def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=None, level=0, *,
           mesh: Mesh | None = None, search_mode: str | None = None, hardware=None,
-          memory_budget: float | None = None, mem_coeff: float = 0.1,
+          memory_budget: float | str | None = None, mem_coeff: float = 0.1,
           donate_argnums: int | tuple[int, ...] = ()) -> ShardedFunction:
     """Shard `fn` over a device mesh, MindSpore style.
 
@@ -72,7 +72,9 @@ def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=N
         or "dynamic_programming" (the exact optimum of the cost model: chain DP or an ILP). The
         two automatic modes spread every matmul/conv over all devices the shapes allow.
       hardware: a hardware profile name (`h100-nvlink`, `tpu-v5e`, `cpu`, ...) or YAML path.
-      memory_budget: bytes per device the plan must fit in.
+      memory_budget: bytes per device the plan must fit in, or "hardware" for the profile's
+        memory per device. dynamic_programming guarantees it (or says no plan fits);
+        recursive_programming honours it as far as it can; every mode checks the final plan.
       mem_coeff: weight of per-device memory against time in the objective (MindSpore's,
         default 0.1): larger favours model parallel plans that cut weights, smaller data
         parallel, 0 time alone.
@@ -108,10 +110,13 @@ def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, sea
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"shard(mesh={mesh!r}): pass a jax.sharding.Mesh, e.g. "
                         "jaxpar.make_mesh(8), or None for all devices.")
+    if memory_budget == "hardware":  # the profile's memory per device
+        memory_budget = load_profile(hardware).memory_bytes
     if memory_budget is not None and (not isinstance(memory_budget, numbers.Real)
                                       or isinstance(memory_budget, bool) or memory_budget <= 0):
         raise ValueError(f"shard(memory_budget={memory_budget!r}): give a positive number of "
-                         "bytes per device, or None for no budget.")
+                         "bytes per device, 'hardware' for the hardware profile's memory, or "
+                         "None for no budget.")
     if not isinstance(mem_coeff, numbers.Real) or isinstance(mem_coeff, bool) or mem_coeff < 0:
         raise ValueError(f"shard(mem_coeff={mem_coeff!r}): must be a number >= 0.")
     if parameter_plan is not None and not isinstance(parameter_plan, dict):

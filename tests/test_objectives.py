@@ -163,3 +163,28 @@ def test_training_step_runs_in_a_loop_with_donated_state(mode):
     np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-5)
     for g, w in zip(jax.tree.leaves(p), jax.tree.leaves(p_ref), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6)
+
+
+def test_memory_budget_from_the_hardware_profile(tmp_path):
+    import yaml
+
+    from jaxpar.cost.hardware import PROFILE_DIR
+
+    profile = yaml.safe_load((PROFILE_DIR / "cpu.yaml").read_text())
+    args = mlp_args(128, 128)
+    mesh = jaxpar.make_mesh((4,), ("x",))
+    plans = {}
+    for memory in (3000, 400_000, 1e9):
+        path = tmp_path / f"small{int(memory)}.yaml"
+        path.write_text(yaml.safe_dump(profile | {"name": "tiny", "memory_bytes": memory}))
+        f = jaxpar.shard(mlp_step, mesh=mesh, search_mode="dynamic_programming",
+                         hardware=str(path), memory_budget="hardware")
+        if memory == 3000:
+            with pytest.raises(ValueError, match=r"memory_budget=3000 bytes per device"):
+                f.plan(*args)
+        else:
+            plans[memory] = f.plan(*args)
+    assert plans[1e9].layout == "dp4"  # unconstrained: data parallel (see above)
+    assert plans[400_000].cost.peak_memory_bytes <= 400_000 < plans[1e9].cost.peak_memory_bytes
+    with pytest.raises(ValueError, match="memory_budget='lots'"):
+        jaxpar.shard(mlp_step, memory_budget="lots")
