@@ -303,7 +303,11 @@ def _nesting_hint(strategy: tuple) -> str:
 
 
 def _is_leaf(node) -> bool:
-    return node is not None and jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(node))
+    """An array-like leaf (an empty pytree node such as optax's EmptyState() is no leaf)."""
+    if node is None:
+        return False
+    treedef = jax.tree_util.tree_structure(node)
+    return treedef.num_leaves == 1 and jax.tree_util.treedef_is_leaf(treedef)
 
 
 def _shape(x) -> Shape:

@@ -340,3 +340,16 @@ MALFORMED = [
 def test_malformed_strategies_are_explained(make, exc, pattern):
     with pytest.raises(exc, match=pattern):
         make()
+
+
+def test_empty_pytree_nodes_take_an_empty_strategy():
+    # optax's Adam state ends in EmptyState(), a node with no leaves; a strategy tree made
+    # with tree.map over the state has it too, and must match it.
+    import optax
+
+    params = {"w": jax.ShapeDtypeStruct((8, 4), np.float32)}
+    state = jax.eval_shape(optax.adam(1e-3).init, params)
+    strategy = jax.tree.map(lambda _: P(), state)
+    specs = parse_in_strategy((strategy,), (state,), make_mesh(8))
+    assert len(specs) == len(jax.tree.leaves(state))
+    assert all(s == Spec.replicated(len(s.dims)) for s in specs)
