@@ -4,8 +4,9 @@ Before: the text XLA prints for a module (`compiled.as_text()`, one instruction 
 instruction broken over several lines, as in XLA's own tests, is joined back). After: a `Module`
 of computations, each an ordered list of `Instr` with its result type, opcode, operand names and
 the attribute text, plus readers for the attributes that matter to collectives: replica groups
-(explicit, iota and mesh-axes forms), source-target pairs and while-loop trip counts. No
-semantics live here: what counts as a collective and how many bytes it moves is `analysis.py`.
+(explicit, iota and mesh-axes forms), source-target pairs, while-loop trip counts and integer
+attributes (a get-tuple-element's index). No semantics live here: what counts as a collective
+and how many bytes it moves is `analysis.py`.
 """
 
 from __future__ import annotations
@@ -91,6 +92,11 @@ class Instr:
         """Computation names in attribute `key` (`calls=%f`, `branch_computations={%a, %b}`)."""
         m = re.search(rf"(?<![\w\-]){key}=(\{{[^}}]*\}}|%?[\w.\-]+)", self.attrs)
         return [] if not m else [n.lstrip("%") for n in split_top(m.group(1).strip("{}")) if n]
+
+    def int_attr(self, key: str) -> int | None:
+        """An integer attribute (`index=2` of a get-tuple-element), None when absent."""
+        m = re.search(rf"(?<![\w\-]){key}=(-?\d+)", self.attrs)
+        return int(m.group(1)) if m else None
 
     def trip_count(self) -> int | None:
         """A while loop's `known_trip_count` from its backend_config, None when XLA gave none."""

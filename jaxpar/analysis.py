@@ -19,16 +19,27 @@ per device, the larger of its operand and result buffers:
 - On CPU the partitioner writes a reduce-scatter as an all-reduce whose only users
   dynamic-slice it (directly, through bitcast/reshape/get-tuple-element, or as the first op of
   a fusion on that operand): that all-reduce is reported as a "reduce-scatter" with the
-  all-reduce's buffer as bytes (the full input, as for a native reduce-scatter).
+  all-reduce's buffer as bytes (the full input, as for a native reduce-scatter). A tuple
+  all-reduce (XLA's combiner merges a training step's gradient reductions into one) is split
+  by element: the elements whose every use slices them are one reduce-scatter, the others one
+  all-reduce, each with the bytes of its elements.
 - A collective that moves nothing is left out: a collective-permute whose source-target pairs
   are all `{i,i}`, or a collective whose every replica group has one device. So `{}` means the
   program does not communicate. A permute with some identity pairs counts its whole buffer
   (the devices that do send, send all of it).
+
+`collective_ops` lists the same collectives one instruction at a time, with their device groups;
+`estimate_time` prices them, and XLA's flop and byte counts, under a hardware profile.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from typing import Any
+
+import numpy as np
+from jax.sharding import Mesh
 
 from jaxpar._hlo import (
     Instr,
@@ -39,12 +50,17 @@ from jaxpar._hlo import (
     source_target_pairs,
     tuple_elements,
 )
+from jaxpar.cost.comm import Collective, collective_time
+from jaxpar.cost.hardware import HardwareProfile, Link, load_profile
+from jaxpar.spec import MeshInfo
 
-__all__ = ["KINDS", "collective_stats", "flops", "memory_stats", "shape_bytes"]
+__all__ = ["KINDS", "CollectiveOp", "collective_ops", "collective_stats", "estimate_time",
+           "flops", "memory_stats", "shape_bytes"]
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 Stats = dict[str, dict[str, int]]
+Ops = tuple["CollectiveOp", ...]
 
 # Opcodes of collectives other than the five KINDS themselves: the async starts, and the ragged
 # all-to-all (its result is the output buffer, like an all-to-all's).
@@ -81,68 +97,118 @@ def collective_stats(compiled: Any) -> Stats:
       >>> stats = collective_stats(jax.jit(f).lower(x).compile())
       >>> stats.get("all-reduce", {}).get("bytes", 0)
     """
+    return _by_kind(collective_ops(compiled))
+
+
+@dataclass(frozen=True)
+class CollectiveOp:
+    """One collective instruction of a compiled program and how often one run executes it."""
+
+    name: str                               # the HLO instruction (the `-start` of a pair)
+    kind: str                               # one of KINDS
+    bytes: int                              # per device, one execution (see the module doc)
+    count: int                              # executions per run of the program
+    groups: tuple[tuple[int, ...], ...] | None  # device groups; None: unreadable (all devices)
+    pairs: tuple[tuple[int, int], ...] = ()     # a collective-permute's (source, target) pairs
+
+    def times(self, k: int) -> CollectiveOp:
+        return replace(self, count=self.count * k)
+
+
+def collective_ops(compiled: Any) -> list[CollectiveOp]:
+    """Every collective of a compiled program that moves data, with its device groups.
+
+    The same instructions `collective_stats` sums by kind, one entry per instruction and call
+    site (a computation called twice gives two entries), in program order. Device ids are
+    partition ids: the position of the device in the flattened mesh.
+
+    Example:
+      >>> [(op.kind, op.bytes, op.count) for op in collective_ops(compiled)]
+      [('all-reduce', 4096, 1)]
+    """
     module = parse_module(_hlo_text(compiled))
-    stats = _comp_stats(module, module.entry, {})
-    return {k: stats[k] for k in KINDS if k in stats}
+    return list(_comp_ops(module, module.entry, {}))
 
 
-def _comp_stats(mod: Module, comp: str, memo: dict[str, Stats]) -> Stats:
+def _comp_ops(mod: Module, comp: str, memo: dict[str, Ops]) -> Ops:
     """Collectives one execution of `comp` runs, callees included (memoised per computation)."""
     if comp in memo:
         return memo[comp]
-    memo[comp] = {}  # a (malformed) recursive call graph counts the cycle once
-    out: Stats = {}
+    memo[comp] = ()  # a (malformed) recursive call graph counts the cycle once
+    out: list[CollectiveOp] = []
     for ins in mod.comps.get(comp, []):
-        found = _collective(mod, comp, ins)
-        if found is not None:
-            _add(out, {found[0]: {"count": 1, "bytes": found[1]}}, 1)
-        for stats, times in _called(mod, ins, memo):
-            _add(out, stats, times)
-    memo[comp] = out
-    return out
+        out += _collectives(mod, comp, ins)
+        for ops, times in _called(mod, ins, memo):
+            out += [op.times(times) for op in ops]
+    memo[comp] = tuple(out)
+    return memo[comp]
 
 
-def _add(into: Stats, stats: Stats, times: int) -> None:
-    for kind, v in stats.items():
-        slot = into.setdefault(kind, {"count": 0, "bytes": 0})
-        slot["count"] += v["count"] * times
-        slot["bytes"] += v["bytes"] * times
+def _by_kind(ops: Iterable[CollectiveOp]) -> Stats:
+    out: Stats = {}
+    for op in ops:
+        slot = out.setdefault(op.kind, {"count": 0, "bytes": 0})
+        slot["count"] += op.count
+        slot["bytes"] += op.bytes * op.count
+    return {k: out[k] for k in KINDS if k in out}
 
 
-def _called(mod: Module, ins: Instr, memo: dict[str, Stats]) -> list[tuple[Stats, int]]:
-    """(stats of a called computation, how many times `ins` runs it) for each callee."""
+def _called(mod: Module, ins: Instr, memo: dict[str, Ops]) -> list[tuple[Ops, int]]:
+    """(collectives of a called computation, how many times `ins` runs it) for each callee."""
     if ins.opcode == "while":
         trip = ins.trip_count() or 1
-        return ([(_comp_stats(mod, c, memo), trip) for c in ins.attr_names("body")]
-                + [(_comp_stats(mod, c, memo), trip + 1) for c in ins.attr_names("condition")])
+        return ([(_comp_ops(mod, c, memo), trip) for c in ins.attr_names("body")]
+                + [(_comp_ops(mod, c, memo), trip + 1) for c in ins.attr_names("condition")])
     if ins.opcode == "conditional":
         names = (ins.attr_names("branch_computations") or ins.attr_names("true_computation")
                  + ins.attr_names("false_computation"))
-        return [(max((_comp_stats(mod, c, memo) for c in names), key=_weight, default={}), 1)]
+        return [(max((_comp_ops(mod, c, memo) for c in names), key=_weight, default=()), 1)]
     if ins.opcode in _NO_DESCENT or ins.opcode.endswith("-done"):
         return []
     # `to_apply` is a call's body, but a reduction's combiner everywhere else.
     keys = ("to_apply",) if ins.opcode == "call" else ("calls", "called_computations")
-    return [(_comp_stats(mod, c, memo), 1) for k in keys for c in ins.attr_names(k)]
+    return [(_comp_ops(mod, c, memo), 1) for k in keys for c in ins.attr_names(k)]
 
 
-def _weight(stats: Stats) -> tuple[int, int]:
-    return (sum(v["bytes"] for v in stats.values()), sum(v["count"] for v in stats.values()))
+def _weight(ops: Ops) -> tuple[int, int]:
+    return (sum(op.bytes * op.count for op in ops), sum(op.count for op in ops))
 
 
-def _collective(mod: Module, comp: str, ins: Instr) -> tuple[str, int] | None:
-    """(kind, bytes per device) when `ins` is a collective that moves data, else None."""
+def _collectives(mod: Module, comp: str, ins: Instr) -> list[CollectiveOp]:
+    """`ins` as CollectiveOps run once, [] when it is no collective or moves nothing; a tuple
+    all-reduce may give two (see `_split_sliced`)."""
     kind = ins.opcode if ins.opcode in KINDS else _ALIASES.get(ins.opcode)
     if kind is None or _moves_nothing(mod, ins, kind):
-        return None
-    nbytes = shape_bytes(_result_type(mod, comp, ins))
-    if kind == "all-reduce" and _only_sliced(mod, comp, ins.name):
-        return "reduce-scatter", nbytes
+        return []
+    groups = replica_groups(ins.attrs, mod.num_devices)
+    op = CollectiveOp(ins.name, kind, shape_bytes(_result_type(mod, comp, ins)), 1,
+                      None if groups is None else tuple(map(tuple, groups)))
+    if kind == "all-reduce":
+        return _split_sliced(mod, comp, ins, op)
     if kind == "reduce-scatter":
-        groups = replica_groups(ins.attrs, mod.num_devices)
         operands = sum(shape_bytes(mod.type_of(comp, o)) for o in ins.operands)
-        nbytes = max(nbytes * (len(groups[0]) if groups else 1), operands)
-    return kind, nbytes
+        return [replace(op, bytes=max(op.bytes * (len(groups[0]) if groups else 1), operands))]
+    if kind == "collective-permute":
+        return [replace(op, pairs=tuple(source_target_pairs(ins.attrs)))]
+    return [op]
+
+
+def _split_sliced(mod: Module, comp: str, ins: Instr, op: CollectiveOp) -> list[CollectiveOp]:
+    """An all-reduce as the reduce-scatter of the elements every use slices and the all-reduce
+    of the others (XLA's combiner merges a step's gradient reductions into one tuple)."""
+    elements = tuple_elements(ins.type)
+    users = mod.users(comp, ins.name)
+    if not ins.type.lstrip().startswith("(") or not all(
+            u.opcode == "get-tuple-element" for u in users):
+        return [replace(op, kind="reduce-scatter") if _only_sliced(mod, comp, ins.name) else op]
+    uses: dict[int, list[Instr]] = {}
+    for u in users:
+        uses.setdefault(u.int_attr("index"), []).append(u)
+    sliced = [bool(uses.get(i)) and all(_only_sliced(mod, comp, u.name) for u in uses[i])
+              for i in range(len(elements))]
+    parts = {"all-reduce": [e for e, s in zip(elements, sliced, strict=True) if not s],
+             "reduce-scatter": [e for e, s in zip(elements, sliced, strict=True) if s]}
+    return [replace(op, kind=k, bytes=sum(map(shape_bytes, es))) for k, es in parts.items() if es]
 
 
 def _moves_nothing(mod: Module, ins: Instr, kind: str) -> bool:
@@ -215,6 +281,119 @@ def flops(compiled: Any) -> float:
     Example:
       >>> flops(jax.jit(jnp.dot).lower(a, b).compile())
     """
+    return _cost_sum(compiled, "flops")
+
+
+def _cost_sum(compiled: Any, key: str) -> float:
+    """One figure of XLA's per-device cost analysis, summed over modules (0.0 when absent)."""
     cost = compiled.cost_analysis()
     entries = cost if isinstance(cost, (list, tuple)) else [cost]
-    return float(sum(max(float((c or {}).get("flops", 0.0)), 0.0) for c in entries))
+    return float(sum(max(float((c or {}).get(key, 0.0)), 0.0) for c in entries))
+
+
+# ---- time under a hardware profile -----------------------------------------------------------
+
+def estimate_time(compiled: Any, mesh: Mesh | MeshInfo,
+                  hardware: str | HardwareProfile | None) -> dict[str, Any]:
+    """Seconds one run of a compiled program takes per device on `hardware`, read from its HLO.
+
+    What it prices is what XLA compiled, not what a plan predicted:
+    - compute: a roofline over the whole program from XLA's per-device cost analysis,
+      max(flops / peak_flops, bytes accessed / memory_bandwidth). XLA's cost analysis counts
+      a while body once, so a program with loops gets its compute underestimated (a note says
+      so); the communication of loops is counted in full.
+    - communication: every collective of `collective_ops`, each execution priced by
+      `jaxpar.cost.comm.collective_time` (the alpha-beta model the planner uses) over the mesh
+      axes its device groups span. Device (partition) id p sits at `np.unravel_index(p, sizes)`
+      of the mesh, the order jax.jit assigns a NamedSharding's devices in; a group spans the
+      axes along which its devices' coordinates differ. A group that covers only part of
+      those axes (a sub-axis, a strided subset) is priced as one axis of the group's size on
+      the slowest of their links. Of a collective's groups the slowest one counts; a
+      collective-permute spans the axes its sources and targets differ in.
+    - total: compute + communication, nothing overlapped: an upper bound for a runtime that
+      overlaps collectives with compute.
+
+    Args:
+      compiled: a `jax.stages.Compiled` (HLO text is accepted too; it has no cost analysis,
+        so compute is 0 and a note says so).
+      mesh: the mesh it was compiled for (a `jax.sharding.Mesh` or a `MeshInfo`).
+      hardware: a profile name (`"h100-nvlink"`), a YAML path or a `HardwareProfile`.
+
+    Returns:
+      {"hardware", "mesh", "flops", "bytes_accessed", "flop_s", "memory_s", "compute_s",
+      "comm_bytes", "comm_s", "total_s", "collectives": {kind: {"count", "bytes", "seconds"}},
+      "notes": [str]}; seconds and bytes per device.
+
+    Example:
+      >>> t = estimate_time(jax.jit(step).lower(*args).compile(), mesh, "h100-nvlink")
+      >>> t["compute_s"], t["comm_s"], t["collectives"]["all-reduce"]["seconds"]
+    """
+    info = mesh if isinstance(mesh, MeshInfo) else MeshInfo.of(mesh)
+    profile = load_profile(hardware)
+    module = parse_module(_hlo_text(compiled))
+    if module.num_devices is not None and module.num_devices != info.size:
+        raise ValueError(f"estimate_time: the program runs on {module.num_devices} devices but "
+                         f"mesh={info.describe()} has {info.size}; pass the mesh it was compiled "
+                         "for.")
+    comm, notes = _comm_times(list(_comp_ops(module, module.entry, {})), info, profile), []
+    text = isinstance(compiled, str)
+    n_flops = 0.0 if text else _cost_sum(compiled, "flops")
+    n_bytes = 0.0 if text else _cost_sum(compiled, "bytes accessed")
+    if text:
+        notes.append("HLO text has no cost analysis: compute is 0")
+    loops = sum(i.trip_count() != 1 for body in module.comps.values() for i in body
+                if i.opcode == "while")
+    if loops:
+        notes.append(f"XLA's cost analysis counts a while body once: compute leaves out the "
+                     f"repeated iterations of {loops} loop(s)")
+    flop_s, memory_s = n_flops / profile.peak_flops, n_bytes / profile.memory_bandwidth
+    comm_s = sum(v["seconds"] for v in comm.values())
+    return {"hardware": profile.name, "mesh": info.describe(), "flops": n_flops,
+            "bytes_accessed": n_bytes, "flop_s": flop_s, "memory_s": memory_s,
+            "compute_s": max(flop_s, memory_s),
+            "comm_bytes": float(sum(v["bytes"] for v in comm.values())), "comm_s": comm_s,
+            "total_s": max(flop_s, memory_s) + comm_s, "collectives": comm, "notes": notes}
+
+
+def _comm_times(ops: list[CollectiveOp], mesh: MeshInfo,
+                profile: HardwareProfile) -> dict[str, dict[str, float]]:
+    """{kind: {"count", "bytes", "seconds"}} of the collectives, priced on the profile's links."""
+    links = profile.axis_links(mesh)
+    out: dict[str, dict[str, float]] = {}
+    for op in ops:
+        slot = out.setdefault(op.kind, {"count": 0, "bytes": 0, "seconds": 0.0})
+        slot["count"] += op.count
+        slot["bytes"] += op.bytes * op.count
+        slot["seconds"] += _op_time(op, mesh, links)
+    return {k: out[k] for k in KINDS if k in out}
+
+
+def _op_time(op: CollectiveOp, mesh: MeshInfo, links: dict[str, Link]) -> float:
+    """Seconds for every execution of `op`: its slowest device group (see `estimate_time`)."""
+    if op.kind == "collective-permute":
+        moved = {a for s, t in op.pairs for a in _axes_of((s, t), mesh)}
+        axes = tuple(a for a in mesh.names if a in moved) if op.pairs else mesh.names
+        spans = {(axes, mesh.group_size(axes))}
+    else:
+        groups = op.groups or (tuple(range(mesh.size)),)
+        spans = {(_axes_of(g, mesh), len(g)) for g in groups}
+    return max(_group_time(op, axes, n, mesh, links) for axes, n in spans)
+
+
+def _group_time(op: CollectiveOp, axes: tuple[str, ...], n: int, mesh: MeshInfo,
+                links: dict[str, Link]) -> float:
+    c = Collective(op.kind, axes, op.bytes * op.count, op.count)
+    if mesh.group_size(axes) == n or op.kind == "collective-permute":
+        return collective_time(c, mesh, links)
+    # Part of the axes it spans: one axis of the group's own size, on their slowest link.
+    slowest = Link("+".join(axes), min(links[a].bandwidth for a in axes),
+                   max(links[a].latency for a in axes),
+                   "ring" if any(links[a].topology == "ring" for a in axes) else "switch")
+    return collective_time(replace(c, axes=("group",)), MeshInfo(("group",), (n,)),
+                           {"group": slowest})
+
+
+def _axes_of(devices: tuple[int, ...], mesh: MeshInfo) -> tuple[str, ...]:
+    """Mesh axes along which the coordinates of `devices` (partition ids) differ."""
+    coords = np.unravel_index(np.asarray(devices, dtype=np.int64), mesh.sizes)
+    return tuple(n for n, c in zip(mesh.names, coords, strict=True) if len(np.unique(c)) > 1)

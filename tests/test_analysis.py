@@ -14,7 +14,16 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar._hlo import parse_module, replica_groups, shape_bytes, source_target_pairs
-from jaxpar.analysis import KINDS, collective_stats, flops, memory_stats
+from jaxpar.analysis import (
+    KINDS,
+    collective_ops,
+    collective_stats,
+    estimate_time,
+    flops,
+    memory_stats,
+)
+from jaxpar.cost.hardware import HardwareProfile, Link
+from jaxpar.spec import MeshInfo
 
 
 def mesh(shape=(8,), names=("d",)):
@@ -394,3 +403,120 @@ def test_instruction_broken_over_lines():
 def test_kinds_are_the_public_five():
     assert KINDS == ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                      "collective-permute")
+
+
+# ---- estimate_time -----------------------------------------------------------------------------
+
+FAST, SLOW = Link("fast", 100e9, 2e-6), Link("slow", 10e9, 20e-6)
+# Flop-bound (memory bandwidth out of reach); two nodes of 4 devices: a mesh's outer axis of size
+# 2 crosses them (SLOW), its inner axis of size 4 stays inside one (FAST).
+PROFILE = HardwareProfile("test", peak_flops=1e12, memory_bytes=1e9, memory_bandwidth=1e30,
+                          intra=FAST, inter=SLOW, nodes=2)
+
+
+def _all_reduce_s(nbytes, n, link):
+    """A switch all-reduce by hand: twice (n-1)/n of the bytes, log2(n) latencies."""
+    return 2 * (n - 1) / n * nbytes / link.bandwidth + np.log2(n) * link.latency
+
+
+def test_estimate_time_data_parallel_gradient():
+    # x split on the batch, w replicated: the gradient is a partial sum, one all-reduce of w.
+    m = mesh((2, 4), ("a", "b"))
+    grad = jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w)))
+    c = compiled(grad, (P(), P(("a", "b"))), P(), (32, 64), (128, 32), m=m)
+    t = estimate_time(c, m, PROFILE)
+    w_bytes = 32 * 64 * F32
+    assert t["collectives"] == {"all-reduce": {"count": 1, "bytes": w_bytes,
+                                               "seconds": pytest.approx(
+                                                   _all_reduce_s(w_bytes, 8, SLOW))}}
+    assert t["compute_s"] == pytest.approx(flops(c) / 1e12) and t["flops"] == flops(c) > 0
+    assert t["total_s"] == pytest.approx(flops(c) / 1e12 + _all_reduce_s(w_bytes, 8, SLOW))
+    assert t["comm_bytes"] == w_bytes and t["notes"] == []
+
+
+@pytest.mark.parametrize("axis,n,link", [("a", 2, SLOW), ("b", 4, FAST)])
+def test_estimate_time_prices_the_axis_a_group_spans(axis, n, link):
+    m = mesh((2, 4), ("a", "b"))
+    c = compiled(lambda x, w: x @ w, (P(None, axis), P(axis, None)), P(), (16, 32), (32, 64),
+                 m=m)
+    (op,) = collective_ops(c)
+    assert op.kind == "all-reduce" and len(op.groups) == 8 // n
+    t = estimate_time(c, MeshInfo.of(m), PROFILE)
+    assert t["comm_s"] == pytest.approx(_all_reduce_s(16 * 64 * F32, n, link))
+
+
+def test_estimate_time_unsharded_program_has_no_communication():
+    c = compiled(lambda x, w: x @ w, (P(), P()), P(), (16, 32), (32, 64))
+    t = estimate_time(c, mesh(), "h100-nvlink")
+    assert t["comm_s"] == 0 and t["collectives"] == {} and t["comm_bytes"] == 0
+    assert t["total_s"] == t["compute_s"] == max(t["flop_s"], t["memory_s"]) > 0
+
+
+def test_estimate_time_counts_loop_collectives_and_notes_loop_compute():
+    c = compiled(LOOPS["fori"], (P("d"), P()), P(), (64, 16), (16,))
+    t = estimate_time(c, mesh(), PROFILE)
+    assert t["collectives"]["all-reduce"]["count"] == 5
+    assert t["comm_s"] == pytest.approx(5 * _all_reduce_s(16 * F32, 8, SLOW))
+    assert any("while body once" in note for note in t["notes"])
+
+
+def test_estimate_time_partial_and_permute_groups_from_text():
+    info = MeshInfo(("a", "b"), (2, 4))
+    text = module("%x = f32[64]{0} parameter(0)",
+                  # {0,4}: the whole of axis a; {0,2}: half of axis b (a strided subset).
+                  "%ar = f32[64]{0} all-reduce(%x), replica_groups={{0,4},{1,5},{2,6},{3,7}}, "
+                  "to_apply=%add",
+                  "%ar2 = f32[64]{0} all-reduce(%x), replica_groups={{0,2},{1,3},{4,6},{5,7}}, "
+                  "to_apply=%add",
+                  "%cp = f32[64]{0} collective-permute(%x), source_target_pairs={{0,1},{1,0}}")
+    ops = collective_ops(text)
+    assert [(o.kind, o.groups[0] if o.groups else o.pairs) for o in ops] == [
+        ("all-reduce", (0, 4)), ("all-reduce", (0, 2)), ("collective-permute", ((0, 1), (1, 0)))]
+    t = estimate_time(text, info, PROFILE)
+    want = (_all_reduce_s(256, 2, SLOW) + _all_reduce_s(256, 2, FAST)
+            + 256 / FAST.bandwidth + FAST.latency)
+    assert t["comm_s"] == pytest.approx(want) and t["compute_s"] == 0
+    assert any("no cost analysis" in note for note in t["notes"])
+
+
+def test_estimate_time_refuses_another_mesh():
+    c = compiled(lambda x, w: x @ w, (P(None, "d"), P("d", None)), P(), (16, 32), (32, 64))
+    with pytest.raises(ValueError, match="8 devices"):
+        estimate_time(c, MeshInfo(("a",), (4,)), PROFILE)
+
+
+def test_combined_gradient_all_reduce_splits_into_reduce_scatter_and_all_reduce():
+    # FSDP-style step: XLA combines the weight and bias gradients (each then sliced to the
+    # device's shard) and the loss (used whole) into one tuple all-reduce.
+    def step(w, b, x):
+        loss, (gw, gb) = jax.value_and_grad(
+            lambda w, b: jnp.sum(jnp.tanh(x @ w + b)), argnums=(0, 1))(w, b)
+        return w - 0.1 * gw, b - 0.1 * gb, loss
+
+    m = mesh()
+    shard = (NamedSharding(m, P("d")), NamedSharding(m, P("d")), NamedSharding(m, P("d")))
+    args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((32, 64), (64,), (128, 32))]
+    c = jax.jit(step, in_shardings=shard, out_shardings=shard[:2] + (NamedSharding(m, P()),)
+                ).lower(*args).compile()
+    assert any(") all-reduce(" in ln for ln in c.as_text().splitlines()), "no tuple all-reduce"
+    stats = collective_stats(c)
+    assert stats["reduce-scatter"] == stat(1, (32 * 64 + 64) * F32)
+    assert stats["all-reduce"] == stat(1, F32)
+
+
+@pytest.mark.parametrize("uses,want", [
+    (["%n = f32[64]{0} negate(%g1)"],
+     {"all-reduce": stat(1, 64 * F32), "reduce-scatter": stat(1, 16 * F32)}),
+    ([], {"all-reduce": stat(1, 64 * F32), "reduce-scatter": stat(1, 16 * F32)}),  # g1 unused
+    (["%s1 = f32[8]{0} dynamic-slice(%g1, %o), dynamic_slice_sizes={8}"],
+     {"reduce-scatter": stat(1, 80 * F32)}),
+    (["%n = f32[1]{0} negate(%ar)"], {"all-reduce": stat(1, 80 * F32)}),  # the tuple used whole
+])
+def test_tuple_all_reduce_split_by_element(uses, want):
+    text = module("%x = f32[16]{0} parameter(0)", "%y = f32[64]{0} parameter(1)",
+                  "%o = s32[] parameter(2)",
+                  f"%ar = (f32[16]{{0}}, f32[64]{{0}}) all-reduce(%x, %y), {ALL}, to_apply=%add",
+                  "%g0 = f32[16]{0} get-tuple-element(%ar), index=0",
+                  "%g1 = f32[64]{0} get-tuple-element(%ar), index=1",
+                  "%s0 = f32[2]{0} dynamic-slice(%g0, %o), dynamic_slice_sizes={2}", *uses)
+    assert collective_stats(text) == want

@@ -1,0 +1,129 @@
+"""The benchmarks' entry points on a tiny GPT: the JSON they write has its fields and sane figures.
+
+No timings are asserted; the full-size runs are `benchmarks/gpt_plans.py` and
+`benchmarks/search_time.py` themselves.
+"""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+F32 = 4
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+gpt_plans, search_time = _load("gpt_plans"), _load("search_time")
+TINY = {"d_model": 32, "heads": 4, "vocab": 64, "seq": 8, "batch": 8}
+
+
+def test_gpt_plans_tiny(tmp_path):
+    cfg = gpt_plans.Config(layers=1, **TINY)
+    result = gpt_plans.run(cfg, ["sharding_propagation", "no_such_mode"], ["data_parallel"],
+                           ["jit"], tmp_path)
+    saved = json.loads((tmp_path / "gpt_plans.json").read_text())
+    assert saved["config"]["d_model"] == 32 and len(saved["rows"]) == 3
+    assert "| plan | lowering |" in (tmp_path / "gpt_plans.md").read_text()
+    auto, missing, dp = saved["rows"]
+    assert missing["status"] == "unavailable" and "no_such_mode" in missing["error"]
+    for row in (auto, dp):
+        e = row["estimate"]
+        assert row["status"] == "ok" and row["compile_s"] > 0 and row["peak_bytes"] > 0
+        assert e["total_s"] == pytest.approx(e["compute_s"] + e["comm_s"]) and e["total_s"] > 0
+        assert row["measured_bytes"] == sum(v["bytes"] for v in row["measured"].values())
+    assert auto["plan_s"] > 0 and auto["predicted_bytes"] > 0 and auto["modelled_total_s"] > 0
+    assert auto["bytes_ratio"] == pytest.approx(auto["predicted_bytes"] / auto["measured_bytes"])
+    assert dp["plan_s"] is None and dp["bytes_ratio"] is None
+    # Data parallel: one all-reduce of the gradients (the tied embedding's two gradient terms
+    # may be reduced apart) and the loss.
+    _, args = gpt_plans._problem(cfg)
+    params = sum(x.size * F32 for x in jax.tree_util.tree_leaves(args[0]))
+    wte = TINY["vocab"] * TINY["d_model"] * F32
+    assert set(dp["measured"]) == {"all-reduce"}
+    assert params <= dp["measured"]["all-reduce"]["bytes"] <= params + wte + F32
+    assert result["failures"] == gpt_plans.failures(result["rows"])
+
+
+def test_gpt_plans_failures_name_slow_plans_and_bad_predictions():
+    def row(name, kind, total, ratio=None):
+        return {"name": name, "kind": kind, "lowering": "x", "status": "ok", "bytes_ratio": ratio,
+                "predicted_bytes": 1.0, "measured_bytes": 1.0, "estimate": {"total_s": total}}
+
+    rows = [row("auto", "automatic", 2.0, 1.0), row("dp", "baseline", 1.0),
+            row("fsdp", "baseline", 3.0, 1.2),
+            {"name": "rp", "kind": "automatic", "status": "error", "error": "boom"}]
+    found = gpt_plans.failures(rows)
+    assert len(found) == 3 and "rp failed: boom" in found
+    assert any(f.startswith("auto") and "slower than dp" in f for f in found)
+    assert any(f.startswith("fsdp") and "ratio 1.200" in f for f in found)
+    assert gpt_plans.failures([row("auto", "automatic", 1.0, 1.05), row("dp", "baseline", 1.0)]) \
+        == []
+
+
+@pytest.mark.parametrize("path,shape,want", [
+    ("params/wte", (64, 32), (gpt_plans.ALL8, None)),
+    ("params/blocks/0/mlp/w2", (128, 32), (gpt_plans.ALL8, None)),
+    ("opt_state/0/mu/blocks/0/attn/wqkv", (32, 96), (None, gpt_plans.ALL8)),
+    ("params/blocks/0/attn/bo", (32,), (gpt_plans.ALL8,)),
+    ("params/odd", (6, 5), ()),
+    ("opt_state/0/count", (), ()),
+    ("tokens", (8, 16), (gpt_plans.ALL8, None)),
+])
+def test_fsdp_splits_the_largest_divisible_dimension(path, shape, want):
+    assert tuple(gpt_plans.fsdp(path, shape)) == want
+
+
+@pytest.mark.parametrize("path,want", [
+    ("params/blocks/1/attn/wqkv", (None, "tp")), ("opt_state/0/nu/blocks/1/attn/bqkv", ("tp",)),
+    ("params/blocks/0/attn/wo", ("tp", None)), ("params/blocks/0/attn/bo", ()),
+    ("params/blocks/0/mlp/w1", (None, "tp")), ("params/blocks/0/mlp/w2", ("tp", None)),
+    ("params/wte", ("tp", None)), ("params/wpe", ()), ("params/ln_f/scale", ()),
+    ("targets", ("dp", None)),
+])
+def test_megatron_layout(path, want):
+    assert tuple(gpt_plans.megatron(path, (8, 8))) == want
+
+
+def test_search_time_tiny(tmp_path):
+    cfg = search_time.Config(**TINY)
+    result = search_time.run([1], ["sharding_propagation", "no_such_mode"], cfg, 300.0, tmp_path)
+    saved = json.loads((tmp_path / "search_time.json").read_text())
+    assert saved == json.loads(json.dumps(result))
+    ok, missing = saved["rows"]
+    assert missing["status"] == "unavailable"
+    assert ok["status"] == "ok", ok.get("error")
+    assert ok["ops"] >= ok["eqns"] > 100 and ok["layers"] == 1
+    assert ok["plan_s"] >= ok["search_s"] >= 0 and ok["trace_s"] > 0 and ok["graph_s"] > 0
+    assert math.isfinite(ok["cost"]) and ok["cost"] > 0
+    assert ok["optimal"] is None and ok["gap"] is None
+    assert "| layers | mode |" in (tmp_path / "search_time.md").read_text()
+
+
+def test_search_time_records_timeouts_and_skips_larger_programs():
+    result = search_time.run([1, 2], ["sharding_propagation"], search_time.Config(**TINY), 0.01,
+                             None)
+    assert [r["status"] for r in result["rows"]] == ["timeout", "skipped"]
+
+
+@pytest.mark.parametrize("notes,want", [
+    (["dynamic_programming: optimal (ilp, 1.20 s)"], {"optimal": True, "gap": 0.0}),
+    (["dynamic_programming: stopped at gap 2.5% (ilp, 60.00 s)"],
+     {"optimal": False, "gap": 0.025}),
+    (["dynamic_programming: stopped at gap inf% (ilp, 9.00 s)"],
+     {"optimal": False, "gap": math.inf}),
+    (["carried state: 3 outputs"], {"optimal": None, "gap": None}),
+])
+def test_search_time_reads_optimality_notes(notes, want):
+    assert search_time._optimality(notes) == want
