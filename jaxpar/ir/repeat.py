@@ -2,16 +2,25 @@
 
 Before: an OpGraph. After: a class number per op. Two ops share a class when they apply the same
 primitive with the same params to the same shapes and dtypes, and so do their neighbours out to
-`rounds` hops (Weisfeiler-Lehman refinement over the def-use edges). In an unrolled stack of
-identical layers, the ops of every layer away from the ends fall into one class per position in
-the layer, so a search can decide each class once: a deep model costs about as much to plan as
-a shallow one. Refinement stops after `rounds` hops on purpose: run to a fixed point it would
-tell every layer apart by its distance from the ends.
+`rounds` hops (Weisfeiler-Lehman refinement over the def-use edges: an op's operands in order,
+and per result the multiset of (reader, operand position) plus whether it is a program output).
+In an unrolled stack of identical layers, the ops of every layer away from the ends fall into
+one class per position in the layer, so a search can decide each class once: a deep model costs
+about as much to plan as a shallow one. Refinement stops after `rounds` hops on purpose: run to
+a fixed point it would tell every layer apart by its distance from the ends.
+
+Colours are 64-bit hashes refined with numpy over edge lists (a multiset hashes as the sum of
+its members' hashes), so a round costs a few array passes whatever the depth.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from jaxpar.ir.graph import Lit, Op, OpGraph
+
+_ODD = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9),
+        np.uint64(0x94D049BB133111EB))
 
 
 def op_signature(op: Op, graph: OpGraph):
@@ -27,27 +36,86 @@ def op_signature(op: Op, graph: OpGraph):
     return (op.name, params, shapes)
 
 
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijection of uint64 that scatters nearby inputs."""
+    x = (x ^ (x >> np.uint64(30))) * _ODD[1]
+    x = (x ^ (x >> np.uint64(27))) * _ODD[2]
+    return x ^ (x >> np.uint64(31))
+
+
+def _pair(a: np.ndarray, b) -> np.ndarray:
+    """An order-sensitive hash of (a, b)."""
+    return _mix(_mix(a) * _ODD[0] + np.asarray(b, dtype=np.uint64))
+
+
+def _fixed(key) -> int:
+    return hash(key) & 0xFFFFFFFFFFFFFFFF
+
+
+def _source_key(v, graph: OpGraph, inputs: set[int]):
+    """What an operand not made by an op looks like: a literal's value, an input's or a
+    constant's shape and dtype."""
+    if isinstance(v, Lit):
+        return ("lit", v.shape, str(v.dtype), np.asarray(v.value).tobytes())
+    kind = "input" if v in inputs else "const"
+    return (kind, graph.shape(v), str(graph.dtype(v)) if kind == "input" else "")
+
+
+class _Edges:
+    """Def-use edges as arrays: operand slots (reader, position, producer, port or a fixed
+    hash) and the results that are program outputs."""
+
+    def __init__(self, graph: OpGraph):
+        producer = {v: (op.index, j) for op in graph.ops for j, v in enumerate(op.outputs)}
+        inputs = set(graph.inputs)
+        reader, pos, src, port, fixed = [], [], [], [], []
+        for op in graph.ops:
+            for i, v in enumerate(op.inputs):
+                p, j = producer.get(v, (-1, 0)) if isinstance(v, int) else (-1, 0)
+                reader.append(op.index)
+                pos.append(i)
+                src.append(p)
+                port.append(j)
+                fixed.append(0 if p >= 0 else _fixed(_source_key(v, graph, inputs)))
+        self.reader, self.pos = np.array(reader, np.int64), np.array(pos, np.uint64)
+        self.src, self.port = np.array(src, np.int64), np.array(port, np.uint64)
+        self.fixed = np.array(fixed, np.uint64)
+        self.made = self.src >= 0
+        outputs = {v for v in graph.outputs if isinstance(v, int)}
+        out_ops = [(op.index, j) for op in graph.ops for j, v in enumerate(op.outputs)
+                   if v in outputs]
+        self.out_op = np.array([i for i, _ in out_ops], np.int64)
+        self.out_port = np.array([j for _, j in out_ops], np.uint64)
+
+
+def _refine(colour: np.ndarray, e: _Edges) -> np.ndarray:
+    """One Weisfeiler-Lehman round: an op's colour with its operands' and readers'."""
+    n = len(colour)
+    source = e.fixed.copy()
+    source[e.made] = _pair(colour[e.src[e.made]], e.port[e.made])
+    operands = np.zeros(n, np.uint64)
+    np.add.at(operands, e.reader, _pair(source, e.pos))
+    readers = np.zeros(n, np.uint64)  # per result port: the multiset of (reader, position)
+    made = np.flatnonzero(e.made)
+    np.add.at(readers, e.src[made],
+              _pair(_pair(colour[e.reader[made]], e.pos[made]), e.port[made]))
+    np.add.at(readers, e.out_op, _pair(np.full(len(e.out_op), 7, np.uint64), e.out_port))
+    return _pair(_pair(colour, operands), readers)
+
+
 def op_classes(graph: OpGraph, rounds: int = 8) -> list[int]:
-    """Class number of each op (by op index); see the module docstring."""
-    colour = [hash(op_signature(op, graph)) for op in graph.ops]
-    producer = {v: (op.index, j) for op in graph.ops for j, v in enumerate(op.outputs)}
-    users = graph.users()
-    fixed_in = {v: hash(("input", graph.shape(v), str(graph.dtype(v)))) for v in graph.inputs}
-    outputs = {v for v in graph.outputs if isinstance(v, int)}
-
-    def source(v) -> int:
-        if isinstance(v, Lit):
-            return hash(("lit", repr(v.value)))
-        if v in producer:
-            i, j = producer[v]
-            return hash((colour[i], j))
-        return fixed_in.get(v, hash(("const", graph.shape(v))))
-
-    for _ in range(rounds):
-        colour = [hash((colour[op.index],
-                        tuple(source(v) for v in op.inputs),
-                        tuple(tuple(sorted((colour[u.index], i) for u, i in users.get(v, [])))
-                              + (v in outputs,) for v in op.outputs)))
-                  for op in graph.ops]
-    numbering: dict[int, int] = {}
-    return [numbering.setdefault(c, len(numbering)) for c in colour]
+    """Class number of each op (by op index), numbered in order of first appearance; see the
+    module docstring."""
+    if not graph.ops:
+        return []
+    signatures: dict = {}
+    colour = np.array([signatures.setdefault(op_signature(op, graph), len(signatures))
+                       for op in graph.ops], dtype=np.uint64)
+    edges = _Edges(graph)
+    with np.errstate(over="ignore"):
+        for _ in range(rounds):
+            colour = _refine(colour, edges)
+    _, first, inverse = np.unique(colour, return_index=True, return_inverse=True)
+    rank = np.empty(len(first), np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(len(first))
+    return rank[inverse.ravel()].tolist()
