@@ -1,11 +1,13 @@
 """The exact strategy-selection kernel against brute force on seeded random tiny graphs."""
 
 import doctest
+import itertools
 
 import numpy as np
 import pytest
 
-from jaxpar.search import dynamic
+from jaxpar.search import dual, dynamic
+from jaxpar.search.compress import reduce_problem
 from jaxpar.search.dynamic import (
     Problem,
     brute_force,
@@ -81,6 +83,139 @@ def test_solve_matches_brute_force(seed, shape, with_budget):
         assert got.method == "chain-dp"
 
 
+def _tie(problem: Problem, rng: np.random.Generator) -> Problem:
+    """The problem with random groups of nodes of equal k tied together."""
+    by_k: dict[int, list[int]] = {}
+    for i, k in enumerate(problem.sizes):
+        by_k.setdefault(k, []).append(i)
+    groups = []
+    for nodes in by_k.values():
+        rng.shuffle(nodes)
+        while len(nodes) >= 2 and rng.random() < 0.8:
+            take = int(rng.integers(2, len(nodes) + 1))
+            groups.append(tuple(nodes[:take]))
+            nodes = nodes[take:]
+    return Problem(problem.node_cost, problem.edges, problem.node_mem, problem.live_sets,
+                   problem.budget, tuple(groups))
+
+
+def random_tied_problem(seed: int, shape: str, with_budget: bool) -> Problem:
+    """A random problem with ties; its budget (if any) fits some assignment that honours them."""
+    rng = np.random.default_rng(1000 + seed)
+    tied = _tie(random_problem(seed, shape, False), rng)
+    if not with_budget:
+        return tied
+    mem = tuple(rng.integers(0, 20, k).astype(float) for k in tied.sizes)
+    x = np.array([int(rng.integers(0, k)) for k in tied.sizes])
+    for g in tied.tied:
+        x[list(g)] = x[g[0]]
+    free = Problem(tied.node_cost, tied.edges, mem)
+    budget = peak_memory(free, x) + float(rng.integers(0, 10))
+    return Problem(tied.node_cost, tied.edges, mem, None, budget, tied.tied)
+
+
+@pytest.mark.parametrize("with_budget", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("seed", range(12))
+def test_tied_solve_matches_brute_force(seed, shape, with_budget):
+    problem = random_tied_problem(seed, shape, with_budget)
+    exact, got = brute_force(problem), solve(problem)
+    assert got.cost == pytest.approx(exact.cost, rel=1e-9, abs=1e-9)
+    assert got.optimal
+    for group in problem.tied:
+        assert len({int(got.choice[i]) for i in group}) == 1
+    if with_budget:
+        assert peak_memory(problem, got.choice) <= problem.budget
+
+
+def test_tying_restricts_and_untied_optimum_is_no_worse():
+    for seed in range(20):
+        tied = random_tied_problem(seed, "dag", False)
+        free = Problem(tied.node_cost, tied.edges)
+        assert solve(free).cost <= solve(tied).cost + 1e-9
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("seed", range(10))
+def test_reduction_keeps_every_value_and_the_optimum(seed, shape):
+    # Merged, folded and eliminated: the core's value of an assignment is the objective of
+    # its expansion, and the best expansion is the optimum.
+    problem = random_tied_problem(seed, shape, False) if seed % 2 else \
+        random_problem(seed, shape, False)
+    core = reduce_problem(problem)
+    alive = sorted(core.alive)
+    values = []
+    for x in itertools.product(*(range(len(core.cost[v])) for v in alive)):
+        x = dict(zip(alive, x, strict=True))
+        values.append(objective(problem, core.expand(x)))
+        assert dual.LocalSearch(core, core.cost).value(x) == pytest.approx(values[-1], abs=1e-9)
+    assert min(values) == pytest.approx(brute_force(problem).cost, abs=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_dual_bound_never_passes_the_optimum_and_never_drops(seed):
+    problem = random_problem(200 + seed, "dense", False)
+    core = reduce_problem(problem, memory=True)  # nothing eliminated: a dual over everything
+    ascent = dual.DualAscent(core, core.cost, 10.0)
+    optimum, last = brute_force(problem).cost, -np.inf
+    for it in range(12):
+        ascent.sweep(backward=bool(it % 2), balanced=it > 8)
+        bound = ascent.bound()
+        assert last - 1e-9 <= bound <= optimum + 1e-9
+        last = bound
+
+
+def test_fixing_keeps_every_assignment_within_the_slack():
+    problem = layout_dag(1, n=12, k=6, m=20)
+    core = reduce_problem(problem, memory=True)
+    ascent = dual.DualAscent(core, core.cost, 100.0)
+    for it in range(8):
+        ascent.sweep(backward=bool(it % 2))
+    best = solve(problem)
+    slack = best.cost - ascent.bound()
+    cands, pairs = dual.fixing(ascent, slack)
+    x = {int(core.var_of[i]): int(c) for i, c in enumerate(best.choice)}
+    assert all(x[v] in cands[v] for v in core.alive)
+    for (a, b), e in core.edges.items():
+        assert [e.row[x[a]], e.col[x[b]]] in pairs[(a, b)].tolist()
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_live_ranges_act_as_the_live_sets_at_every_point(seed):
+    base = random_problem(300 + seed, SHAPES[seed % 4], True)
+    rng = np.random.default_rng(seed)
+    n = len(base.sizes)
+    first = rng.integers(0, 6, n)
+    last = first + rng.integers(0, 4, n)
+    sets = tuple(tuple(i for i in range(n) if first[i] <= p <= last[i])
+                 for p in range(int(last.max()) + 1))
+    budget = _budget(rng, list(base.node_mem), [g for g in sets if g])
+    ranged = Problem(base.node_cost, base.edges, base.node_mem, None, budget,
+                     live_ranges=np.stack([first, last], axis=1))
+    listed = Problem(base.node_cost, base.edges, base.node_mem, sets, budget)
+    for _ in range(5):
+        x = np.array([int(rng.integers(0, k)) for k in base.sizes])
+        assert peak_memory(ranged, x) == peak_memory(listed, x)
+    got = solve(ranged)
+    assert got.cost == pytest.approx(brute_force(listed).cost, abs=1e-9)
+    assert brute_force(ranged).cost == brute_force(listed).cost
+    assert peak_memory(listed, got.choice) <= budget
+
+
+def test_tied_budget_that_no_agreeing_assignment_meets_is_an_error():
+    # Untied, node 0 at candidate 0 and node 1 at candidate 1 fit; tied, neither index does.
+    mem = (_mat([1, 9]), _mat([9, 1]))
+    problem = Problem((_mat([0, 0]), _mat([0, 0])), ((0, 1, SWAP),), mem, budget=3.0,
+                      tied=((0, 1),))
+    with pytest.raises(ValueError, match=r"tied nodes agree fits memory_budget=3"):
+        solve(problem)
+
+
+def test_prune_dominated_refuses_tied_problems():
+    with pytest.raises(ValueError, match="tied"):
+        prune_dominated(Problem((_mat([1, 2]), _mat([1, 2])), tied=((0, 1),)))
+
+
 def _mat(rows) -> np.ndarray:
     return np.array(rows, dtype=float)
 
@@ -88,15 +223,17 @@ def _mat(rows) -> np.ndarray:
 SWAP = _mat([[0, 5], [5, 0]])  # non-separable: keeping the same candidate is free
 
 
-def test_methods_chain_tree_and_ilp():
+def test_methods_chain_tree_dp_and_core():
     cost = tuple(_mat([1, 0]) for _ in range(4))
     chain = Problem(cost, ((0, 1, SWAP), (2, 1, SWAP), (2, 3, SWAP)))
     star = Problem(cost, ((0, 1, SWAP), (0, 2, SWAP), (0, 3, SWAP)))
     diamond = Problem(cost, ((0, 1, SWAP), (0, 2, SWAP), (1, 3, SWAP), (2, 3, SWAP)))
+    clique = Problem(cost, tuple((a, b, SWAP) for a in range(4) for b in range(a + 1, 4)))
     assert solve(chain).method == "chain-dp"
     assert solve(star).method == "tree-dp"
-    assert solve(diamond).method == "ilp"
-    for p in (chain, star, diamond):
+    assert solve(diamond).method == "dp"  # series-parallel: eliminated, no core left
+    assert solve(clique).method in ("dual", "ilp")  # every node has degree 3
+    for p in (chain, star, diamond, clique):
         assert solve(p).cost == brute_force(p).cost == 0.0
 
 
@@ -110,18 +247,23 @@ def test_zero_parallel_and_pinned_edges_do_not_break_a_chain():
     assert got.cost == brute_force(problem).cost
 
 
-def test_class_form_edges_expand_and_shrink_the_ilp():
+def test_class_form_edges_stay_small_and_price_like_dense_ones():
     k_classes = _mat([[0, 4], [4, 1]])
     row, col = np.array([0, 0, 1]), np.array([1, 0, 0, 1])
     cost = (_mat([0, 1, 2]), _mat([3, 2, 1, 0]), _mat([0, 0]))
     classed = Problem(cost, ((0, 1, k_classes, row, col), (1, 2, SWAP[col]), (0, 2, SWAP[row])))
     dense = Problem(cost, ((0, 1, k_classes[np.ix_(row, col)]), (1, 2, SWAP[col]),
                            (0, 2, SWAP[row])))
-    assert np.array_equal(classed.edges[0][2], dense.edges[0][2])
-    got = solve(classed)
-    assert got.method == "ilp" and got.cost == brute_force(dense).cost
-    _, constraints, _ = dynamic._build_ilp(classed, list(cost), {(0, 1): dense.edges[0][2]})
-    assert constraints[0].A.shape[1] == 3 + 4 + 2 + 2 * 2  # x, then e over 2 x 2 classes
+    assert classed.edges[0][2].shape == (2, 2)  # not expanded to (3, 4)
+    for x in itertools.product(range(3), range(4), range(2)):
+        assert objective(classed, np.array(x)) == objective(dense, np.array(x))
+    assert solve(classed).cost == solve(dense).cost == brute_force(dense).cost
+    core = reduce_problem(classed, memory=True)
+    assert [e.K.shape for e in core.edges.values()] == [(2, 2)] * 3  # dense ones found classes
+    everything = ({v: np.arange(len(core.cost[v])) for v in core.alive},
+                  {k: np.argwhere(e.K >= 0) for k, e in core.edges.items()})
+    _, constraints, _, nvar = dynamic._build_ilp(classed, core, *everything, 1.0)
+    assert nvar == 3 + 4 + 2 + 3 * 2 * 2  # x, then e over 2 x 2 classes per edge
 
 
 def test_binding_budget_goes_to_the_ilp_and_holds():
@@ -188,7 +330,7 @@ def layout_dag(seed: int, n: int = 40, k: int = 25, m: int = 60) -> Problem:
 def test_scale_forty_nodes_twenty_five_candidates():
     problem = layout_dag(0)  # 1,000 binaries and 37,500 edge variables
     got = solve(problem, time_limit=60.0)
-    assert got.method == "ilp" and got.optimal and got.gap == 0.0
+    assert got.method in ("dual", "ilp") and got.optimal and got.gap == 0.0
     assert got.choice.shape == (40,) and got.choice.dtype == np.int64
     assert np.all((got.choice >= 0) & (got.choice < 25))
     assert got.cost == pytest.approx(objective(problem, got.choice))
@@ -244,6 +386,16 @@ def test_empty_and_pinned_problems():
     (dict(node_cost=(_mat([1]),), node_mem=(_mat([1]),), budget=float("nan")), r"budget=nan"),
     (dict(node_cost=(_mat([1]),), node_mem=(_mat([1]),), live_sets=((0, 3),), budget=1.0),
      r"live_sets\[0\]=\(0, 3\)"),
+    (dict(node_cost=(_mat([1]), _mat([1])), node_mem=(_mat([1]), _mat([1])),
+          live_ranges=[[0, 1], [2, 1]]), r"live_ranges has shape \(2, 2\); expected .* first <="),
+    (dict(node_cost=(_mat([1]),), node_mem=(_mat([1]),), live_ranges=[[0, 1], [0, 1]]),
+     r"live_ranges has shape \(2, 2\)"),
+    (dict(node_cost=(_mat([1]),), node_mem=(_mat([1]),), live_sets=((0,),),
+          live_ranges=[[0, 1]]), r"live_sets or live_ranges, not both"),
+    (dict(node_cost=(_mat([1, 2]), _mat([1])), tied=((0, 1),)),
+     r"tied\[0\]=\(0, 1\) joins nodes with \[2, 1\] candidates"),
+    (dict(node_cost=(_mat([1]), _mat([1]), _mat([1])), tied=((0, 1), (1, 2))),
+     r"tied\[1\]=\(1, 2\) must hold node indices .* no other group holds"),
 ])
 def test_problem_validation_names_the_culprit(kwargs, match):
     with pytest.raises(ValueError, match=match):

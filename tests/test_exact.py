@@ -9,8 +9,12 @@ from jaxpar.cost.hardware import load_profile
 from jaxpar.cost.model import CostModel
 from jaxpar.ir import build_graph, trace
 from jaxpar.models import PROGRAMS
+from jaxpar.models.gpt import GPTConfig, abstract_train_step
+from jaxpar.plan import peak_memory
+from jaxpar.search import exact
 from jaxpar.search.exact import dynamic_programming
 from jaxpar.search.propagation import graph_cost, propagate
+from jaxpar.search.tables import build_tables
 from jaxpar.spec import MeshInfo
 from jaxpar.strategy import parse_in_strategy
 
@@ -75,3 +79,71 @@ def test_impossible_memory_budget_is_a_clear_error(budget, match):
                      memory_budget=budget)
     with pytest.raises(ValueError, match=match):
         f.plan(*args)
+
+
+SMALL = MeshInfo(("d0", "d1"), (2, 2))  # few specs per tensor: fast tables, same algorithm
+
+
+def _small_gpt(layers: int = 2):
+    """A GPT training step (Adam) and the automatic modes' cost model on a 2 x 2 mesh."""
+    cfg = GPTConfig(layers=layers, d_model=32, heads=2, vocab=64, seq=8)
+    step, args = abstract_train_step(cfg, 4)
+    traced = trace(step, args)
+    graph = build_graph(traced.closed_jaxpr, traced.in_paths)
+    return graph, CostModel(SMALL, load_profile("h100-nvlink"), mem_coeff=0.1,
+                            recompute_heavy=False)
+
+
+def _live_peak(graph, model, choice) -> float:
+    """The exact search's own memory model: the most bytes live at once under `choice`."""
+    t = build_tables(graph, model, {}, {})
+    ranges = exact.live_ranges(graph, t)
+    live = [(t.node_mem[i][c], first, last) for i, (c, (first, last)) in
+            enumerate(zip(choice, ranges, strict=True))]
+    return max(sum(m for m, first, last in live if first <= p <= last)
+               for p in range(len(graph.ops) + 1))
+
+
+def test_tied_layers_share_strategies_and_lose_nothing_on_gpt():
+    graph, model = _small_gpt(layers=3)
+    tied_plan, tied = dynamic_programming(graph, model, {}, {})
+    free_plan, free = dynamic_programming(graph, model, {}, {}, tie_repeats=False)
+    assert tied.optimal and free.optimal
+    assert free.cost <= tied.cost * (1 + 1e-9)  # tying restricts ...
+    assert tied.cost == pytest.approx(free.cost, rel=1e-9)  # ... and costs nothing here
+    t = build_tables(graph, model, {}, {})
+    op_of = {node: i for i, node in t.op_nodes.items()}
+    groups = exact._tied_groups(graph, t)
+    assert max(len(g) for g in groups) >= 3  # one op per layer, at least
+    for g in groups:
+        assert len({tied.choice[n] for n in g}) == 1
+        chosen = {tied_plan.choices[op_of[n]].strategy for n in g if n in op_of}
+        assert len(chosen) <= 1
+
+
+def test_exact_gpt_step_is_never_costlier_than_propagation():
+    graph, model = _small_gpt()
+    exact_plan, sol = dynamic_programming(graph, model, {}, {})
+    greedy = propagate(graph, model, {}, {})
+    exact_cost, greedy_cost = (model.score(graph_cost(graph, p, model))
+                               for p in (exact_plan, greedy))
+    assert sol.cost == pytest.approx(exact_cost, rel=1e-9)  # the plan is what was solved
+    assert exact_cost <= greedy_cost * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("budget, proven", [(350_000, True), (250_000, False)])
+def test_memory_budget_holds_with_tied_layers(budget, proven):
+    graph, model = _small_gpt()
+    free_plan, free = dynamic_programming(graph, model, {}, {})
+    assert _live_peak(graph, model, free.choice) > budget  # the budget binds
+    gp, sol = dynamic_programming(graph, model, {}, {}, memory_budget=budget, time_limit=2.0)
+    assert _live_peak(graph, model, sol.choice) <= budget
+    assert peak_memory(graph, gp, SMALL) <= budget  # as the plan reports it
+    t = build_tables(graph, model, {}, {})
+    for g in exact._tied_groups(graph, t):
+        assert len({sol.choice[n] for n in g}) == 1
+    assert sol.cost >= free.cost * (1 - 1e-9)
+    if proven:  # an optimum that fits exists at the unbudgeted cost; the bound proves it
+        assert sol.optimal and sol.cost == pytest.approx(free.cost, rel=1e-9)
+    else:
+        assert sol.optimal or sol.gap > 0

@@ -1,33 +1,38 @@
-"""dynamic_programming: the exact strategy-selection kernel (tree DP or ILP).
+"""dynamic_programming: the exact strategy-selection kernel (DP, dual ascent, ILP).
 
 Before: a `Problem` -- N nodes, node i with k_i candidate strategies priced by `node_cost[i]`,
-edges (u, v, C) with C[s, t] the resharding cost when u picks s and v picks t, and optionally a
-per-device memory budget. After: a `Solution` with one candidate per node minimising
+edges (u, v, K, row, col) with K[row[s], col[t]] the resharding cost when u picks s and v picks t
+(costs over spec classes: a tensor has far fewer distinct specs than its ops have strategies),
+optionally groups of tied nodes that must pick the same candidate index (repeated layers), and
+a per-device memory budget. After: a `Solution` with one candidate per node minimising
 
-    sum_i node_cost[i][choice_i] + sum_(u,v,C) C[choice_u, choice_v]
+    sum_i node_cost[i][choice_i] + sum_(u,v,K,row,col) K[row[choice_u], col[choice_v]]
 
-subject to the memory model: every live set L (default: one set holding every node) satisfies
-sum_(i in L) node_mem[i][choice_i] <= budget. That is Alpa's "peak of live tensors" when the
-caller passes the tensors live at each program point as `live_sets`.
+over the assignments in which tied nodes agree, subject to the memory model: every live set L
+(default: one set holding every node) satisfies sum_(i in L) node_mem[i][choice_i] <= budget
+(Alpa's "peak of live tensors" when `live_sets` are the tensors live at each program point).
 
-Method. Edges between the same pair of nodes are merged; an edge that splits as
-C[s, t] = r[s] + c[t] (all-zero edges, constant edges, edges at a pinned k=1 node) is folded into
-its endpoints' node costs. If what remains is a forest, a leaf-to-root min-sum pass (Viterbi on
-chains) is exact in O(sum k_u * k_v); its answer stands when it also fits the budget. Otherwise
-an ILP goes to HiGHS via `scipy.optimize.milp`, with the marginal edge formulation:
+Method, each step exact:
+1. compress.py reduces the problem: tied nodes become one variable, parallel edges merge,
+   separable edges fold into node costs, and variables of degree <= 2 are eliminated (the
+   Viterbi / tree DP on chains and trees; it goes on through series-parallel graphs).
+2. What is left (the core) gets a lower bound from dual ascent on the LP relaxation (dual.py:
+   TRW-S-style sweeps over spec classes) and an assignment decoded from it and polished by
+   local search. On resharding costs this LP is usually tight: when the assignment meets the
+   bound (to rel_gap) it is optimal.
+3. Otherwise reduced-cost fixing drops every candidate and class pair whose reduced cost
+   exceeds the gap (they are in no assignment better than the incumbent), and the rest goes
+   to HiGHS (`scipy.optimize.milp`) with the marginal edge formulation:
 
-    x_i[s] in {0, 1},  sum_s x_i[s] = 1                       (one-hot choice per node)
-    e_uv[s, t] >= 0,   sum_t e_uv[s, t] = x_u[s],  sum_s e_uv[s, t] = x_v[t]   (marginals)
-    min  sum c_i . x_i + sum C_uv . e_uv,   sum_(i in L) m_i . x_i <= budget  (memory rows)
+    x_i[s] in {0, 1},  sum_s x_i[s] = 1                          (one-hot choice per variable)
+    e_uv[p, q] >= 0,   sum_q e_uv[p, q] = sum_(s in p) x_u[s],   sum_p e_uv[p, q] = ...x_v
+    min  sum c_i . x_i + sum K_uv . e_uv,   memory rows per live set <= budget
 
-With x integral the marginals force e_uv to the one-hot outer product, so e stays continuous.
-The LP relaxation is exact on trees and usually tight on resharding costs (uniform random costs
-or a binding budget can leave a gap of several percent for branch and bound); the textbook
-linearisation e >= x_u + x_v - 1 is weak (minutes instead of sub-second solves) and is not used.
-Candidates with equal rows (columns) of C share e variables: e runs over the distinct rows p and
-columns q of C, with sum_q e[p, q] = sum_(s in class p) x_u[s] -- a tensor has far fewer
-distinct specs than its ops have strategies. If HiGHS stops at the time limit, its incumbent and
-a greedy start are polished by local search and the better one is returned, with its gap.
+   (the textbook linearisation e >= x_u + x_v - 1 is weak and not used). If HiGHS stops at the
+   time limit, the best assignment found is returned with its gap to the best bound.
+4. A memory budget the cheapest assignment breaks is relaxed the Lagrangian way (its most
+   overflowing live set's bytes priced, steps 1-3 per price) for a bound and fitting
+   assignments, then the ILP with every live set's row closes what gap it can in the time left.
 """
 
 from __future__ import annotations
@@ -40,6 +45,15 @@ import numpy as np
 from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
+from jaxpar.search.compress import Core, reduce_problem
+from jaxpar.search.dual import DualAscent, LocalSearch, ascend, fixing
+
+# Dual ascent hands over to the ILP once reduced-cost fixing keeps this many candidates and
+# class pairs (HiGHS proves such a remainder optimal in a fraction of a second).
+FIX_SIZE = 20_000
+# Prices tried on the overflowing live set's memory when the budget binds.
+PRICE_STEPS = 10
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -49,12 +63,18 @@ class Problem:
         node_cost: per node, the cost of each of its k_i >= 1 candidates (finite, >= 0);
             k_i = 1 pins the node.
         edges: (u, v, C), C of shape (k_u, k_v): the cost when u picks s and v picks t; or
-            (u, v, K, row, col) meaning C[s, t] = K[row[s], col[t]] (costs over spec classes),
-            stored expanded. Edges between one pair add up; direction does not matter.
+            (u, v, K, row, col) meaning C[s, t] = K[row[s], col[t]] (costs over spec classes).
+            Stored in the class form (a dense C gets row = col = arange). Edges between one
+            pair add up; direction does not matter.
         node_mem: per node, the bytes per device it keeps live under each candidate.
         live_sets: groups of nodes live at the same time, each of which must fit the budget;
             None means one group of every node.
+        live_ranges: instead of live_sets, per node the first and last program point at which
+            it is live (inclusive); the budget holds at every point (in effect, at every point
+            where some node is live for the last time: the others hold subsets of those).
         budget: bytes per device; None (or inf) means no memory constraint.
+        tied: disjoint groups of nodes with equal k that must pick the same candidate index
+            (the ops of repeated layers); the optimum is then over such assignments only.
 
     Example:
         >>> p = Problem((np.array([1.0, 2.0]), np.array([0.0, 5.0])),
@@ -64,17 +84,20 @@ class Problem:
     """
 
     node_cost: tuple[np.ndarray, ...]
-    edges: tuple[tuple[int, int, np.ndarray], ...] = ()
+    edges: tuple[tuple, ...] = ()
     node_mem: tuple[np.ndarray, ...] | None = None
     live_sets: tuple[tuple[int, ...], ...] | None = None
     budget: float | None = None
+    tied: tuple[tuple[int, ...], ...] | None = None
+    live_ranges: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         costs = tuple(_vector(c, f"node_cost[{i}]") for i, c in enumerate(self.node_cost))
         object.__setattr__(self, "node_cost", costs)
         k = self.sizes
+        checked: set[int] = set()
         object.__setattr__(self, "edges", tuple(
-            _edge(e, j, k) for j, e in enumerate(self.edges)))
+            _edge(e, j, k, checked) for j, e in enumerate(self.edges)))
         if self.node_mem is not None:
             if len(self.node_mem) != len(k):
                 raise ValueError(f"node_mem has {len(self.node_mem)} entries; the problem has "
@@ -82,12 +105,16 @@ class Problem:
             object.__setattr__(self, "node_mem", tuple(
                 _vector(m, f"node_mem[{i}]", k[i]) for i, m in enumerate(self.node_mem)))
         self._check_memory_model(k)
+        self._check_tied(k)
 
     def _check_memory_model(self, k: tuple[int, ...]) -> None:
         if self.budget is not None and not self.budget >= 0:
             raise ValueError(f"budget={self.budget!r} must be a number of bytes >= 0 (or None)")
-        if (self.budget is not None or self.live_sets is not None) and self.node_mem is None:
+        live = self.live_sets is not None or self.live_ranges is not None
+        if (self.budget is not None or live) and self.node_mem is None:
             raise ValueError("budget and live_sets need node_mem (bytes per candidate per node)")
+        if self.live_ranges is not None:
+            self._check_ranges(k)
         if self.live_sets is None:
             return
         sets = tuple(tuple(int(i) for i in s) for s in self.live_sets)
@@ -96,6 +123,32 @@ class Problem:
                 raise ValueError(f"live_sets[{j}]={s} must hold distinct node indices in "
                                  f"[0, {len(k)})")
         object.__setattr__(self, "live_sets", sets)
+
+    def _check_ranges(self, k: tuple[int, ...]) -> None:
+        ranges = np.asarray(self.live_ranges, dtype=np.int64)
+        if self.live_sets is not None:
+            raise ValueError("give live_sets or live_ranges, not both")
+        if ranges.shape != (len(k), 2) or np.any(ranges[:, 0] < 0) or \
+                np.any(ranges[:, 0] > ranges[:, 1]):
+            raise ValueError(f"live_ranges has shape {ranges.shape}; expected one (first, last) "
+                             f"pair with 0 <= first <= last per node ({len(k)} nodes)")
+        object.__setattr__(self, "live_ranges", ranges)
+
+    def _check_tied(self, k: tuple[int, ...]) -> None:
+        if self.tied is None:
+            return
+        groups = tuple(tuple(int(i) for i in g) for g in self.tied)
+        seen: set[int] = set()
+        for j, g in enumerate(groups):
+            if not g or any(not 0 <= i < len(k) for i in g) or seen & set(g) or \
+                    len(set(g)) != len(g):
+                raise ValueError(f"tied[{j}]={g} must hold node indices in [0, {len(k)}) that "
+                                 "no other group holds")
+            if len({k[i] for i in g}) != 1:
+                raise ValueError(f"tied[{j}]={g} joins nodes with {[k[i] for i in g]} "
+                                 "candidates; tied nodes need equal candidate lists")
+            seen |= set(g)
+        object.__setattr__(self, "tied", groups)
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -108,8 +161,38 @@ class Problem:
         return self.budget is not None and bool(np.isfinite(self.budget))
 
     def groups(self) -> tuple[tuple[int, ...], ...]:
-        """The live sets the budget applies to (every node together when none were given)."""
+        """The live sets the budget applies to (every node together when none were given; at
+        each point where a range ends, with live_ranges)."""
+        if self.live_ranges is not None:
+            return tuple(tuple(np.flatnonzero(self._alive_at(p)).tolist())
+                         for p in self.points())
         return self.live_sets if self.live_sets is not None else (tuple(range(len(self.sizes))),)
+
+    def points(self) -> np.ndarray:
+        """With live_ranges: the program points where some node is live for the last time."""
+        return np.unique(self.live_ranges[:, 1])
+
+    def _alive_at(self, p: int) -> np.ndarray:
+        return (self.live_ranges[:, 0] <= p) & (p <= self.live_ranges[:, 1])
+
+    def usage(self, nbytes: np.ndarray) -> np.ndarray:
+        """The bytes in each live set (in groups() order) when node i holds nbytes[i]."""
+        nbytes = np.asarray(nbytes, dtype=float)
+        if self.live_ranges is None:
+            return np.array([float(nbytes[list(g)].sum()) for g in self.groups()])
+        points = self.points()
+        first = np.searchsorted(points, self.live_ranges[:, 0])
+        stop = np.searchsorted(points, self.live_ranges[:, 1], side="right")
+        change = np.zeros(len(points) + 1)
+        np.add.at(change, first, nbytes)
+        np.add.at(change, stop, -nbytes)
+        return np.cumsum(change)[:-1]
+
+    def members(self, j: int) -> np.ndarray:
+        """The nodes of live set j (in groups() order)."""
+        if self.live_ranges is not None:
+            return np.flatnonzero(self._alive_at(int(self.points()[j])))
+        return np.asarray(self.groups()[j], dtype=np.int64)
 
 
 def _vector(values, name: str, size: int | None = None) -> np.ndarray:
@@ -123,32 +206,36 @@ def _vector(values, name: str, size: int | None = None) -> np.ndarray:
     return a
 
 
-def _edge(edge, j: int, k: tuple[int, ...]) -> tuple[int, int, np.ndarray]:
+def _edge(edge, j: int, k: tuple[int, ...], checked: set[int]) -> tuple:
     u, v, c = int(edge[0]), int(edge[1]), np.asarray(edge[2], dtype=np.float64)
+    name = f"edges[{j}] ({u} -> {v})"
     if not (0 <= u < len(k) and 0 <= v < len(k)) or u == v:
         raise ValueError(f"edges[{j}] joins nodes ({u}, {v}); expected two distinct nodes in "
                          f"[0, {len(k)})")
     if len(edge) == 5:
-        c = _expand(c, edge[3], edge[4], f"edges[{j}] ({u} -> {v})", k[u], k[v])
-    if c.shape != (k[u], k[v]):
-        raise ValueError(f"edges[{j}] ({u} -> {v}) has a cost matrix of shape {c.shape}; "
+        row, col = _class_index(c, edge[3], edge[4], name, k[u], k[v])
+    elif c.shape != (k[u], k[v]):
+        raise ValueError(f"{name} has a cost matrix of shape {c.shape}; "
                          f"expected (k_{u}, k_{v}) = ({k[u]}, {k[v]})")
-    bad = np.argwhere(~(np.isfinite(c) & (c >= 0)))
-    if len(bad):
-        s, t = bad[0]
-        raise ValueError(f"edges[{j}] ({u} -> {v}) has C[{s}, {t}]={float(c[s, t])}; resharding "
-                         f"costs must be finite and >= 0")
-    return u, v, c
+    else:
+        row, col = np.arange(k[u]), np.arange(k[v])
+    if id(c) not in checked:  # shared class matrices (repeated layers) are checked once
+        bad = np.argwhere(~(np.isfinite(c) & (c >= 0)))
+        if len(bad):
+            s, t = bad[0]
+            raise ValueError(f"{name} has C[{s}, {t}]={float(c[s, t])}; resharding costs "
+                             "must be finite and >= 0")
+        checked.add(id(c))
+    return u, v, c, row, col
 
 
-def _expand(c: np.ndarray, row, col, name: str, ku: int, kv: int) -> np.ndarray:
-    """C[s, t] = K[row[s], col[t]] from the class form of an edge."""
-    row, col = np.asarray(row), np.asarray(col)
+def _class_index(c: np.ndarray, row, col, name: str, ku: int, kv: int):
+    row, col = np.asarray(row, dtype=np.int64), np.asarray(col, dtype=np.int64)
     for what, idx, size, n in (("row", row, ku, c.shape[0]), ("col", col, kv, c.shape[-1])):
         if c.ndim != 2 or idx.shape != (size,) or not np.all((idx >= 0) & (idx < n)):
             raise ValueError(f"{name} has K of shape {c.shape} and {what} {idx.tolist()}; "
                              f"expected {size} class indices into K")
-    return c[np.ix_(row, col)]
+    return row, col
 
 
 @dataclass(frozen=True)
@@ -158,9 +245,11 @@ class Solution:
     Attributes:
         choice: the candidate index chosen for each node (int64, length N).
         cost: the objective of `choice` on the original problem.
-        optimal: whether `choice` is proven optimal (to HiGHS's gap tolerance for the ILP).
-        gap: relative gap between `cost` and the best lower bound (0 for DP and brute force).
-        method: "chain-dp", "tree-dp", "ilp" or "brute-force".
+        optimal: whether `choice` is proven optimal (to rel_gap), over the assignments the
+            problem allows (tied nodes agreeing).
+        gap: relative gap between `cost` and the best lower bound (0 when optimal).
+        method: "chain-dp", "tree-dp", "dp" (eliminated entirely), "dual" (the dual bound
+            met), "ilp" or "brute-force".
         seconds: wall time spent in the solver.
     """
 
@@ -175,26 +264,27 @@ class Solution:
 def objective(problem: Problem, choice: np.ndarray) -> float:
     """The total node plus edge cost of `choice` (one candidate index per node)."""
     total = sum(float(c[choice[i]]) for i, c in enumerate(problem.node_cost))
-    return total + sum(float(c[choice[u], choice[v]]) for u, v, c in problem.edges)
+    return total + sum(float(k[row[choice[u]], col[choice[v]]])
+                       for u, v, k, row, col in problem.edges)
 
 
 def peak_memory(problem: Problem, choice: np.ndarray) -> float:
     """The largest live-set memory of `choice`; 0 when the problem has no node_mem."""
     if problem.node_mem is None:
         return 0.0
-    mem = [float(m[choice[i]]) for i, m in enumerate(problem.node_mem)]
-    return max((sum(mem[i] for i in s) for s in problem.groups()), default=0.0)
+    usage = problem.usage([m[choice[i]] for i, m in enumerate(problem.node_mem)])
+    return float(usage.max()) if len(usage) else 0.0
 
 
 def solve(problem: Problem, time_limit: float = 30.0, rel_gap: float = 1e-9) -> Solution:
-    """Choose one candidate per node, exactly: tree DP where it applies, else an ILP.
+    """Choose one candidate per node, exactly (see the module docstring).
 
     Args:
         problem: the instance.
-        time_limit: seconds HiGHS may spend; when it stops early the best assignment found is
-            returned with optimal=False and its gap.
-        rel_gap: relative optimality gap at which HiGHS stops (its absolute gap is 1e-6 of the
-            largest cost coefficient, as the objective is scaled to max |cost| = 1).
+        time_limit: seconds for the whole search; when the ILP stops early the best assignment
+            found is returned with optimal=False and its gap.
+        rel_gap: relative gap at which an assignment counts as optimal (HiGHS's absolute gap
+            is 1e-6 of the largest cost coefficient, as its objective is scaled to max 1).
 
     Returns:
         A Solution; `cost` is always the objective of `choice` on `problem`.
@@ -209,18 +299,25 @@ def solve(problem: Problem, time_limit: float = 30.0, rel_gap: float = 1e-9) -> 
         ([0, 0], 1.0, 'chain-dp')
     """
     start = time.perf_counter()
+    deadline = start + time_limit
     if problem.has_budget:
         _check_budget(problem)
-    costs, pairs = _fold_separable(problem)
-    adj = _adjacency(len(costs), pairs)
-    tree = _forest_dp(costs, adj)
-    if tree is not None and (not problem.has_budget or _fits(problem, tree[0])):
-        choice, method, optimal, gap = tree[0], tree[1], True, 0.0
+    core = reduce_problem(problem)
+    if core.alive:
+        found = _solve_core(problem, core, deadline, rel_gap)
     else:
-        choice, optimal, gap = _solve_ilp(problem, costs, pairs, adj, time_limit, rel_gap)
-        method = "ilp"
+        found = core.expand({}), True, 0.0, _dp_method(core)
+    if problem.has_budget and not _fits(problem, found[0]):
+        found = _solve_budget(problem, found, deadline, rel_gap)
+    choice, optimal, gap, method = found
     return Solution(choice, objective(problem, choice), optimal, gap, method,
                     time.perf_counter() - start)
+
+
+def _dp_method(core: Core) -> str:
+    if core.acyclic:
+        return "chain-dp" if core.max_degree <= 2 else "tree-dp"
+    return "dp"
 
 
 def _fits(problem: Problem, choice: np.ndarray) -> bool:
@@ -230,203 +327,220 @@ def _fits(problem: Problem, choice: np.ndarray) -> bool:
 def _check_budget(problem: Problem) -> None:
     # Each node's least-memory candidate minimises every live set's sum at once, so the max
     # over sets of those sums is the exact smallest achievable peak for this memory model.
-    least = [float(m.min()) for m in problem.node_mem]
-    sums = [sum(least[i] for i in s) for s in problem.groups()]
-    worst = int(np.argmax(sums)) if sums else 0
-    if sums and sums[worst] > problem.budget * (1 + 1e-12):
-        where = f" in live_sets[{worst}]" if problem.live_sets is not None else ""
+    sums = problem.usage([m.min() for m in problem.node_mem])
+    worst = int(np.argmax(sums)) if len(sums) else 0
+    if len(sums) and sums[worst] > problem.budget * (1 + 1e-12):
+        where = f" in live_sets[{worst}]" if problem.live_sets is not None else \
+            f" at program point {problem.points()[worst]}" if problem.live_ranges is not None \
+            else ""
         raise ValueError(
             f"no strategy assignment fits memory_budget={problem.budget:.6g} bytes per device; "
             f"the smallest possible peak is {sums[worst]:.6g} bytes{where} (found by taking "
             f"every node's least-memory candidate, which is exact for this memory model)")
 
 
-def _fold_separable(problem: Problem) -> tuple[list[np.ndarray], dict]:
-    """Merge parallel edges into pairs (a < b) -> C_ab; fold C = r[s] + c[t] into node costs."""
-    costs = [c.copy() for c in problem.node_cost]
-    merged: dict[tuple[int, int], np.ndarray] = {}
-    for u, v, c in problem.edges:
-        key, m = ((u, v), c) if u < v else ((v, u), c.T)
-        merged[key] = merged[key] + m if key in merged else m.copy()
-    pairs = {}
-    for (a, b), c in merged.items():
-        r, col = c[:, 0], c[0, :] - c[0, 0]
-        if np.allclose(c, r[:, None] + col[None, :], rtol=0, atol=1e-12 * c.max()):
-            costs[a] += r
-            costs[b] += col
+def _scale(core: Core) -> float:
+    return max([float(core.cost[v].max()) for v in core.alive] +
+               [float(e.K.max()) for e in core.edges.values()] + [1e-300])
+
+
+def _until(deadline: float, share: float) -> float:
+    now = time.perf_counter()
+    return now + share * max(deadline - now, 0.0)
+
+
+def _solve_core(problem: Problem, core: Core, deadline: float, rel_gap: float) -> tuple:
+    """(node choice, optimal, gap, method) without the memory budget: dual ascent, then
+    reduced-cost fixing and the ILP unless the bound already meets the assignment."""
+    scale = _scale(core)
+    dual, search = DualAscent(core, core.cost, scale), LocalSearch(core, core.cost)
+    best, lower, keep = ascend(dual, search, _until(deadline, 0.5), rel_gap, FIX_SIZE)
+    if best is not None and search.value(best) - lower <= rel_gap * abs(search.value(best)):
+        return core.expand(best), True, 0.0, "dual"
+    upper = search.value(best) if best is not None else float("inf")
+    keep = keep or fixing(dual, upper - lower)
+    return _finish_ilp(problem, core, search, keep, best, lower, deadline, rel_gap)
+
+
+def _solve_budget(problem: Problem, unbounded: tuple, deadline: float, rel_gap: float) -> tuple:
+    """(node choice, optimal, gap, method) when the cheapest assignment breaks the budget.
+
+    Lagrangian relaxation of the live set it overflows most, L: the bytes of L's nodes are
+    priced at alpha per byte, and alpha is raised until the priced optimum fits, then bisected.
+    Each priced problem is an unbudgeted one (eliminated and solved as above), and for every
+    alpha, its bound - alpha * budget is a lower bound of the budgeted optimum; the fitting
+    assignments are upper bounds. What gap is left goes to the ILP with every live set's row,
+    after reduced-cost fixing from a dual of the priced problem over all variables.
+    """
+    choice, _, gap0, _ = unbounded
+    usage = problem.usage([m[choice[i]] for i, m in enumerate(problem.node_mem)])
+    worst = np.zeros(len(problem.sizes), dtype=bool)
+    worst[problem.members(int(np.argmax(usage)))] = True
+    lower = objective(problem, choice) * (1 - gap0)
+    best, upper = None, float("inf")
+    low, high, alpha = 0.0, None, max(objective(problem, choice), 1e-300) / problem.budget
+    stage = _until(deadline, 0.6)
+    for step in range(PRICE_STEPS):
+        priced = Problem(_priced(problem, worst, alpha), problem.edges, tied=problem.tied)
+        x, _, gap, _ = _unbudgeted(priced, _until(stage, 1.0 / (PRICE_STEPS - step)), rel_gap)
+        lower = max(lower, objective(priced, x) * (1 - gap) - alpha * problem.budget)
+        if _fits(problem, x):
+            high = alpha
+            if objective(problem, x) < upper:
+                best, upper = x, objective(problem, x)
         else:
-            pairs[(a, b)] = c
-    return costs, pairs
+            low = alpha
+        alpha = alpha * 4 if high is None else (low + high) / 2
+        if upper - lower <= rel_gap * upper < np.inf or time.perf_counter() > stage:
+            break
+    if upper - lower <= rel_gap * upper < np.inf:
+        return best, True, 0.0, "dual"
+    return _budget_ilp(problem, best, lower, worst, high or 0.0, deadline, rel_gap)
 
 
-def _adjacency(n: int, pairs: dict) -> list[list[tuple[int, np.ndarray]]]:
-    """adj[i]: (j, M) per neighbour j, with M[s, t] the edge cost when i picks s and j picks t."""
-    adj: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
-    for (a, b), c in pairs.items():
-        adj[a].append((b, c))
-        adj[b].append((a, c.T))
-    return adj
+def _priced(problem: Problem, worst: np.ndarray, alpha: float) -> tuple[np.ndarray, ...]:
+    return tuple(c + alpha * m if w else c for c, m, w in
+                 zip(problem.node_cost, problem.node_mem, worst, strict=True))
 
 
-def _forest_dp(costs: list[np.ndarray], adj: list) -> tuple[np.ndarray, str] | None:
-    """Exact min-sum over a forest by leaf-to-root messages; None if `adj` has a cycle."""
-    walk = _walk_forest(adj)
-    if walk is None:
-        return None
-    order, parent, to_parent = walk
-    f = [c.copy() for c in costs]  # f[i][s]: best cost of i's subtree with i at candidate s
-    back = {}  # back[i][s_p]: best candidate of i when its parent p picks s_p
-    for i in reversed(order):
-        if parent[i] >= 0:
-            total = to_parent[i] + f[i][None, :]  # (k_p, k_i)
-            back[i] = total.argmin(axis=1)
-            f[parent[i]] += total.min(axis=1)
-    choice = np.zeros(len(costs), dtype=np.int64)
-    for i in order:
-        choice[i] = back[i][choice[parent[i]]] if parent[i] >= 0 else int(np.argmin(f[i]))
-    chain = all(len(n) <= 2 for n in adj)
-    return choice, "chain-dp" if chain else "tree-dp"
+def _unbudgeted(problem: Problem, deadline: float, rel_gap: float) -> tuple:
+    core = reduce_problem(problem)
+    if core.alive:
+        return _solve_core(problem, core, deadline, rel_gap)
+    return core.expand({}), True, 0.0, _dp_method(core)
 
 
-def _walk_forest(adj: list) -> tuple[list[int], list[int], dict] | None:
-    """Depth-first order (parents before children), parent and edge to parent; None on a cycle."""
-    order, parent, to_parent = [], [-1] * len(adj), {}
-    seen = [False] * len(adj)
-    for root in range(len(adj)):
-        if seen[root]:
-            continue
-        seen[root], queue = True, [root]
-        while queue:
-            i = queue.pop()
-            order.append(i)
-            for j, c in adj[i]:
-                if j == parent[i]:
-                    continue
-                if seen[j]:
-                    return None  # a second path to j: a cycle
-                seen[j], parent[j], to_parent[j] = True, i, c
-                queue.append(j)
-    return order, parent, to_parent
+def _budget_ilp(problem: Problem, best: np.ndarray | None, lower: float, worst: np.ndarray,
+                alpha: float, deadline: float, rel_gap: float) -> tuple:
+    """The ILP with live-set rows over every variable; fixing uses a dual of the problem priced
+    at alpha over all variables (its bound - alpha * budget bounds the budgeted optimum)."""
+    core = reduce_problem(problem, memory=True)
+    search = LocalSearch(core, core.cost, (core.rows, problem.budget))
+    x = None
+    if best is not None:
+        first = np.unique(core.var_of, return_index=True)[1]
+        x = search.polish({v: int(best[i]) for v, i in enumerate(first)})
+    priced = {v: core.cost[v].copy() for v in core.alive}
+    for i in np.flatnonzero(worst):
+        priced[int(core.var_of[i])] += alpha * problem.node_mem[i]
+    dual = DualAscent(core, priced, _scale(core))
+    _, bound, _ = ascend(dual, LocalSearch(core, priced), _until(deadline, 0.3), rel_gap, None)
+    own = bound - alpha * problem.budget
+    keep = fixing(dual, (search.value(x) if x is not None else float("inf")) - own)
+    return _finish_ilp(problem, core, search, keep, x, max(lower, own), deadline, rel_gap)
 
 
-def _solve_ilp(problem: Problem, costs: list[np.ndarray], pairs: dict, adj: list,
-               time_limit: float, rel_gap: float) -> tuple[np.ndarray, bool, float]:
-    c, constraints, xoff = _build_ilp(problem, costs, pairs)
-    scale = max(float(np.abs(c).max(initial=0.0)), 1e-300)  # HiGHS's absolute gap is 1e-6
-    integrality = (np.arange(len(c)) < xoff[-1]).astype(int)  # x binary, e continuous
-    res = milp(c / scale, integrality=integrality, bounds=Bounds(0, 1), constraints=constraints,
-               options={"time_limit": time_limit, "mip_rel_gap": rel_gap})
-    if res.status == 2:
+def _finish_ilp(problem: Problem, core: Core, search: LocalSearch, keep: tuple[dict, dict],
+                best: dict | None, lower: float, deadline: float, rel_gap: float) -> tuple:
+    """The ILP over what fixing kept; the better of its answer and `best`, with the gap."""
+    found, bound, proven = _solve_ilp(problem, core, keep, _scale(core), deadline, rel_gap)
+    if found is not None:
+        found = search.polish(found)
+        if best is None or search.value(found) < search.value(best):
+            best = found
+    if best is None:
+        least = search.least_memory()
+        if not search.feasible(least):
+            raise ValueError(f"no strategy assignment in which tied nodes agree fits "
+                             f"memory_budget={problem.budget:.6g} bytes per device")
+        best = search.polish(least)
+    if proven:
+        return core.expand(best), True, 0.0, "ilp"
+    upper, lower = search.value(best), max(lower, bound)
+    return core.expand(best), False, max(0.0, upper - lower) / max(abs(upper), 1e-300), "ilp"
+
+
+def _solve_ilp(problem: Problem, core: Core, keep: tuple[dict, dict], scale: float,
+               deadline: float, rel_gap: float) -> tuple[dict | None, float, bool]:
+    """(assignment or None, lower bound, proven optimal) from HiGHS on the kept variables."""
+    cands, pairs = keep
+    c, constraints, xoff, nvar = _build_ilp(problem, core, cands, pairs, scale)
+    integrality = (np.arange(nvar) < xoff[-1]).astype(int)  # x binary, e and m continuous
+    upper = np.ones(nvar)  # (HiGHS can hang on integer variables without an upper bound)
+    upper[nvar - (len(core.terms) if core.rows is not None else 0):] = np.inf
+    limit = max(deadline - time.perf_counter(), 0.05)
+    res = milp(c, integrality=integrality, bounds=Bounds(0, upper), constraints=constraints,
+               options={"time_limit": limit, "mip_rel_gap": rel_gap})
+    if res.status == 2 and problem.has_budget:
         _check_budget(problem)  # raises the user-facing message when the budget is the cause
-    if res.status not in (0, 1):
+    if res.status not in (0, 1, 2):
         raise RuntimeError(f"HiGHS failed on the strategy ILP: {res.message}")
-    found = [] if res.x is None else [  # x_i is one-hot up to HiGHS's integrality tolerance
-        np.array([np.argmax(res.x[a:b]) for a, b in itertools.pairwise(xoff)], np.int64)]
-    if res.status == 0:
-        return found[0], True, 0.0
-    # Stopped early: polish the incumbent and a greedy start by local search, keep the best.
-    starts = found + [_fallback(problem, costs)]
-    choice = min((_local_search(problem, costs, adj, s) for s in starts),
-                 key=lambda s: objective(problem, s))
-    cost, bound = objective(problem, choice), res.get("mip_dual_bound")
-    if bound is None or not np.isfinite(bound):
-        return choice, False, float("inf")
-    return choice, False, max(0.0, cost - bound * scale) / max(cost, 1e-300)
+    found = None
+    if res.x is not None:  # x_i is one-hot up to HiGHS's integrality tolerance
+        found = {v: int(cands[v][np.argmax(res.x[a:b])])
+                 for v, a, b in zip(sorted(cands), xoff[:-1], xoff[1:], strict=True)}
+    bound = res.get("mip_dual_bound")
+    bound = float(bound) * scale if bound is not None and np.isfinite(bound) else -np.inf
+    return found, bound, res.status == 0
 
 
-def _build_ilp(problem: Problem, costs: list[np.ndarray],
-               pairs: dict) -> tuple[np.ndarray, list[LinearConstraint], np.ndarray]:
-    """Objective vector [c_i..., C_uv.ravel()...], constraints, and x_i's offsets xoff."""
-    k = np.array([len(c) for c in costs])
-    xoff = np.concatenate([[0], np.cumsum(k)])  # x_i occupies [xoff[i], xoff[i+1])
-    items = [(ab, *_classes(c)) for ab, c in pairs.items()]
-    eoff = xoff[-1] + np.concatenate([[0], np.cumsum([m.size for _, m, _, _ in items])])
-    eq, rhs = _marginal_rows(k, xoff, items, eoff.astype(int))
-    constraints = [LinearConstraint(eq, rhs, rhs)]
-    if problem.has_budget:
-        constraints.append(_memory_rows(problem, xoff, int(eoff[-1])))
-    return np.concatenate(costs + [m.ravel() for _, m, _, _ in items]), constraints, xoff
+def _build_ilp(problem: Problem, core: Core, cands: dict, pairs: dict, scale: float):
+    """(objective, constraints, x offsets, number of variables): x over the kept candidates,
+    then e over the kept class pairs of each edge, then one m per memory term."""
+    order = sorted(cands)
+    xoff = np.concatenate([[0], np.cumsum([len(cands[v]) for v in order])]).astype(int)
+    start = dict(zip(order, xoff[:-1], strict=True))
+    keys = sorted(pairs)
+    eoff = xoff[-1] + np.concatenate([[0], np.cumsum([len(pairs[k]) for k in keys])]).astype(int)
+    memory = core.rows is not None
+    nvar = int(eoff[-1]) + (len(core.terms) if memory else 0)
+    rows, cols, vals, rhs = [], [], [], []
+    for v in order:  # one-hot
+        rows.append(np.full(len(cands[v]), len(rhs)))
+        cols.append(start[v] + np.arange(len(cands[v])))
+        vals.append(np.ones(len(cands[v])))
+        rhs.append(1.0)
+    for key, e0 in zip(keys, eoff[:-1], strict=True):
+        _marginals(core, key, cands, pairs[key], start, int(e0), rows, cols, vals, rhs)
+    c = np.concatenate([core.cost[v][cands[v]] for v in order] +
+                       [core.edges[k].K[pairs[k][:, 0], pairs[k][:, 1]] for k in keys] +
+                       [np.zeros(nvar - int(eoff[-1]))]) / scale
+    if memory:
+        _memory_terms(core, cands, start, int(eoff[-1]), rows, cols, vals, rhs)
+    n_eq = len(rhs)
+    eq = sparse.csr_array((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+                          shape=(n_eq, nvar))
+    constraints = [LinearConstraint(eq, np.asarray(rhs), np.asarray(rhs))]
+    if memory and core.rows.shape[0]:
+        budget = problem.budget if problem.budget > 0 else 1.0
+        live = sparse.hstack([sparse.csr_array((core.rows.shape[0], int(eoff[-1]))),
+                              core.rows / budget], format="csr")
+        constraints.append(LinearConstraint(live, -np.inf, problem.budget / budget))
+    return c, constraints, xoff, nvar
 
 
-def _classes(c: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """C = K[row][:, col] with K's rows and columns distinct: candidates that reshard alike
-    (same output spec, say) share edge variables, which shrinks the ILP."""
-    distinct_rows, row = np.unique(c, axis=0, return_inverse=True)
-    k, col = np.unique(distinct_rows, axis=1, return_inverse=True)
-    return k, row.ravel(), col.ravel()
+def _marginals(core: Core, key, cands: dict, kept: np.ndarray, start: dict, e0: int,
+               rows: list, cols: list, vals: list, rhs: list) -> None:
+    """sum_q e[p, q] - sum_(s in p) x_a[s] = 0 per row class p; likewise per column class."""
+    e = core.edges[key]
+    for side, v in enumerate(key):
+        own = e.row if side == 0 else e.col
+        n = e.K.shape[side]
+        r0 = len(rhs)
+        rows += [r0 + kept[:, side], r0 + own[cands[v]]]
+        cols += [e0 + np.arange(len(kept)), start[v] + np.arange(len(cands[v]))]
+        vals += [np.ones(len(kept)), -np.ones(len(cands[v]))]
+        rhs += [0.0] * n
 
 
-def _marginal_rows(k: np.ndarray, xoff: np.ndarray, items: list,
-                   eoff: np.ndarray) -> tuple[sparse.csr_array, np.ndarray]:
-    """Rows: one-hot per node (= 1); per edge over classes p (of u) and q (of v),
-    sum_q e[p,q] - sum_(s: row[s]=p) x_u[s] and sum_p e[p,q] - sum_(t: col[t]=q) x_v[t] (= 0)."""
-    n = len(k)
-    rows, cols, vals = [np.repeat(np.arange(n), k)], [np.arange(xoff[-1])], [np.ones(xoff[-1])]
-    r0 = n
-    for j, ((a, b), m, row, col) in enumerate(items):
-        na, nb = m.shape
-        e = eoff[j] + np.arange(na * nb)  # e[p, q] at eoff + p * nb + q
-        rows += [r0 + np.repeat(np.arange(na), nb), r0 + row,
-                 r0 + na + np.tile(np.arange(nb), na), r0 + na + col]
-        cols += [e, xoff[a] + np.arange(len(row)), e, xoff[b] + np.arange(len(col))]
-        vals += [np.ones(na * nb), -np.ones(len(row)), np.ones(na * nb), -np.ones(len(col))]
-        r0 += na + nb
-    matrix = sparse.csr_array((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
-                              shape=(r0, int(eoff[-1])))
-    rhs = np.zeros(r0)
-    rhs[:n] = 1.0
-    return matrix, rhs
-
-
-def _memory_rows(problem: Problem, xoff: np.ndarray, nvar: int) -> LinearConstraint:
-    """sum_(i in L) m_i . x_i <= budget per live set L, each row divided by the budget."""
-    scale = problem.budget if problem.budget > 0 else 1.0
-    pick = [(r, i) for r, group in enumerate(problem.groups()) for i in group]
-    k = [len(problem.node_mem[i]) for _, i in pick]
-    rows = np.repeat(np.array([r for r, _ in pick], dtype=int), k)
-    cols = np.concatenate([xoff[i] + np.arange(n) for (_, i), n in zip(pick, k, strict=True)]
-                          + [np.zeros(0, int)])
-    vals = np.concatenate([problem.node_mem[i] for _, i in pick] + [np.zeros(0)]) / scale
-    matrix = sparse.csr_array((vals, (rows, cols)), shape=(len(problem.groups()), nvar))
-    return LinearConstraint(matrix, -np.inf, problem.budget / scale)
-
-
-def _fallback(problem: Problem, costs: list[np.ndarray]) -> np.ndarray:
-    """A feasible assignment when HiGHS stopped with none: cheapest nodes, else least memory."""
-    cheap = np.array([int(np.argmin(c)) for c in costs], dtype=np.int64)
-    if not problem.has_budget or _fits(problem, cheap):
-        return cheap
-    return np.array([int(np.argmin(m)) for m in problem.node_mem], dtype=np.int64)
-
-
-def _local_search(problem: Problem, costs: list[np.ndarray], adj: list,
-                  choice: np.ndarray, sweeps: int = 50) -> np.ndarray:
-    """Iterated conditional modes: move one node at a time to a cheaper candidate given its
-    neighbours' choices, keeping the budget, until no move helps."""
-    choice = choice.copy()
-    for _ in range(sweeps):
-        moved = False
-        for i in range(len(costs)):
-            local = costs[i] + sum((m[:, choice[j]] for j, m in adj[i]), np.zeros(len(costs[i])))
-            for s in np.argsort(local, kind="stable"):
-                if local[s] >= local[choice[i]] - 1e-12 * abs(local[choice[i]]):
-                    break
-                trial = choice.copy()
-                trial[i] = s
-                if not problem.has_budget or _fits(problem, trial):
-                    choice, moved = trial, True
-                    break
-        if not moved:
-            return choice
-    return choice
+def _memory_terms(core: Core, cands: dict, start: dict, m0: int, rows: list, cols: list,
+                  vals: list, rhs: list) -> None:
+    """m_t = sum_s bytes_t[s] x_v[s] per term t (bytes per device, scaled by the budget)."""
+    for t, (v, mem) in enumerate(core.terms):
+        r = len(rhs)
+        rows += [np.full(len(cands[v]) + 1, r)]
+        cols += [np.concatenate([start[v] + np.arange(len(cands[v])), [m0 + t]])]
+        vals += [np.concatenate([-mem[cands[v]], [1.0]])]
+        rhs.append(0.0)
 
 
 def brute_force(problem: Problem, max_assignments: int = 2_000_000) -> Solution:
-    """Try every assignment (for tests and tiny problems).
+    """Try every assignment (for tests and tiny problems); tied nodes move together.
 
     Args:
         problem: the instance.
-        max_assignments: prod(k_i) above this raises ValueError (as does an infeasible budget).
+        max_assignments: the number of assignments above this raises ValueError (as does an
+            infeasible budget).
 
     Returns:
         An optimal Solution, method "brute-force" (ties go to the first assignment found).
@@ -436,14 +550,15 @@ def brute_force(problem: Problem, max_assignments: int = 2_000_000) -> Solution:
         [1]
     """
     start = time.perf_counter()
-    k = problem.sizes
-    if np.prod(k, dtype=float) > max_assignments:
-        raise ValueError(f"brute_force: {np.prod(k, dtype=float):.3g} assignments for sizes "
-                         f"{k} exceed max_assignments={max_assignments}")
-    grid = np.array(list(itertools.product(*map(range, k))), dtype=np.int64).reshape(-1, len(k))
+    var_of, sizes = _free_variables(problem)
+    if np.prod(sizes, dtype=float) > max_assignments:
+        raise ValueError(f"brute_force: {np.prod(sizes, dtype=float):.3g} assignments for "
+                         f"sizes {problem.sizes} exceed max_assignments={max_assignments}")
+    free = np.array(list(itertools.product(*map(range, sizes))), dtype=np.int64)
+    grid = free.reshape(-1, len(sizes))[:, var_of]
     total = sum(c[grid[:, i]] for i, c in enumerate(problem.node_cost)) + np.zeros(len(grid))
-    for u, v, c in problem.edges:
-        total += c[grid[:, u], grid[:, v]]
+    for u, v, k, row, col in problem.edges:
+        total += k[row[grid[:, u]], col[grid[:, v]]]
     if problem.has_budget:
         _check_budget(problem)
         mem = [m[grid[:, i]] for i, m in enumerate(problem.node_mem)]
@@ -455,15 +570,24 @@ def brute_force(problem: Problem, max_assignments: int = 2_000_000) -> Solution:
                     time.perf_counter() - start)
 
 
+def _free_variables(problem: Problem) -> tuple[np.ndarray, list[int]]:
+    var_of = np.arange(len(problem.sizes))
+    for g in problem.tied or ():
+        var_of[list(g)] = g[0]
+    used, inverse = np.unique(var_of, return_inverse=True)
+    return inverse.ravel(), [problem.sizes[i] for i in used]
+
+
 def prune_dominated(problem: Problem) -> tuple[Problem, list[np.ndarray]]:
     """Drop candidates that another candidate of the same node dominates, to a fixed point.
 
     Candidate t of node i dominates s when its node cost, memory and, on every edge at i, its
     row (or column) of costs are elementwise <= those of s (of exact ties the first is kept).
     Swapping s -> t never costs more or breaks the budget, so the optimum is unchanged.
+    (solve() does not need it: reduced-cost fixing prunes far more.)
 
     Args:
-        problem: the instance (not modified).
+        problem: the instance (not modified); it may not tie nodes.
 
     Returns:
         (pruned problem, keep) where keep[i][new] is the original index of node i's candidate.
@@ -473,6 +597,9 @@ def prune_dominated(problem: Problem) -> tuple[Problem, list[np.ndarray]]:
         >>> pruned, keep = prune_dominated(p); keep[0].tolist()
         [0]
     """
+    if problem.tied:
+        raise ValueError("prune_dominated: a problem with tied nodes would lose its ties; "
+                         "prune the problem before tying")
     keep = [np.arange(k) for k in problem.sizes]
     while True:
         current = _restrict(problem, keep)
@@ -487,7 +614,11 @@ def _features(problem: Problem, i: int) -> np.ndarray:
     parts = [problem.node_cost[i][:, None]]
     if problem.node_mem is not None:
         parts.append(problem.node_mem[i][:, None])
-    parts += [c if u == i else c.T for u, v, c in problem.edges if i in (u, v)]
+    for u, v, k, row, col in problem.edges:
+        if u == i:
+            parts.append(k[np.ix_(row, col)])
+        elif v == i:
+            parts.append(k[np.ix_(row, col)].T)
     return np.concatenate(parts, axis=1)
 
 
@@ -503,6 +634,6 @@ def _restrict(problem: Problem, keep: list[np.ndarray]) -> Problem:
     mem = problem.node_mem
     return Problem(
         tuple(c[keep[i]] for i, c in enumerate(problem.node_cost)),
-        tuple((u, v, c[np.ix_(keep[u], keep[v])]) for u, v, c in problem.edges),
+        tuple((u, v, k, row[keep[u]], col[keep[v]]) for u, v, k, row, col in problem.edges),
         None if mem is None else tuple(m[keep[i]] for i, m in enumerate(mem)),
         problem.live_sets, problem.budget)

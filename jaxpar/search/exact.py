@@ -3,8 +3,15 @@
 Before: an OpGraph, fixed input/output specs, a CostModel, an optional per-device memory budget.
 After: a GraphPlan (as sharding_propagation returns) and the solver's report (optimal or not, gap,
 method, seconds). The graph becomes cost tables (tables.py), the tables a `Problem` for the exact
-solver (dynamic.py: chain DP, else an ILP over HiGHS), and the answer a plan again. The memory
-budget bounds the bytes live at every point of the program (Alpa's peak of live tensors).
+solver (dynamic.py), and the answer a plan again. The memory budget bounds the bytes live at
+every point of the program (Alpa's peak of live tensors).
+
+Repeated layers are solved once: with tie_repeats (the default), ops that play the same part in
+identical layers (one Weisfeiler-Lehman class, ir/repeat.py, and one candidate list) are tied to
+one strategy, and so are the free inputs they read in the same way (a layer's weights and their
+optimizer state). The answer is then exact over the plans in which repeated layers agree, which
+is what a deep model is planned as by hand; the search costs about as much for 48 layers as for
+2. tie_repeats=False searches every op on its own.
 """
 
 from __future__ import annotations
@@ -13,7 +20,8 @@ import numpy as np
 
 from jaxpar.cost.model import CostModel
 from jaxpar.ir.graph import OpGraph
-from jaxpar.rules.registry import OpInfo, has_rule
+from jaxpar.ir.repeat import op_classes
+from jaxpar.rules.registry import has_rule
 from jaxpar.search.dynamic import Problem, Solution, solve
 from jaxpar.search.propagation import Choice, GraphPlan
 from jaxpar.search.tables import Tables, build_tables
@@ -22,23 +30,35 @@ from jaxpar.spec import Spec
 
 def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
                         fixed_out: dict[int, Spec], memory_budget: float | None = None,
-                        time_limit: float = 30.0, ties: tuple[tuple[int, int], ...] = ()
-                        ) -> tuple[GraphPlan, Solution]:
-    """The cheapest plan of `graph` under `model` (see the module docstring). ties: (input
-    value, output position) pairs whose output must come back in the input's spec (the caller
-    fixes those outputs to the planned input specs)."""
+                        time_limit: float = 30.0, ties: tuple[tuple[int, int], ...] = (),
+                        tie_repeats: bool = True) -> tuple[GraphPlan, Solution]:
+    """The cheapest plan of `graph` under `model` (see the module docstring).
+
+    Args:
+        graph, model: the program and its cost model.
+        fixed_in: value id -> the spec the user fixed; fixed_out: output position -> spec.
+        memory_budget: bytes per device for everything live at once (None: no bound).
+        time_limit: seconds for the solver; past it the best plan found comes with its gap.
+        ties: (input value, output position) pairs whose output must come back in the input's
+            spec (the caller fixes those outputs to the planned input specs).
+        tie_repeats: give the ops of repeated layers one shared strategy (see above).
+
+    Returns:
+        (GraphPlan, Solution): the plan and how it was found (optimal, gap, method, seconds).
+    """
     t = build_tables(graph, model, fixed_in, fixed_out, tuple(ties))
     budget = _budget_left(graph, model, fixed_in, memory_budget)
     problem = Problem(tuple(t.node_cost),
                       tuple((e.u, e.v, e.cost, e.row, e.col) for e in t.edges),
-                      tuple(t.node_mem), _live_sets(graph, t) if budget is not None else None,
-                      budget)
+                      tuple(t.node_mem), None, budget,
+                      _tied_groups(graph, t) if tie_repeats else None,
+                      live_ranges(graph, t) if budget is not None else None)
     try:
         solution = solve(problem, time_limit)
     except ValueError as err:  # no assignment fits: say it in the user's terms
         raise ValueError(f"memory_budget={memory_budget:.0f} bytes per device cannot be met "
                          f"once the fixed inputs are placed: {err}") from None
-    return _to_plan(graph, model, t, solution.choice, fixed_in), solution
+    return _to_plan(graph, t, solution.choice, fixed_in), solution
 
 
 def _budget_left(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
@@ -54,20 +74,45 @@ def _budget_left(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     return memory_budget - fixed
 
 
-def _live_sets(graph: OpGraph, t: Tables) -> tuple[tuple[int, ...], ...]:
-    """Nodes whose results are alive at each op, in program order (free inputs: always)."""
-    last = {}
+def _tied_groups(graph: OpGraph, t: Tables) -> tuple[tuple[int, ...], ...]:
+    """Op nodes by (class, candidate list); input nodes by how their readers read them."""
+    cls = op_classes(graph)
+    key: dict[int, tuple] = {node: ("op", cls[i], id(t.cands[node]))
+                             for i, node in t.op_nodes.items()}
+    reads: dict[int, list] = {node: [] for node in t.input_nodes.values()}
+    for e in t.edges:
+        if e.u in reads:
+            reads[e.u].append((key[e.v], e.port))
+        if e.v in reads:
+            reads[e.v].append((key[e.u], "carried"))
+    for v, node in t.input_nodes.items():
+        info = graph.values[v]
+        key[node] = ("in", id(t.cands[node]), info.shape, str(info.dtype),
+                     tuple(sorted(reads[node], key=repr)))
+    groups: dict[tuple, list[int]] = {}
+    for node, k in key.items():
+        if len(t.cands[node]) > 1:
+            groups.setdefault(k, []).append(node)
+    return tuple(tuple(g) for g in groups.values() if len(g) > 1)
+
+
+def live_ranges(graph: OpGraph, t: Tables) -> np.ndarray:
+    """(first, last) program point at which each node's results are alive: an op's from its
+    own index to its last reader (to the end, len(graph.ops), for program outputs); a free
+    input's throughout."""
+    last: dict[int, int] = {}
     for op in graph.ops:
         for v in op.inputs:
             if isinstance(v, int):
                 last[v] = op.index
     outputs = {v for v in graph.outputs if isinstance(v, int)}
-    ends = {op.index: max([last.get(v, op.index) for v in op.outputs] +
-                          [len(graph.ops) if set(op.outputs) & outputs else op.index])
-            for op in graph.ops}
-    always = tuple(t.input_nodes.values())
-    return tuple(always + tuple(t.op_nodes[q] for q in ends if q <= p <= ends[q])
-                 for p in range(len(graph.ops)))
+    ranges = np.zeros((len(t.cands), 2), dtype=np.int64)
+    ranges[list(t.input_nodes.values()), 1] = len(graph.ops)
+    for op in graph.ops:
+        end = max([last.get(v, op.index) for v in op.outputs] +
+                  [len(graph.ops) if set(op.outputs) & outputs else op.index])
+        ranges[t.op_nodes[op.index]] = (op.index, end)
+    return ranges
 
 
 def _local_costs(t: Tables, choice: np.ndarray, node: int, touching: list) -> np.ndarray:
@@ -81,7 +126,7 @@ def _local_costs(t: Tables, choice: np.ndarray, node: int, touching: list) -> np
     return cost
 
 
-def _to_plan(graph: OpGraph, model: CostModel, t: Tables, choice: np.ndarray,
+def _to_plan(graph: OpGraph, t: Tables, choice: np.ndarray,
              fixed_in: dict[int, Spec]) -> GraphPlan:
     plan = GraphPlan(specs=dict(fixed_in))
     for v, node in t.input_nodes.items():
@@ -95,14 +140,12 @@ def _to_plan(graph: OpGraph, model: CostModel, t: Tables, choice: np.ndarray,
         local = _local_costs(t, choice, node, touching.get(node, []))
         k = int(choice[node])
         s = t.cands[node][k]
-        others = [j for j in np.argsort(local, kind="stable") if j != k]
-        runner = int(others[0]) if others else None
-        plans, trips, region_cost = t.regions.get(op.index, ((), 1, None))
-        if region_cost is None:
-            region_cost = model.op(OpInfo.of(op, graph), s, graph.op_latency_share(op))
-        own = region_cost
+        others = np.argsort(local, kind="stable")[:2]
+        runner = next((int(j) for j in others if j != k), None)
+        plans, trips, _ = t.regions.get(op.index, ((), 1, None))
         plan.choices[op.index] = Choice(
-            s, own, float(local[k]), t.cands[node][runner] if runner is not None else None,
+            s, t.own[node][k], float(local[k]),
+            t.cands[node][runner] if runner is not None else None,
             float(local[runner]) if runner is not None else None, len(t.cands[node]),
             has_rule(op.primitive) or bool(op.regions), plans, trips)
         plan.specs.update(zip(op.outputs, s.outs, strict=True))
