@@ -1,0 +1,236 @@
+"""recursive_programming (SAPP): what it chooses, measured on compiled programs; its decision
+log; mem_coeff and memory budgets; how close it comes to the exact search."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpar
+from jaxpar.api import carried_pairs
+from jaxpar.cost import CostModel, load_profile
+from jaxpar.ir import build_graph, trace
+from jaxpar.models.programs import PROGRAMS
+from jaxpar.search.exact import dynamic_programming
+from jaxpar.search.propagation import graph_cost, propagate
+from jaxpar.search.recursive import main_ops, recursive_programming
+from jaxpar.spec import MeshInfo
+from jaxpar.strategy import parse_in_strategy
+
+MODE = "recursive_programming"
+
+
+def mlp_step(params, x, y):
+    """Alpa's MLP test: layers with bias, squared loss, one SGD step."""
+    def loss(params):
+        h = x
+        for w, b in params:
+            h = h @ w + b
+        return jnp.mean((h - y) ** 2)
+
+    grads = jax.grad(loss)(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+
+def mlp_args(batch, hidden, layers=6, scale=0.1):
+    rng = np.random.default_rng(0)
+    params = [(jnp.asarray(rng.standard_normal((hidden, hidden)) * scale, jnp.float32),
+               jnp.asarray(rng.standard_normal(hidden) * 0.1, jnp.float32))
+              for _ in range(layers)]
+    x = jnp.asarray(rng.standard_normal((batch, hidden)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((batch, hidden)), jnp.float32)
+    return params, x, y
+
+
+def planned(batch, hidden, layers=6, scale=0.1, **kw):
+    args = mlp_args(batch, hidden, layers, scale)
+    f = jaxpar.shard(mlp_step, mesh=jaxpar.make_mesh((4,), ("x",)), search_mode=MODE, **kw)
+    return f, args, f.plan(*args)
+
+
+def assert_same_as_jit(fn, f, args):
+    for got, want in zip(jax.tree.leaves(f(*args)), jax.tree.leaves(jax.jit(fn)(*args)),
+                         strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch,hidden,layout,want", [
+    # Data parallel: the gradients (6 x (32 x 32 + 32) floats) reduced by one all-reduce.
+    (256, 32, "dp4", {"all-reduce": {"count": 1, "bytes": 6 * (32 * 32 + 32) * 4}}),
+    # Megatron: column then row kernels; 3 forward and 2 backward activation all-reduces.
+    (32, 256, "tp4", {"all-reduce": {"count": 5, "bytes": 5 * 32 * 256 * 4}}),
+])
+def test_alpa_mlp_cases(batch, hidden, layout, want):
+    f, args, plan = planned(batch, hidden)
+    assert plan.layout == layout
+    assert jaxpar.collective_stats(f.lower(*args).compile()) == want
+    assert_same_as_jit(mlp_step, f, args)
+
+
+@pytest.mark.parametrize("name", ["attention_tensor_parallel", "moe_top2",
+                                  "conv_net_feature_parallel", "scan_layers", "cond_and_fori",
+                                  "embedding_xent", "mlp_train_step"])
+def test_plans_compute_what_jit_computes(name):
+    fn, args, in_strategy = PROGRAMS[name]()
+    f = jaxpar.shard(fn, in_strategy=in_strategy, search_mode=MODE)
+    assert f.plan(*args).search_mode == MODE
+    assert_same_as_jit(fn, f, args)
+
+
+def _graph(fn, args, in_strategy, mesh, hardware="cpu", **kw):
+    fixed = parse_in_strategy(in_strategy, args, mesh)
+    traced = trace(fn, args)
+    graph = build_graph(traced.closed_jaxpr, traced.in_paths)
+    model = CostModel(MeshInfo.of(mesh), load_profile(hardware), recompute_heavy=False, **kw)
+    return graph, model, {graph.inputs[i]: s for i, s in enumerate(fixed) if s}
+
+
+CLOSE_TO_EXACT = {
+    "mlp_train_step": lambda: PROGRAMS["mlp_train_step"]() + (jaxpar.make_mesh(8),),
+    "embedding_xent": lambda: PROGRAMS["embedding_xent"]() + (jaxpar.make_mesh(8),),
+    "moe_top2": lambda: PROGRAMS["moe_top2"]() + (jaxpar.make_mesh(8),),
+    "conv_net_feature_parallel": lambda: PROGRAMS["conv_net_feature_parallel"]()
+    + (jaxpar.make_mesh(8),),
+    "alpa_dp": lambda: (mlp_step, mlp_args(256, 32), None, jaxpar.make_mesh((4,), ("x",))),
+    "alpa_tp": lambda: (mlp_step, mlp_args(32, 256), None, jaxpar.make_mesh((4,), ("x",))),
+}
+
+
+@pytest.mark.parametrize("hardware", ["cpu", "h100-nvlink"])
+@pytest.mark.parametrize("name", list(CLOSE_TO_EXACT))
+def test_within_five_percent_of_the_exact_search(name, hardware):
+    fn, args, in_strategy, mesh = CLOSE_TO_EXACT[name]()
+    graph, model, fixed_in = _graph(fn, args, in_strategy, mesh, hardware, mem_coeff=0.1)
+    exact, _ = dynamic_programming(graph, model, fixed_in, {})
+    fast, _ = recursive_programming(graph, model, fixed_in, {})
+    greedy = propagate(graph, model, fixed_in, {})
+    exact, fast, greedy = (model.score(graph_cost(graph, p, model)) for p in (exact, fast, greedy))
+    assert exact <= fast <= 1.05 * exact
+    assert fast <= 1.01 * greedy  # and no worse than plain sharding propagation
+
+
+def test_every_op_gets_a_choice_and_main_ops_a_runner_up():
+    fn, args, in_strategy = PROGRAMS["mlp_train_step"]()
+    graph, model, fixed_in = _graph(fn, args, in_strategy, jaxpar.make_mesh(8))
+    gp, decisions = recursive_programming(graph, model, fixed_in, {})
+    assert set(gp.choices) == {op.index for op in graph.ops}
+    assert set(graph.inputs) <= set(gp.specs)
+    assert all(gp.specs[v] == s for v, s in fixed_in.items())
+    for x in main_ops(graph):
+        choice = gp.choices[x]
+        assert choice.runner_up is not None and choice.n_candidates > 1
+        assert choice.score <= choice.runner_score + 1e-12 or "Choose" in decisions[-1]
+
+
+def test_matmul_decisions_are_logged_the_mindspore_way(caplog):
+    x, w = jnp.ones((128, 64)), jnp.ones((64, 32))
+    f = jaxpar.shard(lambda x, w: x @ w, search_mode=MODE)
+    with caplog.at_level(logging.DEBUG, logger="jaxpar.search.recursive"):
+        plan = f.plan(x, w)
+    lines = plan.decisions
+    for axis in ("d0", "d1", "d2"):
+        head = f"op 0 dot_general, axis {axis}: "
+        assert head + "If the I-axis is cut, the op-cost is " in "\n".join(lines)
+        assert any(line.startswith(head + "If the J-axis is cut") for line in lines)
+        assert any(line.startswith(head + "If the K-axis (all-reduce) is cut") for line in lines)
+        assert any(line.startswith(head + "Choose to cut the ") for line in lines)
+    assert all("the rest-cost is" in line and "the total cost is" in line
+               for line in lines if " If " in line)
+    assert [r.getMessage() for r in caplog.records
+            if r.name == "jaxpar.search.recursive"] == lines
+    assert "op 0 dot_general, axis d2: Choose to cut" in plan.explain(decisions=True)
+    assert "search decisions logged" in plan.explain()
+    assert_same_as_jit(lambda x, w: x @ w, f, (x, w))
+
+
+def test_a_reduction_cheaper_whole_is_not_cut():
+    # Replicated in and out: cutting the sum needs an all-reduce or an all-gather, whose
+    # latency dwarfs adding 64 numbers.
+    x = jnp.arange(64.0).reshape(8, 8)
+    fn = lambda x: jnp.sum(x, axis=0)  # noqa: E731
+    f = jaxpar.shard(fn, in_strategy=((1, 1),), out_strategy=((1,),), search_mode=MODE)
+    lines = f.plan(x).decisions
+    assert sum(line.endswith("Choose NOT to cut") for line in lines) == 3
+    assert any("If do NOT cut the axis, the op-cost is" in line for line in lines)
+    assert any("If dim 0 of operand 0 (all-reduce) is cut" in line for line in lines)
+    assert jaxpar.collective_stats(f.lower(x).compile()) == {}
+    assert_same_as_jit(fn, f, (x,))
+
+
+def test_mem_coeff_turns_data_parallel_into_model_parallel():
+    f_small, args, small = planned(64, 64, layers=2, mem_coeff=0.1)
+    f_big, _, big = planned(64, 64, layers=2, mem_coeff=100.0)
+    assert (small.layout, big.layout) == ("dp4", "tp4")
+    assert big.cost.peak_memory_bytes < 0.7 * small.cost.peak_memory_bytes
+    assert any("mem_coeff=100" in line for line in big.decisions)
+    assert_same_as_jit(mlp_step, f_big, args)
+
+
+def test_a_memory_budget_is_met_by_a_larger_mem_coeff():
+    _, _, free = planned(64, 64, layers=2)
+    budget = 0.8 * free.cost.peak_memory_bytes
+    f, args, plan = planned(64, 64, layers=2, memory_budget=budget)
+    assert plan.cost.peak_memory_bytes <= budget
+    assert any(f"memory_budget={budget:.0f} bytes per device: the plan with mem_coeff=0.1"
+               in line for line in plan.decisions)
+    assert_same_as_jit(mlp_step, f, args)
+
+
+@pytest.mark.parametrize("budget,in_strategy,match", [
+    (20_000, None, r"memory_budget=20000 bytes per device cannot be met by "
+                   r"recursive_programming: its leanest plan peaks at \d+ bytes per device"),
+    (10_000, ([((1, 1), (1,))] * 2, (1, 1), (1, 1)),
+     r"memory_budget=10000 bytes per device: the inputs whose strategy is fixed already "
+     r"take \d+ bytes"),
+])
+def test_an_impossible_memory_budget_is_a_clear_error(budget, in_strategy, match):
+    with pytest.raises(ValueError, match=match):
+        planned(64, 64, layers=2, memory_budget=budget, in_strategy=in_strategy)
+
+
+def test_repeated_layers_are_decided_once():
+    f, args, plan = planned(256, 32, layers=16, scale=32 ** -0.5)
+    chosen = [line for line in plan.decisions if "Choose" in line]
+    assert any("like it), axis x: Choose" in line for line in chosen)
+    assert len(chosen) < 16 * 5  # fewer decisions than main ops (5 per layer)
+    assert plan.layout == "dp4"
+    assert jaxpar.collective_stats(f.lower(*args).compile()) == {
+        "all-reduce": {"count": 1, "bytes": 16 * (32 * 32 + 32) * 4}}
+    assert_same_as_jit(mlp_step, f, args)
+
+
+@pytest.mark.parametrize("batch,hidden", [(256, 32), (32, 256)])
+def test_carried_state_keeps_one_spec_in_and_out(batch, hidden):
+    args = mlp_args(batch, hidden, layers=4)
+    graph, model, _ = _graph(mlp_step, args, None, jaxpar.make_mesh((4,), ("x",)))
+    ties = [(graph.inputs[i], j) for i, j in carried_pairs(args, jax.eval_shape(mlp_step, *args))]
+    gp, _ = recursive_programming(graph, model, {}, {}, ties=ties)
+    assert all(gp.specs[graph.outputs[pos]] == gp.specs[v] for v, pos in ties)
+    free = propagate(graph, model)  # without ties nothing holds them together
+    assert not all(free.specs[graph.outputs[pos]] == free.specs[v] for v, pos in ties)
+    tied = propagate(graph, model, ties=tuple(ties))
+    assert all(tied.specs[graph.outputs[pos]] == tied.specs[v] for v, pos in ties)
+
+
+def test_propagation_keeps_decided_ops_and_plans_a_class_once():
+    args = mlp_args(64, 64, layers=4)
+    graph, model, _ = _graph(mlp_step, args, None, jaxpar.make_mesh(8))
+    free = propagate(graph, model)
+    dots = [op.index for op in graph.ops if op.name == "dot_general"]
+    other = next(s for s in model.options(*_info(graph, dots[0]))[0]
+                 if s != free.choices[dots[0]].strategy)
+    gp = propagate(graph, model, fixed_ops={dots[0]: other})
+    assert gp.choices[dots[0]].strategy == other and gp.choices[dots[0]].n_candidates == 1
+    forward = dots[:4]  # one signature: (64, 64) @ (64, 64)
+    classes = [0 if i in forward else 1 + i for i in range(len(graph.ops))]
+    gp = propagate(graph, model, classes=classes)
+    assert set(gp.choices) == {op.index for op in graph.ops}
+    assert len({gp.choices[i].strategy for i in forward}) <= 2  # by what each op sees
+
+
+def _info(graph, index):
+    from jaxpar.rules.registry import OpInfo
+    op = graph.ops[index]
+    return OpInfo.of(op, graph), graph.op_latency_share(op)
