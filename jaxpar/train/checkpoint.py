@@ -1,0 +1,353 @@
+"""Sharded checkpoints with orbax: save a training state, restore it onto any mesh.
+
+Before: a training state (params, optax state, a step counter, ...) is a pytree of jax.Arrays
+sharded on some mesh, numpy arrays and python scalars. After `save_checkpoint` it is on disk in
+orbax's format, written completely: in one directory, or in `path/<step>` when a step is given,
+where `latest_step` and `checkpoint_steps` find it. `restore_checkpoint` reads it back onto the
+shardings you ask for (another mesh, fewer devices, other PartitionSpecs); each device reads only
+its own shards. The saved metadata is checked against the restore target first, so a wrong
+structure, shape, dtype or sharding is a `ValueError` that names the leaf, not an orbax traceback.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+
+PathLike = str | os.PathLike[str]
+KeyPath = tuple[Any, ...]
+
+# Step directories are named "<step>" (orbax's standard format, as CheckpointManager writes them).
+_STEP_NAMES = ocp.step.standard_name_format()
+_SCALARS = bool | int | float
+# The attribute naming each kind of pytree key (DictKey and FlattenedIndexKey use "key").
+_KEY_FIELDS = {jax.tree_util.SequenceKey: "idx", jax.tree_util.GetAttrKey: "name"}
+
+
+def save_checkpoint(path: PathLike, state: Any, *, step: int | None = None,
+                    overwrite: bool = False) -> Path:
+    """Save a pytree of arrays and scalars, sharded or not, and wait until it is on disk.
+
+    Every process of a multi-process run must call this with the same arguments; each writes
+    only the shards it holds.
+
+    Args:
+      path: checkpoint directory; a relative path is resolved against the working directory.
+      state: a pytree of jax.Arrays (any sharding), numpy arrays and python scalars, e.g.
+        `{"params": params, "opt_state": opt_state, "step": 3}`.
+      step: when given, save into `path/<step>` so that `latest_step(path)` finds it.
+      overwrite: replace a checkpoint already at that directory instead of raising.
+
+    Returns:
+      The absolute directory the checkpoint was written to.
+
+    Example:
+      >>> save_checkpoint("ckpt", {"params": params, "opt_state": opt_state}, step=100)
+      PosixPath('/home/me/run/ckpt/100')
+    """
+    directory = _absolute(path, "path")
+    if step is not None:
+        directory = directory / _STEP_NAMES.build_name(_check_step(step))
+    _check_state(state)
+    replace = _check_destination(directory, overwrite)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(directory, state, force=replace)
+        checkpointer.wait_until_finished()
+    return directory
+
+
+def restore_checkpoint(path: PathLike, target: Any, *, step: int | None = None,
+                       mesh: Mesh | None = None, shardings: Any = None) -> Any:
+    """Restore a checkpoint onto the requested shardings.
+
+    Each array leaf lands on, by precedence: its entry in `shardings`; else the target leaf's own
+    `.sharding` (jax.Array, or jax.ShapeDtypeStruct built with `sharding=`); else replicated on
+    `mesh`; else the default device. Without any of these a numpy target leaf comes back as a
+    numpy array. Python scalar leaves come back as python scalars.
+
+    Args:
+      path: a checkpoint directory, or a directory of numbered steps (see `step`).
+      target: a pytree with the saved structure whose leaves are jax.Arrays,
+        jax.ShapeDtypeStructs, numpy arrays or python scalars of the saved shapes and dtypes.
+      step: the step to restore from `path/<step>`; None restores `path` itself when it holds a
+        checkpoint, else its latest step.
+      mesh: replicate leaves that carry no sharding on this mesh; also turns PartitionSpec
+        entries of `shardings` into NamedShardings.
+      shardings: one `Sharding` (or PartitionSpec, with `mesh`) for every array leaf, or a pytree
+        matching `target` of those or None (None: fall back to the rules above).
+
+    Returns:
+      A pytree with the structure of `target` holding the saved values.
+
+    Raises:
+      FileNotFoundError: `path` or the step does not exist or holds no checkpoint.
+      ValueError: the target's structure, shapes or dtypes differ from the checkpoint's, or a
+        sharding does not fit its leaf.
+
+    Example:
+      >>> mesh4 = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"))
+      >>> state = restore_checkpoint("ckpt", abstract_state, mesh=mesh4,
+      ...                            shardings=NamedSharding(mesh4, P()))
+    """
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"restore_checkpoint: mesh={mesh!r} must be a jax.sharding.Mesh or None.")
+    directory = _checkpoint_directory(_absolute(path, "path"), step)
+    saved = _saved_leaves(directory)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
+    _check_structure(leaves, saved, directory)
+    placements = _explicit_shardings(treedef, leaves, shardings, mesh)
+    restore_target = [_restore_leaf(keypath, leaf, saved[_names(keypath)][1], placement, mesh)
+                      for (keypath, leaf), placement in zip(leaves, placements, strict=True)]
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(directory, treedef.unflatten(restore_target))
+
+
+def checkpoint_steps(path: PathLike) -> list[int]:
+    """Steps saved under `path` by `save_checkpoint(path, ..., step=...)`, ascending.
+
+    Args:
+      path: the directory holding numbered step directories.
+
+    Returns:
+      The saved steps; empty when `path` does not exist or holds none.
+
+    Example:
+      >>> checkpoint_steps("ckpt")
+      [100, 200, 300]
+    """
+    root = _absolute(path, "path")
+    if not root.is_dir():
+        return []
+    return sorted(metadata.step for metadata in _STEP_NAMES.find_all(root))
+
+
+def latest_step(path: PathLike) -> int | None:
+    """The newest step saved under `path`, or None when there is none.
+
+    Args:
+      path: the directory holding numbered step directories.
+
+    Returns:
+      The largest saved step, or None.
+
+    Example:
+      >>> start = (latest_step("ckpt") or 0) + 1
+    """
+    steps = checkpoint_steps(path)
+    return steps[-1] if steps else None
+
+
+def _absolute(path: PathLike, name: str) -> Path:
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"{name}={path!r} must be a str or os.PathLike directory path.")
+    return Path(path).expanduser().resolve()
+
+
+def _check_step(step: int) -> int:
+    if isinstance(step, bool) or not isinstance(step, int | np.integer):
+        raise TypeError(f"step={step!r} must be a non-negative int, e.g. step=100.")
+    if step < 0:
+        raise ValueError(f"step={step} must be a non-negative int, e.g. step=100.")
+    return int(step)
+
+
+def _check_state(state: Any) -> None:
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    if not leaves:
+        raise ValueError(f"save_checkpoint: state={state!r} holds no arrays or scalars to save.")
+    for keypath, leaf in leaves:
+        _check_saveable(keypath, leaf)
+
+
+def _check_saveable(keypath: KeyPath, leaf: Any) -> None:
+    where = f"state{jax.tree_util.keystr(keypath)}"
+    if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        raise TypeError(f"save_checkpoint: {where} is a typed PRNG key array; save "
+                        "jax.random.key_data(key) and rebuild it with jax.random.wrap_key_data.")
+    if not isinstance(leaf, jax.Array | np.ndarray | np.generic | _SCALARS):
+        raise TypeError(f"save_checkpoint: {where} is a {type(leaf).__name__} ({leaf!r}); "
+                        "checkpoints hold jax.Arrays, numpy arrays and python bool/int/float.")
+
+
+def _check_destination(directory: Path, overwrite: bool) -> bool:
+    """Whether orbax must replace `directory`; raises when that is not allowed."""
+    if not directory.exists():
+        return False
+    if not directory.is_dir():
+        raise ValueError(f"save_checkpoint: {directory} is a file, not a checkpoint directory.")
+    if not any(directory.iterdir()):
+        return True
+    if _tree_metadata(directory) is None:
+        raise ValueError(f"save_checkpoint: {directory} is a non-empty directory that holds no "
+                         "checkpoint; refusing to write over it even with overwrite=True. "
+                         "Pick another path or step.")
+    if not overwrite:
+        raise ValueError(f"save_checkpoint: a checkpoint already exists at {directory}; pass "
+                         "overwrite=True to replace it, or save under another path or step.")
+    return True
+
+
+def _checkpoint_directory(root: Path, step: int | None) -> Path:
+    if not root.exists():
+        raise FileNotFoundError(f"restore_checkpoint: no checkpoint at {root}: it does not exist.")
+    steps = checkpoint_steps(root)
+    if step is not None:
+        if _check_step(step) not in steps:
+            raise FileNotFoundError(f"restore_checkpoint: no step {step} under {root}; saved "
+                                    f"steps: {steps or 'none'}.")
+        return root / _STEP_NAMES.build_name(step)
+    if _tree_metadata(root) is not None:
+        return root
+    if not steps:
+        raise FileNotFoundError(f"restore_checkpoint: {root} holds no checkpoint: neither a "
+                                "saved state nor numbered step directories.")
+    return root / _STEP_NAMES.build_name(steps[-1])
+
+
+def _tree_metadata(directory: Path) -> Any:
+    """Orbax's metadata tree of the checkpoint in `directory`, or None when there is none."""
+    handler = ocp.StandardCheckpointHandler()
+    try:
+        return handler.metadata(directory).tree
+    except FileNotFoundError:
+        return None
+    finally:
+        handler.close()
+
+
+def _saved_leaves(directory: Path) -> dict[tuple[str, ...], tuple[KeyPath, Any]]:
+    """Saved leaves by normalized path: their orbax key path and value metadata."""
+    tree = _tree_metadata(directory)
+    if tree is None:
+        raise FileNotFoundError(f"restore_checkpoint: {directory} holds no checkpoint.")
+    return {_names(keypath): (keypath, metadata)
+            for keypath, metadata in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _names(keypath: KeyPath) -> tuple[str, ...]:
+    # Orbax stores tuples as lists and namedtuples/dataclasses as dicts: compare keys by name.
+    return tuple(str(getattr(key, _KEY_FIELDS.get(type(key), "key"), key)) for key in keypath)
+
+
+def _check_structure(leaves: list[tuple[KeyPath, Any]],
+                     saved: dict[tuple[str, ...], tuple[KeyPath, Any]], directory: Path) -> None:
+    target_names = {_names(keypath) for keypath, _ in leaves}
+    for keypath, leaf in leaves:
+        if _names(keypath) not in saved:
+            raise ValueError(
+                f"restore_checkpoint: target{jax.tree_util.keystr(keypath)} (shape "
+                f"{_shape(leaf)}) is not in the checkpoint at {directory}, which holds "
+                f"{_describe(saved)}. The target must have the saved structure.")
+    for names, (keypath, metadata) in saved.items():
+        if names not in target_names:
+            raise ValueError(
+                f"restore_checkpoint: the checkpoint at {directory} holds "
+                f"{jax.tree_util.keystr(keypath)} (shape {tuple(metadata.shape)}) but target has "
+                "no such leaf. The target must have the saved structure.")
+
+
+def _describe(saved: dict[tuple[str, ...], tuple[KeyPath, Any]]) -> str:
+    shown = [jax.tree_util.keystr(keypath) for keypath, _ in list(saved.values())[:6]]
+    more = f", ... ({len(saved)} leaves)" if len(saved) > len(shown) else ""
+    return ", ".join(shown) + more
+
+
+def _shape(leaf: Any) -> tuple[int, ...]:
+    return tuple(leaf.shape) if hasattr(leaf, "shape") else ()
+
+
+def _explicit_shardings(treedef: Any, leaves: list[tuple[KeyPath, Any]], shardings: Any,
+                        mesh: Mesh | None) -> list[Sharding | None]:
+    """One explicit sharding (or None) per target leaf, from the `shardings` argument."""
+    if shardings is None or isinstance(shardings, Sharding | PartitionSpec):
+        return [_as_sharding((), shardings, mesh)] * len(leaves)
+    try:
+        flat = treedef.flatten_up_to(shardings)
+    except (ValueError, TypeError) as err:
+        raise ValueError("restore_checkpoint: shardings must be one Sharding or a pytree with "
+                         f"target's structure ({treedef}); it does not match: {err}") from None
+    return [_as_sharding(keypath, entry, mesh)
+            for (keypath, _), entry in zip(leaves, flat, strict=True)]
+
+
+def _as_sharding(keypath: KeyPath, entry: Any, mesh: Mesh | None) -> Sharding | None:
+    where = f"shardings{jax.tree_util.keystr(keypath)}"
+    if entry is None or isinstance(entry, Sharding):
+        return entry
+    if isinstance(entry, PartitionSpec):
+        if mesh is None:
+            raise TypeError(f"restore_checkpoint: {where}={entry} is a PartitionSpec but no "
+                            "mesh= was given; pass mesh= or a NamedSharding(mesh, spec).")
+        return NamedSharding(mesh, entry)
+    raise TypeError(f"restore_checkpoint: {where}={entry!r} must be a jax.sharding.Sharding, "
+                    "a PartitionSpec (with mesh=) or None.")
+
+
+def _restore_leaf(keypath: KeyPath, leaf: Any, saved: Any, explicit: Sharding | None,
+                  mesh: Mesh | None) -> Any:
+    """What orbax restores this leaf into: the python scalar, a numpy array or a placed struct."""
+    where = f"target{jax.tree_util.keystr(keypath)}"
+    if isinstance(leaf, _SCALARS):
+        _check_shape(where, (), saved)
+        return leaf
+    if not isinstance(leaf, jax.Array | jax.ShapeDtypeStruct | np.ndarray | np.generic):
+        raise TypeError(f"restore_checkpoint: {where} is a {type(leaf).__name__}; target leaves "
+                        "must be jax.Arrays, jax.ShapeDtypeStructs, numpy arrays or scalars.")
+    shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+    _check_shape(where, shape, saved)
+    _check_dtype(where, shape, dtype, saved)
+    sharding = _placement(leaf, explicit, mesh)
+    if sharding is None:
+        return leaf
+    _check_sharding(where, shape, sharding)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def _placement(leaf: Any, explicit: Sharding | None, mesh: Mesh | None) -> Sharding | None:
+    if explicit is not None:
+        return explicit
+    if getattr(leaf, "sharding", None) is not None:
+        return leaf.sharding
+    if mesh is not None:
+        return NamedSharding(mesh, PartitionSpec())
+    if isinstance(leaf, np.ndarray | np.generic):
+        return None
+    return SingleDeviceSharding(jax.devices()[0])
+
+
+def _check_shape(where: str, shape: tuple[int, ...], saved: Any) -> None:
+    if tuple(saved.shape) != shape:
+        raise ValueError(f"restore_checkpoint: {where} has shape {shape} but the checkpoint "
+                         f"holds shape {tuple(saved.shape)} ({saved.dtype}) there.")
+
+
+def _check_dtype(where: str, shape: tuple[int, ...], dtype: np.dtype, saved: Any) -> None:
+    saved_dtype = np.dtype(saved.dtype)
+    if isinstance(saved, ocp.metadata.ScalarMetadata):
+        # A saved python scalar has no dtype of its own: int may restore as int32 or int64.
+        saved_dtype = jax.dtypes.canonicalize_dtype(saved_dtype)
+        dtype = jax.dtypes.canonicalize_dtype(dtype)
+    if saved_dtype != dtype:
+        raise ValueError(f"restore_checkpoint: {where} has dtype {dtype} (shape {shape}) but the "
+                         f"checkpoint holds {saved_dtype} (shape {tuple(saved.shape)}); make "
+                         "the target's dtype match and cast after restoring.")
+
+
+def _check_sharding(where: str, shape: tuple[int, ...], sharding: Sharding) -> None:
+    if isinstance(sharding, NamedSharding) and len(sharding.spec) > len(shape):
+        raise ValueError(f"restore_checkpoint: the sharding for {where} has spec {sharding.spec}, "
+                         f"too long for its shape {shape} (rank {len(shape)}); use a spec of at "
+                         f"most {len(shape)} entries (P() replicates), or pass shardings as a "
+                         "pytree with one entry per leaf.")
+    try:
+        sharding.shard_shape(shape)
+    except ValueError as err:
+        raise ValueError(f"restore_checkpoint: the sharding for {where} (shape {shape}) does not "
+                         f"divide it evenly: {err}. Pick mesh axes whose sizes divide the "
+                         "dimensions, or replicate that dimension.") from None

@@ -1,0 +1,273 @@
+"""Sharded checkpoints: save on an 8-device mesh, restore onto other meshes, steps and errors."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.train import checkpoint_steps, latest_step, restore_checkpoint, save_checkpoint
+
+SPECS_8 = {"w1": P("data", "model"), "w2": P(None, "model"), "w3": P("data"), "b": P("model")}
+
+
+@pytest.fixture(scope="module")
+def mesh8() -> Mesh:
+    return Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+
+
+@pytest.fixture(scope="module")
+def mesh4() -> Mesh:
+    return Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"))
+
+
+@pytest.fixture
+def no_orbax_restore(monkeypatch):
+    """Fail the test if restore_checkpoint reaches orbax's restore: errors must come first."""
+    def reached(*args, **kwargs):
+        raise AssertionError("orbax restore was called; the error should have been raised first")
+    monkeypatch.setattr(ocp.StandardCheckpointer, "restore", reached)
+
+
+def _train_state(mesh: Mesh, seed: int = 0) -> dict:
+    """Params and adamw state after one update (mu, nu and count all non-trivial)."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    shapes = {"w1": (16, 32), "w2": (16, 32), "w3": (16, 32), "b": (32,)}
+    params = {name: jax.device_put(jax.random.normal(key, shapes[name]),
+                                   NamedSharding(mesh, SPECS_8[name]))
+              for key, name in zip(keys, shapes, strict=True)}
+    opt = optax.adamw(1e-2)
+    opt_state = opt.init(params)
+    grads = jax.tree.map(lambda p: 0.1 * p + 1.0, params)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "step": 1}
+
+
+def _by_rank(tree, mesh: Mesh, specs: dict[int, P]):
+    """A NamedSharding per array leaf chosen by its rank; None for python scalars."""
+    def pick(leaf):
+        return None if isinstance(leaf, int) else NamedSharding(mesh, specs[np.ndim(leaf)])
+    return jax.tree.map(pick, tree)
+
+
+def _assert_identical(restored, original) -> None:
+    assert jax.tree.structure(restored) == jax.tree.structure(original)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(original), strict=True):
+        assert np.asarray(got).dtype == np.asarray(want).dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_restores_bit_identically_onto_the_same_shardings(tmp_path, mesh8):
+    state = _train_state(mesh8)
+    save_checkpoint(tmp_path / "ckpt", state)
+    restored = restore_checkpoint(tmp_path / "ckpt", state)
+    _assert_identical(restored, state)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+        if isinstance(want, jax.Array):
+            assert got.sharding == want.sharding
+    assert restored["step"] == 1 and isinstance(restored["step"], int)
+
+
+def test_restores_onto_a_four_device_mesh_with_other_specs(tmp_path, mesh8, mesh4):
+    state = _train_state(mesh8)
+    save_checkpoint(tmp_path / "ckpt", state)
+    specs = {0: P(), 1: P("dp"), 2: P("tp", "dp")}
+    shardings = _by_rank(state, mesh4, specs)
+    restored = restore_checkpoint(tmp_path / "ckpt", state, shardings=shardings)
+    _assert_identical(restored, state)
+    w1 = restored["params"]["w1"]
+    assert w1.sharding == NamedSharding(mesh4, P("tp", "dp"))
+    assert w1.sharding.mesh.devices.size == 4 and w1.addressable_shards[0].data.shape == (8, 16)
+    assert restored["opt_state"][0].mu["b"].sharding == NamedSharding(mesh4, P("dp"))
+
+
+def test_restores_into_abstract_targets_with_shardings(tmp_path, mesh8, mesh4):
+    state = _train_state(mesh8)
+    save_checkpoint(tmp_path / "ckpt", state)
+    sharding = NamedSharding(mesh4, P(None, "tp"))
+
+    def abstract(x):
+        if isinstance(x, int):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding if x.ndim == 2 else None)
+    target = jax.tree.map(abstract, state)
+    restored = restore_checkpoint(tmp_path / "ckpt", target)
+    _assert_identical(restored, state)
+    assert restored["params"]["w3"].sharding == sharding
+    assert restored["params"]["b"].sharding == SingleDeviceSharding(jax.devices()[0])
+
+
+def test_placement_precedence(tmp_path, mesh8, mesh4):
+    state = {"w": _train_state(mesh8)["params"]["w1"], "host": np.arange(6, dtype=np.float32)}
+    save_checkpoint(tmp_path / "ckpt", state)
+    bare = {"w": jax.ShapeDtypeStruct((16, 32), jnp.float32), "host": np.zeros(6, np.float32)}
+    on_mesh = restore_checkpoint(tmp_path / "ckpt", bare, mesh=mesh4)
+    assert on_mesh["w"].sharding == NamedSharding(mesh4, P())
+    assert on_mesh["host"].sharding == NamedSharding(mesh4, P())
+    on_host = restore_checkpoint(tmp_path / "ckpt", bare)
+    assert isinstance(on_host["host"], np.ndarray)
+    assert on_host["host"].tolist() == [0, 1, 2, 3, 4, 5]
+    assert on_host["w"].sharding == SingleDeviceSharding(jax.devices()[0])
+    explicit = restore_checkpoint(tmp_path / "ckpt", state, mesh=mesh4, shardings=P("tp"))
+    assert explicit["w"].sharding == NamedSharding(mesh4, P("tp"))
+    _assert_identical(explicit, state)
+
+
+def test_optax_step_counter_round_trips(tmp_path, mesh8):
+    count = _train_state(mesh8)["opt_state"][0].count
+    assert count.dtype == jnp.int32 and count.shape == ()
+    save_checkpoint(tmp_path / "ckpt", {"count": count})
+    restored = restore_checkpoint(tmp_path / "ckpt", {"count": jax.ShapeDtypeStruct((), jnp.int32)})
+    assert restored["count"].dtype == jnp.int32 and int(restored["count"]) == 1
+
+
+def test_step_management(tmp_path, mesh8):
+    root = tmp_path / "run"
+    assert latest_step(root) is None and checkpoint_steps(root) == []
+    states = {step: _train_state(mesh8, seed=step) for step in (1, 2, 3)}
+    for step, state in states.items():
+        assert save_checkpoint(root, state, step=step) == root / str(step)
+    assert checkpoint_steps(root) == [1, 2, 3] and latest_step(root) == 3
+    _assert_identical(restore_checkpoint(root, states[1], step=2), states[2])
+    _assert_identical(restore_checkpoint(root, states[1]), states[3])
+
+
+def test_refuses_to_overwrite_unless_asked(tmp_path, mesh8):
+    first, second = _train_state(mesh8, seed=1), _train_state(mesh8, seed=2)
+    save_checkpoint(tmp_path / "ckpt", first)
+    with pytest.raises(ValueError, match="already exists.*overwrite=True"):
+        save_checkpoint(tmp_path / "ckpt", second)
+    save_checkpoint(tmp_path / "ckpt", second, overwrite=True)
+    _assert_identical(restore_checkpoint(tmp_path / "ckpt", first), second)
+    save_checkpoint(tmp_path / "run", first, step=4)
+    with pytest.raises(ValueError, match="overwrite=True"):
+        save_checkpoint(tmp_path / "run", second, step=4)
+
+
+def test_never_writes_over_a_directory_that_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="holds no checkpoint"):
+        save_checkpoint(tmp_path, {"x": np.ones(2)}, overwrite=True)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_relative_paths_resolve_to_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    saved = save_checkpoint("ckpt", {"x": np.arange(3)}, step=7)
+    assert saved.is_absolute() and saved == tmp_path / "ckpt" / "7"
+    assert latest_step("ckpt") == 7
+
+
+@pytest.mark.usefixtures("no_orbax_restore")
+def test_missing_checkpoints_raise_file_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "nowhere"))):
+        restore_checkpoint(tmp_path / "nowhere", {"x": np.ones(2)})
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
+        restore_checkpoint(tmp_path, {"x": np.ones(2)})
+    save_checkpoint(tmp_path / "run", {"x": np.ones(2)}, step=1)
+    with pytest.raises(FileNotFoundError, match=re.escape("no step 5") + r".*\[1\]"):
+        restore_checkpoint(tmp_path / "run", {"x": np.ones(2)}, step=5)
+
+
+@pytest.mark.usefixtures("no_orbax_restore")
+def test_structure_mismatch_names_the_leaf(tmp_path):
+    save_checkpoint(tmp_path / "ckpt", {"params": {"w": jnp.ones((16, 32))}, "step": 3})
+    extra = {"params": {"w": jnp.ones((16, 32)), "v": jnp.ones(4)}, "step": 0}
+    with pytest.raises(ValueError, match=re.escape("target['params']['v'] (shape (4,)) is not")):
+        restore_checkpoint(tmp_path / "ckpt", extra)
+    with pytest.raises(ValueError, match=re.escape("['step'] (shape ()) but target has no")):
+        restore_checkpoint(tmp_path / "ckpt", {"params": {"w": jnp.ones((16, 32))}})
+
+
+@pytest.mark.usefixtures("no_orbax_restore")
+def test_shape_and_dtype_mismatches_name_the_leaf_and_both_shapes(tmp_path):
+    save_checkpoint(tmp_path / "ckpt", {"params": {"w": jnp.ones((16, 32))}})
+    wrong_shape = {"params": {"w": jax.ShapeDtypeStruct((32, 16), jnp.float32)}}
+    with pytest.raises(ValueError, match=re.escape("['params']['w'] has shape (32, 16)")
+                       + r".*\(16, 32\)"):
+        restore_checkpoint(tmp_path / "ckpt", wrong_shape)
+    wrong_dtype = {"params": {"w": jax.ShapeDtypeStruct((16, 32), jnp.bfloat16)}}
+    with pytest.raises(ValueError, match=re.escape("['params']['w'] has dtype bfloat16")
+                       + ".*float32"):
+        restore_checkpoint(tmp_path / "ckpt", wrong_dtype)
+
+
+@pytest.mark.usefixtures("no_orbax_restore")
+def test_shardings_that_do_not_fit_name_the_leaf(tmp_path, mesh4):
+    save_checkpoint(tmp_path / "ckpt", {"w": jnp.ones((16, 30))})
+    target = {"w": jax.ShapeDtypeStruct((16, 30), jnp.float32)}
+    four_ways = NamedSharding(mesh4, P(None, ("dp", "tp")))
+    with pytest.raises(ValueError, match=re.escape("target['w'] (shape (16, 30)) does not divide")):
+        restore_checkpoint(tmp_path / "ckpt", target, shardings=four_ways)
+    with pytest.raises(ValueError, match=re.escape("target['w'] has spec P(None, None, 'dp'), "
+                                                   "too long for its shape (16, 30)")):
+        restore_checkpoint(tmp_path / "ckpt", target, mesh=mesh4, shardings=P(None, None, "dp"))
+    with pytest.raises(ValueError, match="shardings must be one Sharding or a pytree"):
+        restore_checkpoint(tmp_path / "ckpt", target, shardings={"v": NamedSharding(mesh4, P())})
+    with pytest.raises(TypeError, match=re.escape("shardings['w']='tp'")):
+        restore_checkpoint(tmp_path / "ckpt", target, shardings={"w": "tp"})
+
+
+def test_unsaveable_state_is_rejected_before_writing(tmp_path):
+    with pytest.raises(TypeError, match=re.escape("state['name'] is a str")):
+        save_checkpoint(tmp_path / "ckpt", {"name": "gpt", "x": np.ones(2)})
+    with pytest.raises(ValueError, match="holds no arrays"):
+        save_checkpoint(tmp_path / "ckpt", {})
+    with pytest.raises(ValueError, match="step=-1"):
+        save_checkpoint(tmp_path / "ckpt", {"x": np.ones(2)}, step=-1)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def _loss(params, x, y):
+    return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+
+def _train_step(state, x, y):
+    opt = optax.adamw(1e-2)
+    loss, grads = jax.value_and_grad(_loss)(state["params"], x, y)
+    updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, loss
+
+
+def _run(step_fn, state, x, y, steps: int):
+    losses = []
+    for _ in range(steps):
+        state, loss = step_fn(state, x, y)
+        losses.append(float(loss))
+    return state, losses
+
+
+def _sharded_step(state, mesh: Mesh, specs: dict[int, P], batch_spec: P):
+    state_shardings = _by_rank(state, mesh, specs)
+    batch = NamedSharding(mesh, batch_spec)
+    return jax.jit(_train_step, in_shardings=(state_shardings, batch, batch),
+                   out_shardings=(state_shardings, NamedSharding(mesh, P())))
+
+
+def test_training_continues_with_the_same_loss(tmp_path, mesh8, mesh4):
+    kx, kw = jax.random.split(jax.random.key(42))
+    x = jax.random.normal(kx, (32, 16))
+    y = x @ jax.random.normal(kw, (16, 8))
+    params = {"w": jnp.zeros((16, 8)), "b": jnp.zeros(8)}
+    state = {"params": params, "opt_state": optax.adamw(1e-2).init(params)}
+    _, reference = _run(jax.jit(_train_step), jax.device_put(state, jax.devices()[0]), x, y, 6)
+
+    specs8 = {0: P(), 1: P("model"), 2: P(None, "model")}
+    step8 = _sharded_step(state, mesh8, specs8, P("data", None))
+    state8, first = _run(step8, jax.device_put(state, _by_rank(state, mesh8, specs8)), x, y, 3)
+    save_checkpoint(tmp_path / "run", state8, step=3)
+
+    specs4 = {0: P(), 1: P("dp"), 2: P("dp", "tp")}
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+    shardings4 = _by_rank(state, mesh4, specs4)
+    resumed = restore_checkpoint(tmp_path / "run", abstract, shardings=shardings4)
+    assert resumed["params"]["w"].sharding == NamedSharding(mesh4, P("dp", "tp"))
+    step4 = _sharded_step(state, mesh4, specs4, P("dp", None))
+    _, second = _run(step4, resumed, x, y, 3)
+    np.testing.assert_allclose(first + second, reference, rtol=1e-5)
+    assert reference[-1] < reference[0]
