@@ -1,0 +1,271 @@
+"""Input batches onto the mesh, MindSpore's `dataset_strategy` (and `full_batch`).
+
+Before: a batch (a pytree of host or device arrays) and a dataset strategy. After: the same
+pytree of `jax.Array`s with a `NamedSharding` on the mesh, placed as the strategy says:
+  - "data_parallel" (default): the leading (batch) dim of every input is split over all devices
+    of the mesh (every mesh axis); other dims are whole. With several processes each passes its
+    own slice of the batch (its local batch) and the global batch is their concatenation.
+  - "full_batch": every input replicated; every process passes the whole global batch.
+  - a tuple with one entry per input (one per leaf of the batch, in jax.tree_util order), each a
+    tuple of split counts per dim (MindSpore's form, e.g. ((8, 1), (8,))), a `Layout` mapping
+    or a `PartitionSpec`; counts map onto mesh axes as `jaxpar.shard`'s in_strategy does. With
+    several processes each passes the part of every input its own devices hold.
+
+Errors are MindSpore's: TypeError for a config of the wrong type, ValueError for an unknown
+string, an empty config, a wrong number of entries or counts, a non-positive count, a count that
+does not divide its dim, or counts whose product exceeds the device count; each names
+`dataset_strategy`, the input index and shape.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.mesh import make_mesh
+from jaxpar.strategy import Layout, parse_in_strategy
+
+DATASET_STRATEGIES = ("data_parallel", "full_batch")
+Shape = tuple[int, ...]
+
+
+def parse_dataset_strategy(config: str | tuple, batch: Any,
+                           mesh: Mesh | None = None) -> Any:
+    """The PartitionSpec of every input under a MindSpore dataset strategy.
+
+    Args:
+      config: "data_parallel", "full_batch", or a tuple with one entry per input (per leaf of
+        `batch`, in jax.tree_util order): a tuple of split counts per dim, a `Layout` mapping or
+        a `PartitionSpec`.
+      batch: the global batch: a pytree of arrays or `jax.ShapeDtypeStruct`s.
+      mesh: the device mesh; default `make_mesh(len(jax.devices()))`.
+
+    Returns:
+      A pytree like `batch` with a `PartitionSpec` per leaf.
+
+    Example:
+      >>> parse_dataset_strategy(((8, 1), (8,)), (x, y), make_mesh(8))
+      (PartitionSpec(('d0', 'd1', 'd2'),), PartitionSpec(('d0', 'd1', 'd2'),))
+    """
+    mesh = _default_mesh(mesh)
+    leaves, treedef = jax.tree_util.tree_flatten(batch)
+    shapes = [_shape(x, i) for i, x in enumerate(leaves)]
+    specs = _leaf_specs(config, shapes, mesh)
+    return jax.tree_util.tree_unflatten(treedef, specs)
+
+
+def shard_batch(batch: Any, mesh: Mesh | None = None,
+                dataset_strategy: str | tuple = "data_parallel") -> Any:
+    """Put a batch on the mesh as `dataset_strategy` says.
+
+    One process: `batch` is the global batch and goes to the devices with `jax.device_put`.
+    Several processes (`jax.process_count() > 1`): each passes its process-local data (its
+    slice of the batch under "data_parallel", the whole batch under "full_batch", the part its
+    devices hold under a tuple strategy) and the global arrays are assembled with
+    `jax.make_array_from_process_local_data`.
+
+    Args:
+      batch: a pytree of arrays (numpy or jax).
+      mesh: the device mesh; default `make_mesh(len(jax.devices()))`.
+      dataset_strategy: "data_parallel" (default), "full_batch" or a tuple of per-input
+        strategies (see `parse_dataset_strategy`).
+
+    Returns:
+      The same pytree of `jax.Array`s with `NamedSharding`s on `mesh`.
+
+    Example:
+      >>> x, y = shard_batch((x, y), jaxpar.make_mesh(8))     # rows split over 8 devices
+      >>> x.sharding.spec
+      PartitionSpec(('d0', 'd1', 'd2'),)
+    """
+    mesh = _default_mesh(mesh)
+    if jax.process_count() == 1:
+        specs = parse_dataset_strategy(dataset_strategy, batch, mesh)
+        return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), batch, specs)
+    return _from_process_local(batch, mesh, dataset_strategy)
+
+
+def process_slabs(process_grid: np.ndarray, axis_names: tuple[str, ...], spec: P,
+                  process: int) -> tuple[int, ...]:
+    """How many process-local slabs each dim of a global array with `spec` is cut into.
+
+    A dim cut by mesh axes A into n = prod(|A|) pieces, of which `process`'s devices hold m
+    distinct ones, has a global size n / m times the process-local size.
+
+    Args:
+      process_grid: the process index of every mesh device, shaped like the mesh.
+      axis_names: the mesh axis names, in order.
+      spec: the array's PartitionSpec.
+      process: the process whose local data is considered.
+
+    Returns:
+      One int per spec entry: global size / local size of that dim.
+
+    Example:
+      >>> grid = np.array([0, 0, 0, 0, 1, 1, 1, 1]).reshape(2, 2, 2)
+      >>> process_slabs(grid, ("d0", "d1", "d2"), P(("d0", "d1", "d2")), 0)
+      (2,)
+    """
+    return tuple(_slabs(process_grid, axis_names, entry, process) for entry in spec)
+
+
+def global_shape(local_shape: Shape, slabs: tuple[int, ...]) -> Shape:
+    """The global shape of an array from a process-local shape and `process_slabs`.
+
+    Args:
+      local_shape: the shape of the data one process passes.
+      slabs: `process_slabs(...)` for its spec (shorter than the rank: the rest are 1).
+
+    Returns:
+      The global shape.
+
+    Example:
+      >>> global_shape((4, 16), (2,))
+      (8, 16)
+    """
+    return tuple(n * s for n, s in zip(local_shape, slabs + (1,) * len(local_shape), strict=False))
+
+
+# ---------------------------------------------------------------------------------------------
+# Strategies per leaf
+
+
+def _leaf_specs(config, shapes: list[Shape], mesh: Mesh) -> list[P]:
+    if isinstance(config, str):
+        if config not in DATASET_STRATEGIES:
+            raise ValueError(f"dataset_strategy={config!r} must be one of {DATASET_STRATEGIES} "
+                             "or a tuple with one strategy per input, e.g. ((8, 1), (8,)).")
+        if config == "full_batch":
+            return [P() for _ in shapes]
+        return [_data_parallel_spec(shape, i, mesh) for i, shape in enumerate(shapes)]
+    if not isinstance(config, tuple):
+        raise TypeError(f"dataset_strategy={config!r} must be a str ('data_parallel' or "
+                        "'full_batch') or a tuple with one strategy per input, e.g. "
+                        "((8, 1), (8,)).")
+    if not config:
+        raise ValueError("dataset_strategy=() is empty; give one strategy per input, e.g. "
+                         f"{tuple(_example(s, mesh) for s in shapes)}.")
+    if len(config) != len(shapes):
+        raise ValueError(f"dataset_strategy={config!r} has {len(config)} entries but the batch "
+                         f"has {len(shapes)} inputs (shapes {shapes}); give one per input, e.g. "
+                         f"{tuple(_example(s, mesh) for s in shapes)}.")
+    return [_entry_spec(e, s, i, mesh) for i, (e, s) in enumerate(zip(config, shapes,
+                                                                       strict=True))]
+
+
+def _data_parallel_spec(shape: Shape, i: int, mesh: Mesh) -> P:
+    axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+    if not shape:
+        raise ValueError(f"dataset_strategy='data_parallel': input {i} is a scalar, with no "
+                         "batch dim to split; give it a leading batch dim, or use 'full_batch' "
+                         "or a tuple strategy with () for it.")
+    if shape[0] % mesh.size:
+        raise ValueError(f"dataset_strategy='data_parallel': input {i} of shape {shape} has a "
+                         f"batch dim of {shape[0]}, which does not divide over the {mesh.size} "
+                         f"devices of the mesh; use a global batch that is a multiple of "
+                         f"{mesh.size}, or 'full_batch'.")
+    return P(axes) if axes else P()  # trailing dims whole (jaxpar writes no trailing None)
+
+
+def _entry_spec(entry, shape: Shape, i: int, mesh: Mesh) -> P:
+    where = f"dataset_strategy[{i}]={entry!r} for input {i} of shape {shape}"
+    if isinstance(entry, tuple):
+        _check_counts(entry, shape, where, mesh)
+    elif not isinstance(entry, Layout | P):
+        raise TypeError(f"{where}: each entry must be a tuple of split counts (one int per dim, "
+                        f"e.g. {_example(shape, mesh)}), a Layout mapping or a PartitionSpec.")
+    try:
+        [spec] = parse_in_strategy((entry,), (jax.ShapeDtypeStruct(shape, np.float32),), mesh)
+    except (TypeError, ValueError) as err:  # the mapping onto mesh axes; reworded for this key
+        raise type(err)(f"{where}: {str(err).replace('in_strategy[0]', 'the entry')}") from None
+    return spec.to_pspec()
+
+
+def _check_counts(counts: tuple, shape: Shape, where: str, mesh: Mesh) -> None:
+    """MindSpore's checks on one tuple of split counts."""
+    example = _example(shape, mesh)
+    for c in counts:
+        if isinstance(c, bool) or not isinstance(c, numbers.Integral):
+            raise TypeError(f"{where}: count {c!r} is a {type(c).__name__}, not an int; give "
+                            f"one positive int per dim, e.g. {example}.")
+    if len(counts) != len(shape):
+        raise ValueError(f"{where}: an input of rank {len(shape)} needs {len(shape)} counts, "
+                         f"got {len(counts)}; e.g. {example}.")
+    for d, (c, n) in enumerate(zip(counts, shape, strict=True)):
+        if c < 1:
+            raise ValueError(f"{where}: count {c} for dim {d} is not positive; use 1 for a dim "
+                             f"that is not split, e.g. {example}.")
+        if n % c:
+            raise ValueError(f"{where}: count {c} does not divide dim {d} of size {n}; e.g. "
+                             f"{example}.")
+    if math.prod(counts) > mesh.size:
+        raise ValueError(f"{where}: the counts multiply to {math.prod(counts)}, more than the "
+                         f"{mesh.size} devices of the mesh; e.g. {example}.")
+
+
+def _example(shape: Shape, mesh: Mesh) -> tuple[int, ...]:
+    """Counts splitting the first dim as far as the device count allows."""
+    if not shape:
+        return ()
+    first = max(c for c in range(1, mesh.size + 1) if shape[0] % c == 0 and mesh.size % c == 0)
+    return (first,) + (1,) * (len(shape) - 1)
+
+
+def _shape(x, i: int) -> Shape:
+    if not hasattr(x, "shape") and not isinstance(x, numbers.Number):
+        raise TypeError(f"shard_batch: input {i} is a {type(x).__name__}, not an array; a batch "
+                        "is a pytree of arrays.")
+    return tuple(int(n) for n in np.shape(x))
+
+
+def _default_mesh(mesh: Mesh | None) -> Mesh:
+    if mesh is None:
+        return make_mesh(len(jax.devices()))
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh={mesh!r} must be a jax.sharding.Mesh, e.g. jaxpar.make_mesh(8), "
+                        "or None for all devices.")
+    return mesh
+
+
+# ---------------------------------------------------------------------------------------------
+# Several processes
+
+
+def _from_process_local(batch: Any, mesh: Mesh, config) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(batch)
+    local_shapes = [_shape(x, i) for i, x in enumerate(leaves)]
+    # First pass: the specs alone. Each dim is inflated by the device count so that only the
+    # shape-independent checks can fail here; the second pass checks the real global shapes.
+    inflated = [tuple(n * mesh.size for n in s) for s in local_shapes]
+    specs = _leaf_specs(config, inflated, mesh)
+    grid = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+    shapes = [global_shape(s, process_slabs(grid, mesh.axis_names, p, jax.process_index()))
+              for s, p in zip(local_shapes, specs, strict=True)]
+    try:
+        specs = _leaf_specs(config, shapes, mesh)
+    except ValueError as err:
+        raise ValueError(f"{err} (global shapes {shapes}, assembled from this process's local "
+                         f"shapes {local_shapes} over {jax.process_count()} processes)") from None
+    arrays = [jax.make_array_from_process_local_data(NamedSharding(mesh, p), np.asarray(x), g)
+              for x, p, g in zip(leaves, specs, shapes, strict=True)]
+    return jax.tree_util.tree_unflatten(treedef, arrays)
+
+
+def _slabs(grid: np.ndarray, axis_names: tuple[str, ...], entry, process: int) -> int:
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    picked = [axis_names.index(a) for a in axes]
+    pieces = math.prod(grid.shape[j] for j in picked)
+    # Rows: one per piece of this dim (its axes flattened); columns: the other mesh axes.
+    rows = np.moveaxis(grid, picked, range(len(picked))).reshape(pieces, -1)
+    held = int(np.any(rows == process, axis=1).sum())
+    if held == 0 or pieces % held:
+        raise ValueError(f"process {process} holds {held} of the {pieces} pieces that mesh axes "
+                         f"{axes} cut a dim into; a process's devices must hold an equal share of "
+                         "every split dim (build the mesh with each process's devices together).")
+    return pieces // held
