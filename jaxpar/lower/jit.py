@@ -4,6 +4,11 @@ Every operand whose spec differs from what the chosen strategy needs is constrai
 needed spec first, and every result is constrained to its planned spec, so the SPMD partitioner
 has no freedom left to pick other layouts. Region ops are rebuilt with `lax.scan`,
 `lax.while_loop` and `lax.switch` around replays of their bodies.
+
+With `fp32` (MindSpore's fp32 communication), an op whose chosen strategy leaves a bf16/f16
+result partial (a matmul or sum cut along its reduction) computes that result in float32, is
+constrained (reduced) in float32, and only then cast back: the collective moves f32 bytes and
+the sum of the partial results is not rounded to 16 bits on the way.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from jaxpar.ir.graph import Lit, Op, OpGraph
@@ -24,7 +30,11 @@ def _constrain(x, spec: Spec, mesh: Mesh):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec.to_pspec()))
 
 
-def replay(graph: OpGraph, plan: GraphPlan, mesh: Mesh, args: list) -> list:
+_LOW = (jnp.bfloat16, jnp.float16)
+_WIDE_REDUCTIONS = {"dot_general": "preferred_element_type", "reduce_sum": None}
+
+
+def replay(graph: OpGraph, plan: GraphPlan, mesh: Mesh, args: list, fp32: bool = False) -> list:
     """Evaluate graph on args (traced or concrete) following plan."""
     env: dict[int, object] = dict(zip(graph.inputs, args, strict=True))
     for v, value in graph.consts.items():
@@ -41,10 +51,35 @@ def replay(graph: OpGraph, plan: GraphPlan, mesh: Mesh, args: list) -> list:
     for op in graph.ops:
         choice = plan.choices[op.index]
         ins = [read(v, need) for v, need in zip(op.inputs, choice.strategy.ins, strict=True)]
-        outs = _region(op, choice.regions, ins, mesh) if op.regions else _bind(op, ins)
+        if op.regions:
+            outs = _region(op, choice.regions, ins, mesh, fp32)
+        elif fp32 and _reduces_low(op, choice.strategy, graph):
+            outs = [_bind_fp32(op, ins, graph.dtype(op.outputs[0]), choice.strategy.outs[0],
+                               mesh)]
+        else:
+            outs = _bind(op, ins)
         for v, out, spec in zip(op.outputs, outs, choice.strategy.outs, strict=True):
             env[v] = _constrain(out, spec, mesh)
     return [read(v) for v in graph.outputs]
+
+
+def _reduces_low(op: Op, strategy, graph: OpGraph) -> bool:
+    """The op leaves a 16-bit float result partial (its reduction is a collective)."""
+    return (op.name in _WIDE_REDUCTIONS and any(strategy.partial)
+            and graph.dtype(op.outputs[0]) in _LOW)
+
+
+def _bind_fp32(op: Op, ins: list, dtype, spec: Spec, mesh: Mesh):
+    """The op computed and reduced in float32, cast back to `dtype`."""
+    params = op.primitive.get_bind_params(op.params)
+    key = _WIDE_REDUCTIONS[op.name]
+    if key is None:  # a sum: widen the operand
+        ins = [x.astype(jnp.float32) for x in ins]
+    else:  # a matmul: accumulate and return float32
+        params = {**params, key: jnp.float32}
+    with op.ctx.manager:
+        wide = op.primitive.bind(*ins, **params)
+    return _constrain(wide, spec, mesh).astype(dtype)
 
 
 def _bind(op: Op, ins: list) -> list:
@@ -53,17 +88,17 @@ def _bind(op: Op, ins: list) -> list:
     return list(out) if op.primitive.multiple_results else [out]
 
 
-def _region(op: Op, plans: tuple[GraphPlan, ...], ins: list, mesh: Mesh) -> list:
-    return _REGIONS[op.name](op, plans, ins, mesh)
+def _region(op: Op, plans: tuple[GraphPlan, ...], ins: list, mesh: Mesh, fp32: bool) -> list:
+    return _REGIONS[op.name](op, plans, ins, mesh, fp32)
 
 
-def _scan(op: Op, plans, ins, mesh) -> list:
+def _scan(op: Op, plans, ins, mesh, fp32) -> list:
     nc, ncar = op.params["num_consts"], op.params["num_carry"]
     consts, init, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
     body, plan = op.regions[0], plans[0]
 
     def step(carry, x):
-        outs = replay(body, plan, mesh, [*consts, *carry, *x])
+        outs = replay(body, plan, mesh, [*consts, *carry, *x], fp32)
         return outs[:ncar], outs[ncar:]
 
     carry, ys = jax.lax.scan(step, init, xs, length=op.params["length"],
@@ -71,19 +106,19 @@ def _scan(op: Op, plans, ins, mesh) -> list:
     return [*carry, *ys]
 
 
-def _while(op: Op, plans, ins, mesh) -> list:
+def _while(op: Op, plans, ins, mesh, fp32) -> list:
     cn, bn = op.params["cond_nconsts"], op.params["body_nconsts"]
     cconsts, bconsts, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
     (cond, body), (cond_plan, body_plan) = op.regions, plans
     out = jax.lax.while_loop(
-        lambda c: replay(cond, cond_plan, mesh, [*cconsts, *c])[0],
-        lambda c: replay(body, body_plan, mesh, [*bconsts, *c]),
+        lambda c: replay(cond, cond_plan, mesh, [*cconsts, *c], fp32)[0],
+        lambda c: replay(body, body_plan, mesh, [*bconsts, *c], fp32),
         list(init))
     return list(out)
 
 
-def _cond(op: Op, plans, ins, mesh) -> list:
-    branches = [lambda *a, b=b, p=p: replay(b, p, mesh, list(a))
+def _cond(op: Op, plans, ins, mesh, fp32) -> list:
+    branches = [lambda *a, b=b, p=p: replay(b, p, mesh, list(a), fp32)
                 for b, p in zip(op.regions, plans, strict=True)]
     return list(jax.lax.switch(ins[0], branches, *ins[1:]))
 
@@ -92,12 +127,14 @@ _REGIONS = {"scan": _scan, "while": _while, "cond": _cond}
 
 
 def build_callable(graph: OpGraph, plan: GraphPlan, mesh: Mesh, in_specs: list[Spec],
-                   out_specs: list[Spec], donate: tuple[int, ...] = ()) -> Callable:
-    """A jitted function of the flat inputs returning the flat outputs, placed per the specs."""
+                   out_specs: list[Spec], donate: tuple[int, ...] = (),
+                   fp32_communication: bool = False) -> Callable:
+    """A jitted function of the flat inputs returning the flat outputs, placed per the specs
+    (fp32_communication: see the module docstring)."""
     in_sh = tuple(NamedSharding(mesh, s.to_pspec()) for s in in_specs)
     out_sh = tuple(NamedSharding(mesh, s.to_pspec()) for s in out_specs)
 
     def run(*flat):
-        return tuple(replay(graph, plan, mesh, list(flat)))
+        return tuple(replay(graph, plan, mesh, list(flat), fp32_communication))
 
     return jax.jit(run, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
