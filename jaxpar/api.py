@@ -9,7 +9,7 @@ cached per input signature (pytree structure, shapes, dtypes).
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -43,6 +43,7 @@ class ShardOptions:
     memory_budget: float | None
     mem_coeff: float
     donate_argnums: tuple[int, ...]
+    fp32_communication: bool = False
 
 
 @dataclass
@@ -54,7 +55,8 @@ class _Compiled:
 def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=None, level=0, *,
           mesh: Mesh | None = None, search_mode: str | None = None, hardware=None,
           memory_budget: float | str | None = None, mem_coeff: float = 0.1,
-          donate_argnums: int | tuple[int, ...] = ()) -> ShardedFunction:
+          donate_argnums: int | tuple[int, ...] = (),
+          fp32_communication: bool = False) -> ShardedFunction:
     """Shard `fn` over a device mesh, MindSpore style.
 
     Args:
@@ -79,6 +81,8 @@ def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=N
         default 0.1): larger favours model parallel plans that cut weights, smaller data
         parallel, 0 time alone.
       donate_argnums: positional arguments whose buffers the call may reuse.
+      fp32_communication: reduce bf16/f16 partial sums (a matmul's or a sum's result cut
+        along its reduction) in float32, then cast back: the collectives move f32 bytes.
 
     Returns:
       A ShardedFunction: call it like fn; `.plan(*args)` and `.lower(*args)` as well.
@@ -92,7 +96,9 @@ def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=N
         raise TypeError(f"shard(fn={fn!r}): fn must be callable (a function of arrays).")
     opts = _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, search_mode,
                     hardware, memory_budget, mem_coeff, donate_argnums)
-    return ShardedFunction(fn, opts)
+    if not isinstance(fp32_communication, bool):
+        raise TypeError(f"shard(fp32_communication={fp32_communication!r}): must be a bool.")
+    return ShardedFunction(fn, replace(opts, fp32_communication=fp32_communication))
 
 
 def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, search_mode,
@@ -248,7 +254,7 @@ class ShardedFunction:
         donate = tuple(i for i, _ in enumerate(jax.tree_util.tree_leaves(args))
                        if self._leaf_arg(args, i) in self.opts.donate_argnums)
         jitted = build_callable(graph, plan.graph_plan, self.mesh, plan.in_specs,
-                                plan.out_specs, donate)
+                                plan.out_specs, donate, self.opts.fp32_communication)
         return _Compiled(plan, jitted)
 
     @staticmethod
