@@ -1,0 +1,597 @@
+"""`jaxpar.AutoParallel`: MindSpore's AutoParallel for JAX training steps and Flax nnx modules.
+
+AutoParallel(network, parallel_mode) wraps a function (typically a training step
+`step(params, opt_state, *batch) -> (params, opt_state, loss)`), a function some of whose
+arguments are Flax nnx objects (`step(model, optimizer, *batch)`, updated in place as under
+`nnx.jit`), or an nnx Module (its `__call__`). Calling it plans the program for these argument
+shapes (once per signature), compiles it and runs it; `.plan(*args)` and `.lower(*args)` work
+as for `jaxpar.shard`.
+
+How the four modes fix the arguments before the search (`batch` = the arguments that are not
+carried state: not returned in their own place, not nnx objects; see `batch_argnums`):
+
+  semi_auto             batch per the dataset strategy (default "data_parallel": the batch
+                        dimension over every device), every parameter replicated unless
+                        `parameter_plan` says otherwise, the user's own sharding constraints
+                        kept; sharding propagation plans the rest. Data parallel by default.
+  sharding_propagation  the same fixed inputs, propagated outward.
+  recursive_programming and dynamic_programming
+                        nothing fixed but what the user fixed (parameter_plan, an explicit
+                        `dataset_strategy(...)`), the search decides the rest.
+
+Then, when optimizer parallel is on (`hsdp` or the context's enable_parallel_optimizer),
+a second round cuts optimizer state (and at level3 the parameters) further over the axes each
+parameter's plan leaves unused (`jaxpar.train.optimizer_parallel`).
+
+Defaults come from the parallel context at construction (`set_auto_parallel_context`):
+device_num (the mesh size), mem_coeff, memory_budget, hardware, dataset_strategy/full_batch,
+enable_parallel_optimizer and parallel_optimizer_config, gradient_fp32_sync,
+strategy_ckpt_load_file/save_file and pipeline_stages.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import numbers
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxpar import strategy as strat
+from jaxpar.api import ShardedFunction, carried_pairs, optimizer_followers, shard
+from jaxpar.context import ParallelContext, current_context
+from jaxpar.ir import leaf_paths
+from jaxpar.ir.trace import arg_names
+from jaxpar.mesh import make_mesh
+from jaxpar.plan import Plan
+from jaxpar.spec import MeshInfo, Spec
+from jaxpar.train.optimizer_parallel import (
+    check_hsdp_args,
+    check_shard_size,
+    optimizer_parallel_specs,
+)
+
+PARALLEL_MODES = ("semi_auto", "sharding_propagation", "recursive_programming",
+                  "dynamic_programming")
+_SEARCH = {"semi_auto": "sharding_propagation"}
+SCHEDULERS = ("1f1b", "gpipe")
+PARAM_FILE_FORMAT = "jaxpar-param-strategy"
+
+
+class StrategyFileError(KeyError, ValueError):
+    """A strategy-file path MindSpore refuses with KeyError (not absolute, not .json); also a
+    ValueError, so either except clause catches it."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclass
+class _Options:
+    """What the methods set; read when a signature is first planned."""
+
+    dataset_strategy: Any = None          # None: the mode's default (module docstring)
+    hsdp: tuple[int, int, str] | None = None  # (shard_size, threshold KB, level)
+    gradients_mean: bool = False
+    fp32_communication: bool = True
+    load_operator_file: str = ""
+    save_operator_file: str = ""
+    load_param_file: str = ""
+    save_param_file: str = ""
+    comm_fusion: dict = field(default_factory=dict)
+    init_in_compile: bool = True
+    pipeline: dict = field(default_factory=lambda: {"stages": 1})
+
+
+class AutoParallel:
+    """Plan, compile and run `network` over a device mesh, MindSpore style.
+
+    Args:
+      network: a function of arrays/pytrees (a training step, a forward pass), a function some
+        of whose arguments are nnx objects (updated in place, as `nnx.jit` does), or an nnx
+        Module (its `__call__`; its state is the first argument, named "model").
+      parallel_mode: "semi_auto" (default), "sharding_propagation", "recursive_programming" or
+        "dynamic_programming" (see the module docstring).
+      mesh: the device mesh; default `make_mesh(device_num)` from the context (all devices).
+      parameter_plan: {parameter path: strategy}; an unknown path is an error listing the
+        closest known paths.
+      hardware, level, mem_coeff, memory_budget: as for `jaxpar.shard`; None takes the context's.
+      batch_argnums: positions of the data arguments (dataset_strategy applies to them). None:
+        the arguments that are neither carried state nor nnx objects; for a function with no
+        carried state, every argument but the first (`apply(params, *batch)`).
+      donate_argnums: arguments whose buffers a call may reuse (nnx objects' state always is:
+        it is replaced in place).
+
+    Example:
+      >>> net = jaxpar.AutoParallel(train_step, parallel_mode="recursive_programming")
+      >>> net.hsdp(optimizer_level="level1")
+      >>> params, opt_state, loss = net(params, opt_state, tokens, targets)
+      >>> print(net.plan(params, opt_state, tokens, targets).explain())
+    """
+
+    def __init__(self, network, parallel_mode: str = "semi_auto", *, mesh: Mesh | None = None,
+                 parameter_plan: dict | None = None, hardware=None, level: int = 0,
+                 mem_coeff: float | None = None, memory_budget=None,
+                 batch_argnums: int | tuple[int, ...] | None = None,
+                 donate_argnums: int | tuple[int, ...] = ()):
+        if not callable(network):
+            raise TypeError(f"AutoParallel(network={network!r}): network must be a function or "
+                            "a Flax nnx Module.")
+        if not isinstance(parallel_mode, str):
+            raise TypeError(f"AutoParallel(parallel_mode={parallel_mode!r}): must be a str, one "
+                            f"of {list(PARALLEL_MODES)}.")
+        if parallel_mode not in PARALLEL_MODES:
+            raise ValueError(f"AutoParallel(parallel_mode={parallel_mode!r}): must be one of "
+                             f"{list(PARALLEL_MODES)}.")
+        ctx = current_context()
+        self.network, self.parallel_mode, self.context = network, parallel_mode, ctx
+        self.mesh = mesh if mesh is not None else make_mesh(ctx.device_num or len(jax.devices()))
+        if not isinstance(self.mesh, Mesh):
+            raise TypeError(f"AutoParallel(mesh={mesh!r}): pass a jax.sharding.Mesh, e.g. "
+                            "jaxpar.make_mesh(8).")
+        if parameter_plan is not None and not isinstance(parameter_plan, dict):
+            raise TypeError(f"AutoParallel(parameter_plan={parameter_plan!r}): must be a dict "
+                            "mapping parameter paths to strategies, e.g. {'params/w': (1, 8)}.")
+        self.parameter_plan = dict(parameter_plan or {})
+        self.hardware = hardware if hardware is not None else (ctx.hardware or "cpu")
+        self.level = level
+        self.mem_coeff = ctx.mem_coeff if mem_coeff is None else mem_coeff
+        self.memory_budget = ctx.memory_budget if memory_budget is None else memory_budget
+        self.batch_argnums = _argnums("batch_argnums", batch_argnums)
+        self.donate_argnums = _argnums("donate_argnums", donate_argnums) or ()
+        self._opts = _options_from_context(ctx)
+        self._functions: dict[Any, _Program] = {}
+        self._check_now()
+
+    # -- calling ---------------------------------------------------------------------------
+    def __call__(self, *args):
+        program, flat = self._program(args)
+        out = program.sharded(*flat)
+        return program.unwrap(out)
+
+    def plan(self, *args) -> Plan:
+        """The plan for these arguments (arrays, ShapeDtypeStructs or nnx objects)."""
+        program, flat = self._program(args)
+        return program.sharded.plan(*flat)
+
+    def lower(self, *args) -> jax.stages.Lowered:
+        """The lowered program for these arguments (call `.compile()` on it)."""
+        program, flat = self._program(args)
+        return program.sharded.lower(*flat)
+
+    # -- MindSpore's methods -------------------------------------------------------------------
+    def hsdp(self, shard_size: int = -1, threshold: int = 64,
+             optimizer_level: str = "level1") -> None:
+        """Optimizer parallel: level1 cuts optimizer state over the data-parallel replicas of
+        each parameter, level2 also its gradient (a reduce-scatter), level3 also the parameter
+        (FSDP). threshold: KB under which tensors stay as planned; shard_size: the group size
+        (-1: every data-parallel axis). See `jaxpar.train.optimizer_parallel`."""
+        check_hsdp_args(shard_size, threshold, optimizer_level)
+        check_shard_size(shard_size, MeshInfo.of(self.mesh))
+        self._set(hsdp=(shard_size, threshold, optimizer_level))
+
+    def dataset_strategy(self, config) -> None:
+        """How the data arguments are cut: "data_parallel" (batch dim over every device),
+        "full_batch" (replicated: each process feeds the whole batch), or a tuple with one
+        strategy per data leaf (split counts, e.g. ((8, 1), (8,)), or PartitionSpecs)."""
+        if isinstance(config, str):
+            if config not in ("data_parallel", "full_batch"):
+                raise ValueError(f"dataset_strategy(config={config!r}): a str config must be "
+                                 "'data_parallel' or 'full_batch'.")
+        elif isinstance(config, tuple | list):
+            if not config:
+                raise ValueError("dataset_strategy(config=()): give one strategy per data "
+                                 "input, e.g. ((8, 1), (8,)).")
+            for i, entry in enumerate(config):
+                _check_dataset_entry(i, entry)
+            config = tuple(tuple(e) if isinstance(e, list) else e for e in config)
+        else:
+            raise TypeError(f"dataset_strategy(config={config!r}): must be 'data_parallel', "
+                            "'full_batch' or a tuple of strategies, one per data input.")
+        self._set(dataset_strategy=config)
+
+    def save_operator_strategy_file(self, file_path: str) -> None:
+        """Save each plan made from now on (and any made already) as JSON at file_path, an
+        absolute .json path; `load_operator_strategy_file` reproduces the same program."""
+        path = _strategy_path("save_operator_strategy_file", file_path)
+        self._opts.save_operator_file = path
+        for program in self._functions.values():
+            program.save_operator_file(path)
+
+    def load_operator_strategy_file(self, file_path: str) -> None:
+        """Use the plan saved at file_path (absolute .json) instead of searching. A file for
+        another program or mesh, or not a jaxpar plan, is refused when the program is built."""
+        path = _strategy_path("load_operator_strategy_file", file_path)
+        if not Path(path).is_file():
+            raise ValueError(f"load_operator_strategy_file(file_path={path!r}): no such file.")
+        self._set(load_operator_file=path)
+
+    def save_param_strategy_file(self, file_path: str) -> None:
+        """Save the planned strategy of every parameter (carried state) as JSON at file_path:
+        {path: PartitionSpec entries} with the mesh; `load_param_strategy_file` reads it back as
+        a parameter_plan."""
+        if not isinstance(file_path, str):
+            raise TypeError(f"save_param_strategy_file(file_path={file_path!r}): must be a str.")
+        self._opts.save_param_file = os.path.abspath(file_path)
+        for program in self._functions.values():
+            program.save_param_file(self._opts.save_param_file)
+
+    def load_param_strategy_file(self, file_path: str) -> None:
+        """Fix parameters to the strategies a param strategy file holds (same mesh)."""
+        if not isinstance(file_path, str):
+            raise TypeError(f"load_param_strategy_file(file_path={file_path!r}): must be a str.")
+        self.parameter_plan.update(read_param_strategy_file(file_path, MeshInfo.of(self.mesh)))
+        self._functions.clear()
+
+    def enable_gradients_mean(self) -> None:
+        """Gradients are the mean over data-parallel replicas (MindSpore's gradients_mean).
+        A jaxpar program is the global computation, so a mean loss already gives mean
+        gradients; this is recorded for steps built with `jaxpar.train.make_train_step`
+        (`AutoParallel.gradients_mean`)."""
+        self._set(gradients_mean=True)
+
+    @property
+    def gradients_mean(self) -> bool:
+        return self._opts.gradients_mean
+
+    def enable_fp32_communication(self) -> None:
+        """Reduce bf16/f16 partial sums in float32 (see `jaxpar.shard(fp32_communication)`)."""
+        self._set(fp32_communication=True)
+
+    def disable_gradient_fp32_sync(self) -> None:
+        """Reduce 16-bit partial sums in their own dtype (half the bytes)."""
+        self._set(fp32_communication=False)
+
+    def comm_fusion(self, config: dict) -> None:
+        """MindSpore's communication fusion config, checked and recorded. XLA's own combiner
+        passes fuse collectives in every jaxpar program; this config does not tune them yet."""
+        if not isinstance(config, dict):
+            raise TypeError(f"comm_fusion(config={config!r}): must be a dict such as "
+                            "{'allreduce': {'mode': 'auto', 'config': None}}.")
+        checked = ParallelContext(comm_fusion=config).comm_fusion
+        self._opts.comm_fusion = checked
+
+    def no_init_parameters_in_compile(self) -> None:
+        """Plan and compile without parameter values: jaxpar never needs them (`.plan` and
+        `.lower` take ShapeDtypeStructs), so this only records the request."""
+        self._opts.init_in_compile = False
+
+    def pipeline(self, stages: int = 1, output_broadcast: bool = False,
+                 interleave: bool = False, scheduler: str = "1f1b") -> None:
+        """Pipeline parallel settings, checked as MindSpore does. Only stages=1 runs in this
+        version: more stages raise NotImplementedError."""
+        if isinstance(stages, bool) or not isinstance(stages, int):
+            raise TypeError(f"pipeline(stages={stages!r}): must be an int.")
+        if stages <= 0:
+            raise ValueError(f"pipeline(stages={stages}): must be > 0.")
+        for name, value in (("output_broadcast", output_broadcast), ("interleave", interleave)):
+            if not isinstance(value, bool):
+                raise TypeError(f"pipeline({name}={value!r}): must be a bool.")
+        if not isinstance(scheduler, str):
+            raise TypeError(f"pipeline(scheduler={scheduler!r}): must be a str.")
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"pipeline(scheduler={scheduler!r}): must be one of "
+                             f"{list(SCHEDULERS)}.")
+        _no_pipeline(stages)
+        self._set(pipeline={"stages": stages, "output_broadcast": output_broadcast,
+                            "interleave": interleave, "scheduler": scheduler})
+
+    # -- internals -----------------------------------------------------------------------------
+    def _set(self, **changes) -> None:
+        for key, value in changes.items():
+            setattr(self._opts, key, value)
+        self._functions.clear()  # plans depend on these: plan again
+
+    def _check_now(self) -> None:
+        _no_pipeline(self.context.pipeline_stages)
+        # shard() checks level, mem_coeff, memory_budget and hardware before any tracing.
+        shard(self.network, level=self.level, mesh=self.mesh, hardware=self.hardware,
+              mem_coeff=self.mem_coeff, memory_budget=self.memory_budget)
+
+    def _program(self, args: tuple) -> tuple[_Program, tuple]:
+        pure, flat_args, unwrap = _purify(self.network, args)
+        leaves, tree = jax.tree_util.tree_flatten(flat_args)
+        key = (tree, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
+        if key not in self._functions:
+            self._functions[key] = self._build(pure, flat_args, unwrap)
+        program = self._functions[key]
+        program.unwrap = unwrap
+        return program, flat_args
+
+    def _build(self, pure, args: tuple, unwrap) -> _Program:
+        o = self._opts
+        names = arg_names(pure, len(args))
+        paths = [p for n, a in zip(names, args, strict=True) for p in leaf_paths(a, n)]
+        shapes = [tuple(x.shape) for x in jax.tree_util.tree_leaves(args)]
+        n_state = pure.n_state if hasattr(pure, "n_state") else 0
+        donate = tuple(range(n_state)) + tuple(i + n_state for i in self.donate_argnums)
+        fixed = self._fixed(pure, args, paths, shapes)
+        sharded = self._shard(pure, fixed, donate)
+        if o.load_operator_file:
+            sharded = sharded.with_plan(_load_plan(o.load_operator_file))
+            _check_loaded(sharded, args, o.load_operator_file)
+        elif o.hsdp is not None:
+            plan = sharded.plan(*args)
+            followers = optimizer_followers(paths, shapes)
+            sizes = [x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(args)]
+            more = optimizer_parallel_specs(plan.in_specs, shapes, sizes, followers,
+                                            MeshInfo.of(self.mesh), o.hsdp[2], o.hsdp[1],
+                                            o.hsdp[0])
+            if more:
+                fixed = {**fixed, **{paths[i]: s.to_pspec() for i, s in more.items()}}
+                sharded = self._shard(pure, fixed, donate)
+        program = _Program(sharded, unwrap, paths, n_state, _state_leaves(pure, args))
+        if o.save_operator_file:
+            program.save_operator_file(o.save_operator_file, args)
+        if o.save_param_file:
+            program.save_param_file(o.save_param_file, args)
+        return program
+
+    def _shard(self, pure, fixed: dict[str, Any], donate: tuple[int, ...]) -> ShardedFunction:
+        return shard(pure, parameter_plan=fixed or None, level=self.level, mesh=self.mesh,
+                     search_mode=_SEARCH.get(self.parallel_mode, self.parallel_mode),
+                     hardware=self.hardware, memory_budget=self.memory_budget,
+                     mem_coeff=self.mem_coeff, donate_argnums=donate,
+                     fp32_communication=self._opts.fp32_communication)
+
+    def _fixed(self, pure, args: tuple, paths: list[str], shapes: list[tuple]) -> dict[str, Any]:
+        """{exact leaf path: strategy} for every leaf fixed before the search."""
+        mesh = self.mesh
+        planned = strat.parse_parameter_plan(self.parameter_plan, paths, shapes, mesh)
+        fixed = {paths[i]: s.to_pspec() for i, s in planned.items()}
+        batch = self._batch_positions(pure, args)
+        owner = _leaf_owners(args)
+        config = self._dataset_config()
+        if config is not None:
+            leaves = [i for i in range(len(paths)) if owner[i] in batch]
+            for i, spec in zip(leaves, _dataset_specs(config, [shapes[i] for i in leaves], mesh),
+                               strict=True):
+                if spec is not None and paths[i] not in fixed:
+                    fixed[paths[i]] = spec
+        if self.parallel_mode in _SEARCH or self.parallel_mode == "sharding_propagation":
+            follows = optimizer_followers(paths, shapes)
+            for i, path in enumerate(paths):  # parameters replicated unless planned
+                if owner[i] not in batch and i not in follows and path not in fixed:
+                    fixed[path] = PartitionSpec()
+        return fixed
+
+    def _dataset_config(self):
+        """The dataset strategy in force for this mode (None: the search decides)."""
+        if self._opts.dataset_strategy is not None:
+            return self._opts.dataset_strategy
+        if self.parallel_mode in ("semi_auto", "sharding_propagation") \
+                or jax.process_count() > 1:
+            return "full_batch" if self.context.full_batch else self.context.dataset_strategy
+        return None
+
+    def _batch_positions(self, pure, args: tuple) -> set[int]:
+        n_state = getattr(pure, "n_state", 0)
+        if self.batch_argnums is not None:
+            bad = [i for i in self.batch_argnums if not 0 <= i < len(args) - n_state]
+            if bad:
+                raise ValueError(f"AutoParallel(batch_argnums={self.batch_argnums}): the "
+                                 f"network takes {len(args) - n_state} data arguments; "
+                                 f"{bad} is out of range.")
+            return {i + n_state for i in self.batch_argnums}
+        out_shapes = jax.eval_shape(pure, *args)
+        carried = {_leaf_owners(args)[i] for i, _ in carried_pairs(args, out_shapes)}
+        state = set(range(n_state)) | carried
+        if state:
+            return {i for i in range(len(args)) if i not in state}
+        return set(range(1, len(args)))
+
+
+@dataclass
+class _Program:
+    """One planned signature: the sharded function and how to give results back."""
+
+    sharded: ShardedFunction
+    unwrap: Any
+    paths: list[str]
+    n_state: int
+    state_leaves: list[int]
+
+    def plan_for(self, args: tuple | None) -> Plan | None:
+        """The plan for args, or (None) the one already made, if any."""
+        if args is not None:
+            return self.sharded.plan(*args)
+        made = [c.plan for c in self.sharded._cache.values()]
+        return made[0] if made else None
+
+    def save_operator_file(self, path: str, args: tuple | None = None) -> None:
+        plan = self.plan_for(args)
+        if plan is not None:
+            plan.save(path)
+
+    def save_param_file(self, path: str, args: tuple | None = None) -> None:
+        plan = self.plan_for(args)
+        if plan is None:
+            return
+        params = {self.paths[i]: plan.in_specs[i].to_json() for i in self.state_leaves}
+        mesh = {"names": list(plan.mesh.names), "sizes": list(plan.mesh.sizes)}
+        Path(path).write_text(json.dumps({"format": PARAM_FILE_FORMAT, "mesh": mesh,
+                                          "parameters": params}, indent=1))
+
+
+def read_param_strategy_file(file_path: str, mesh: MeshInfo) -> dict[str, PartitionSpec]:
+    """{parameter path: PartitionSpec} from a file `save_param_strategy_file` wrote."""
+    try:
+        data = json.loads(Path(file_path).read_text())
+        if data.get("format") != PARAM_FILE_FORMAT:
+            raise ValueError("not a jaxpar parameter strategy file")
+        saved = MeshInfo(tuple(data["mesh"]["names"]), tuple(data["mesh"]["sizes"]))
+        specs = {k: Spec.from_json(v).to_pspec() for k, v in data["parameters"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"load_param_strategy_file(file_path={file_path!r}): cannot read a "
+                         f"parameter strategy file ({err}).") from None
+    if saved != mesh:
+        raise ValueError(f"load_param_strategy_file(file_path={file_path!r}): saved for mesh "
+                         f"{saved.describe()}, not {mesh.describe()}.")
+    return specs
+
+
+# -- nnx objects ---------------------------------------------------------------------------------
+def _purify(network, args: tuple):
+    """(pure function, its arguments, unwrap): nnx objects become their state, passed first
+    and returned first (so they are carried state), and put back into the objects on return."""
+    from flax import nnx
+
+    if isinstance(network, nnx.Module):
+        return _module_call(network, args)
+    objects = [i for i, a in enumerate(args) if nnx.graph.is_graph_node(a)]
+    if not objects:
+        return network, args, lambda out: out
+    graphdefs, states = zip(*(nnx.split(args[i]) for i in objects), strict=True)
+    others = [i for i in range(len(args)) if i not in objects]
+    names = arg_names(network, len(args))
+
+    def pure(*xs):
+        rebuilt = list(args)
+        live = [nnx.merge(g, s) for g, s in zip(graphdefs, xs[:len(objects)], strict=True)]
+        for i, obj in zip(objects, live, strict=True):
+            rebuilt[i] = obj
+        for i, x in zip(others, xs[len(objects):], strict=True):
+            rebuilt[i] = x
+        out = network(*rebuilt)
+        return (*(nnx.state(obj) for obj in live), out)
+
+    _sign(pure, [names[i] for i in objects] + [names[i] for i in others])
+    pure.n_state = len(objects)
+
+    def unwrap(out):
+        for i, new in zip(objects, out[:len(objects)], strict=True):
+            nnx.update(args[i], new)
+        return out[len(objects)]
+
+    return pure, (*states, *(args[i] for i in others)), unwrap
+
+
+def _module_call(module, args: tuple):
+    from flax import nnx
+
+    graphdef, state = nnx.split(module)
+
+    def pure(model, *xs):
+        live = nnx.merge(graphdef, model)
+        out = live(*xs)
+        return nnx.state(live), out
+
+    _sign(pure, ["model"] + [f"arg{i}" for i in range(len(args))])
+    pure.n_state = 1
+
+    def unwrap(out):
+        nnx.update(module, out[0])
+        return out[1]
+
+    return pure, (state, *args), unwrap
+
+
+def _sign(fn, names: list[str]) -> None:
+    """Give fn positional parameters with these names (leaf paths start with them)."""
+    fn.__signature__ = inspect.Signature(
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in names])
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def _state_leaves(pure, args: tuple) -> list[int]:
+    """Flat leaves of the carried state (parameters and optimizer state)."""
+    n_state = getattr(pure, "n_state", 0)
+    owner = _leaf_owners(args)
+    carried = {i for i, _ in carried_pairs(args, jax.eval_shape(pure, *args))}
+    return [i for i in range(len(owner)) if owner[i] < n_state or i in carried]
+
+
+def _leaf_owners(args: tuple) -> list[int]:
+    return [k for k, a in enumerate(args) for _ in jax.tree_util.tree_leaves(a)]
+
+
+def _dataset_specs(config, shapes: list[tuple], mesh: Mesh) -> list:
+    """A PartitionSpec (or None) per data leaf under a dataset strategy."""
+    if config == "full_batch":
+        return [PartitionSpec() for _ in shapes]
+    if config == "data_parallel":
+        axes = tuple(mesh.axis_names)
+        size = mesh.devices.size
+        return [PartitionSpec(axes) if s and s[0] % size == 0 else None for s in shapes]
+    if len(config) != len(shapes):
+        raise ValueError(f"dataset_strategy({config!r}): {len(config)} strategies for "
+                         f"{len(shapes)} data inputs; give one each.")
+    dummies = tuple(jax.ShapeDtypeStruct(shape, "float32") for shape in shapes)
+    specs = strat.parse_in_strategy(tuple(config), dummies, mesh)
+    return [None if spec is None else spec.to_pspec() for spec in specs]
+
+
+def _check_dataset_entry(i: int, entry) -> None:
+    if isinstance(entry, PartitionSpec | strat.Layout):
+        return
+    if not isinstance(entry, tuple | list):
+        raise TypeError(f"dataset_strategy(config[{i}]={entry!r}): each entry must be a tuple "
+                        "of ints (split counts), a PartitionSpec or a Layout.")
+    for n in entry:
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"dataset_strategy(config[{i}]={entry!r}): split counts must be "
+                            "ints.")
+        if n <= 0:
+            raise ValueError(f"dataset_strategy(config[{i}]={entry!r}): split counts must be "
+                             "positive.")
+
+
+def _strategy_path(method: str, file_path) -> str:
+    if not isinstance(file_path, str):
+        raise TypeError(f"{method}(file_path={file_path!r}): must be a str.")
+    if not os.path.isabs(file_path):
+        raise StrategyFileError(f"{method}(file_path={file_path!r}): must be an absolute path, "
+                                f"e.g. {os.path.abspath(file_path)!r}.")
+    if not file_path.endswith(".json"):
+        raise StrategyFileError(f"{method}(file_path={file_path!r}): must end in .json.")
+    return file_path
+
+
+def _load_plan(path: str) -> Plan:
+    try:
+        return Plan.load(path)
+    except ValueError as err:
+        raise ValueError(f"load_operator_strategy_file(file_path={path!r}): {err}") from None
+
+
+def _check_loaded(sharded: ShardedFunction, args: tuple, path: str) -> None:
+    try:
+        sharded.plan(*args)
+    except ValueError as err:
+        raise ValueError(f"load_operator_strategy_file(file_path={path!r}): {err}") from None
+
+
+def _argnums(name: str, value) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    value = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(value, tuple | list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+        raise TypeError(f"AutoParallel({name}={value!r}): must be an int >= 0 or a tuple of them.")
+    return tuple(value)
+
+
+def _no_pipeline(stages: int) -> None:
+    if stages > 1:
+        raise NotImplementedError(
+            f"pipeline stages={stages}: pipeline parallelism is not in this version of jaxpar "
+            "(stages=1 only). Use data/tensor/optimizer parallel over the whole mesh.")
+
+
+def _options_from_context(ctx: ParallelContext) -> _Options:
+    o = _Options(gradients_mean=ctx.gradients_mean, fp32_communication=ctx.gradient_fp32_sync,
+                 comm_fusion=dict(ctx.comm_fusion))
+    if ctx.enable_parallel_optimizer:
+        cfg = ctx.parallel_optimizer_config
+        o.hsdp = (cfg["optimizer_weight_shard_size"], cfg["parallel_optimizer_threshold"],
+                  "level1")
+    if ctx.strategy_ckpt_load_file:
+        o.load_operator_file = ctx.strategy_ckpt_load_file
+    if ctx.strategy_ckpt_save_file:
+        o.save_operator_file = ctx.strategy_ckpt_save_file
+    return o
