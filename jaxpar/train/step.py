@@ -28,11 +28,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxpar.context import current_context
+
 MICROBATCH_LAYOUTS = ("strided", "contiguous")
 
 
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
-                    grad_accumulation_step: int = 1, gradients_mean: bool = True,
+                    grad_accumulation_step: int | None = None, gradients_mean: bool = True,
                     data_parallel: int = 1, has_aux: bool = False,
                     batch_argnums: int | Sequence[int] | None = None,
                     microbatch_layout: str = "strided") -> Callable:
@@ -44,6 +46,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
       optimizer: an optax GradientTransformation (anything with `init` and `update`).
       grad_accumulation_step: k >= 1 microbatches per step (MindSpore's key of that name). The
         leading dim of every batched argument must divide by k; one optimizer update per step.
+        None: the parallel context's `grad_accumulation_step` (default 1).
       gradients_mean: True (default): gradients of the global mean loss, as on one device.
         False: MindSpore's data-parallel gradients without the mean, the sum over the
         `data_parallel` replicas of each replica's mean-loss gradient = gradients * data_parallel.
@@ -67,6 +70,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
     """
     _check_loss_and_layout(loss_fn, microbatch_layout)
     _check_optimizer(optimizer)
+    if grad_accumulation_step is None:
+        grad_accumulation_step = current_context().grad_accumulation_step
     k = _positive_int(grad_accumulation_step, "grad_accumulation_step", "e.g. 1 or 4")
     dp = _positive_int(data_parallel, "data_parallel",
                        "the number of data-parallel replicas, e.g. 8")

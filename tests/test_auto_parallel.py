@@ -1,0 +1,343 @@
+"""AutoParallel: the four modes train like jax.jit, optimizer parallel, strategy files, methods."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.auto_parallel import AutoParallel, StrategyFileError
+from jaxpar.models import gpt, nnx_gpt
+
+CFG = gpt.GPTConfig(layers=1, d_model=32, heads=4, vocab=64, seq=16)
+MODES = ["semi_auto", "sharding_propagation", "recursive_programming", "dynamic_programming"]
+STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def _fresh_context():
+    jaxpar.reset_auto_parallel_context()
+    yield
+    jaxpar.reset_auto_parallel_context()
+
+
+@pytest.fixture(scope="module")
+def problem():
+    params = gpt.init_params(CFG, jax.random.key(0))
+    step, opt_state = gpt.make_train_step(CFG, params, optax.adamw(1e-3))
+    tokens, targets = gpt.batch(CFG, 16)
+    jitted = jax.jit(step)
+    p, o, losses = params, opt_state, []
+    for _ in range(STEPS):
+        p, o, loss = jitted(p, o, tokens, targets)
+        losses.append(float(loss))
+    return step, (params, opt_state, tokens, targets), losses, p
+
+
+def _train(net, args, steps=STEPS):
+    params, opt_state, tokens, targets = args
+    losses = []
+    for _ in range(steps):
+        params, opt_state, loss = net(params, opt_state, tokens, targets)
+        losses.append(float(loss))
+    return losses, params
+
+
+def _specs(net, args) -> dict:
+    """{leaf path: planned Spec} of net's plan for args."""
+    plan = net.plan(*args)
+    return dict(zip(plan.in_paths, plan.in_specs, strict=True))
+
+
+def _close_trees(a, b, rtol=1e-4, atol=1e-5):  # atol: 1% of one Adam update (lr 1e-3)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gpt_adamw_step_trains_like_jit_in_every_mode(problem, mode):
+    step, args, want_losses, want_params = problem
+    losses, params = _train(AutoParallel(step, mode), args)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-4)
+    _close_trees(params, want_params)
+
+
+def test_semi_auto_is_data_parallel_with_replicated_parameters(problem):
+    step, args, _, _ = problem
+    by_path = _specs(AutoParallel(step), args)
+    assert by_path["tokens"].dims[0] == ("d0", "d1", "d2")
+    assert all(not s.axes() for p, s in by_path.items() if p.startswith("params/"))
+
+
+def test_dataset_strategy_full_batch_and_split_counts(problem):
+    step, args, _, _ = problem
+    net = AutoParallel(step)
+    net.dataset_strategy("full_batch")
+    assert _specs(net, args)["tokens"].axes() == ()
+    net.dataset_strategy(((2, 4), (2, 4)))
+    spec = _specs(net, args)["targets"]
+    assert spec.dims == (("d0",), ("d1", "d2"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nnx_gpt_trains_in_place_like_jit(mode):
+    tx = optax.adamw(1e-3)
+    params = gpt.init_params(CFG, jax.random.key(1))
+    tokens, targets = gpt.batch(CFG, 16)
+    step = nnx_gpt.make_train_step(tx)
+
+    def fresh():
+        model = nnx_gpt.from_params(CFG, params)
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    model, opt = fresh()
+    jitted = nnx.jit(step)
+    want = [float(jitted(model, opt, tokens, targets)) for _ in range(STEPS)]
+    model2, opt2 = fresh()
+    net = AutoParallel(step, mode)
+    got = [float(net(model2, opt2, tokens, targets)) for _ in range(STEPS)]
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    _close_trees(nnx.state(model2, nnx.Param), nnx.state(model, nnx.Param))
+    paths = net.plan(model2, opt2, tokens, targets).in_paths
+    assert "model/blocks/0/attn/wqkv/kernel/value" in paths or any(
+        p.startswith("model/") for p in paths)
+
+
+def test_nnx_module_forward():
+    model = nnx_gpt.from_params(CFG, gpt.init_params(CFG, jax.random.key(2)))
+    tokens, _ = gpt.batch(CFG, 8)
+    net = AutoParallel(model, "recursive_programming")
+    np.testing.assert_allclose(np.asarray(net(tokens)), np.asarray(model(tokens)), rtol=1e-5,
+                               atol=1e-5)
+
+
+def _argument_bytes(net, args) -> int:
+    return net.lower(*args).compile().memory_analysis().argument_size_in_bytes
+
+
+def test_optimizer_parallel_levels_cut_memory_and_train_alike(problem):
+    step, args, want_losses, want_params = problem
+    nets, sizes = {}, {}
+    for level in (None, "level1", "level2", "level3"):
+        nets[level] = AutoParallel(step)
+        if level:
+            nets[level].hsdp(threshold=0, optimizer_level=level)
+        sizes[level] = _argument_bytes(nets[level], args)
+    assert sizes[None] > sizes["level1"] > sizes["level3"]
+    # Adam's moments are 2/3 of the replicated state: level1 keeps 1/8 of them per device.
+    assert sizes["level1"] < 0.5 * sizes[None]
+    # level2 lays out state as level1 does; the gradients' reduce-scatter is the search's.
+    assert nets["level2"].plan(*args).in_specs == nets["level1"].plan(*args).in_specs
+    for level in ("level1", "level3"):
+        losses, params = _train(nets[level], args)
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-4)
+        _close_trees(params, want_params)
+
+
+def test_optimizer_parallel_threshold_keeps_small_tensors(problem):
+    step, args, _, _ = problem
+    net = AutoParallel(step)
+    net.hsdp(threshold=10_000, optimizer_level="level1")  # 10 MB: nothing is that big here
+    plain = AutoParallel(step)
+    assert net.plan(*args).in_specs == plain.plan(*args).in_specs
+
+
+def test_context_enables_the_parallel_optimizer(problem):
+    step, args, _, _ = problem
+    jaxpar.set_auto_parallel_context(enable_parallel_optimizer=True, parallel_optimizer_config={
+        "parallel_optimizer_threshold": 0})
+    net = AutoParallel(step)
+    specs = _specs(net, args)
+    assert specs["opt_state/0/mu/wte"].axes() and not specs["params/wte"].axes()
+
+
+def test_operator_strategy_file_reproduces_the_program(problem, tmp_path):
+    step, args, _, _ = problem
+    path = str(tmp_path / "strategy.json")
+    first = AutoParallel(step, "recursive_programming")
+    first.save_operator_strategy_file(path)
+    text = first.lower(*args).as_text()
+    again = AutoParallel(step, "dynamic_programming")  # another mode: the file decides
+    again.load_operator_strategy_file(path)
+    assert again.lower(*args).as_text() == text
+    assert again.plan(*args).search_mode == "recursive_programming"
+
+
+def test_bad_operator_strategy_files_are_refused(problem, tmp_path):
+    step, args, _, _ = problem
+    net = AutoParallel(step)
+    with pytest.raises(StrategyFileError, match="absolute"):
+        net.load_operator_strategy_file("strategy.json")
+    with pytest.raises(KeyError, match="json"):
+        net.save_operator_strategy_file(str(tmp_path / "strategy.txt"))
+    with pytest.raises(TypeError, match="str"):
+        net.save_operator_strategy_file(3)
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text("{ not json")
+    net.load_operator_strategy_file(str(corrupt))
+    with pytest.raises(ValueError, match="corrupt.json"):
+        net(*args)
+    foreign = str(tmp_path / "foreign.json")
+    other = AutoParallel(lambda x: jnp.sin(x) * 2)
+    other.save_operator_strategy_file(foreign)
+    other.plan(jnp.ones((8, 8)))
+    net.load_operator_strategy_file(foreign)
+    with pytest.raises(ValueError, match="another program"):
+        net.plan(*args)
+    small = AutoParallel(step, mesh=jaxpar.make_mesh(4))
+    small.load_operator_strategy_file(foreign)
+    with pytest.raises(ValueError, match="mesh"):
+        small.plan(*args)
+
+
+def test_param_strategy_file_round_trip(problem, tmp_path):
+    step, args, _, _ = problem
+    path = str(tmp_path / "params.json")
+    first = AutoParallel(step, "recursive_programming")
+    first.save_param_strategy_file(path)
+    plan = first.plan(*args)
+    loaded = AutoParallel(step, "semi_auto")
+    loaded.load_param_strategy_file(path)
+    again = loaded.plan(*args)
+    for p, a, b in zip(plan.in_paths, plan.in_specs, again.in_specs, strict=True):
+        if p.startswith("params/"):
+            assert a == b, p
+    with pytest.raises(ValueError, match="mesh"):
+        AutoParallel(step, mesh=jaxpar.make_mesh(4)).load_param_strategy_file(path)
+
+
+def test_unknown_parameter_path_lists_the_closest(problem):
+    step, args, _, _ = problem
+    net = AutoParallel(step, parameter_plan={"params/wtee": (1, 8)})
+    with pytest.raises(ValueError, match="closest known paths: 'params/wte'"):
+        net.plan(*args)
+
+
+def test_parameter_plan_fixes_a_leaf_in_semi_auto(problem):
+    step, args, want_losses, _ = problem
+    net = AutoParallel(step, parameter_plan={"params/blocks/0/mlp/w1": (1, 8)})
+    specs = _specs(net, args)
+    assert specs["params/blocks/0/mlp/w1"].dims == ((), ("d0", "d1", "d2"))
+    assert specs["opt_state/0/mu/blocks/0/mlp/w1"] == specs["params/blocks/0/mlp/w1"]
+    np.testing.assert_allclose(_train(net, args)[0], want_losses, rtol=1e-4)
+
+
+def test_a_new_shape_plans_again():
+    net = AutoParallel(lambda w, x: jnp.tanh(x @ w), "recursive_programming")
+    w = jnp.ones((16, 16))
+    a, b = net.plan(w, jnp.ones((8, 16))), net.plan(w, jnp.ones((16, 16)))
+    assert a is net.plan(w, jnp.ones((8, 16))) and a is not b
+    assert a.in_specs[1] != b.in_specs[1] or a.fingerprint != b.fingerprint
+
+
+def test_fp32_communication_reduces_in_float32():
+    x = jnp.ones((16, 64), jnp.bfloat16)
+    w = jnp.ones((64, 32), jnp.bfloat16)
+
+    def text(fp32):
+        f = jaxpar.shard(lambda x, w: x @ w, in_strategy=((1, 8), (8, 1)),
+                         fp32_communication=fp32)
+        return f.lower(x, w).as_text()
+
+    assert "-> tensor<16x32xf32>" in text(True)
+    assert "-> tensor<16x32xf32>" not in text(False)
+    f = jaxpar.shard(lambda x, w: x @ w, in_strategy=((1, 8), (8, 1)), fp32_communication=True)
+    np.testing.assert_allclose(np.asarray(f(x, w), np.float32), 64.0)
+
+
+def test_auto_parallel_defaults_to_the_contexts_fp32_sync():
+    net = AutoParallel(lambda x: x)
+    assert net._opts.fp32_communication
+    net.disable_gradient_fp32_sync()
+    assert not net._opts.fp32_communication
+
+
+def _step(params, x):
+    return params
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda: AutoParallel(3), TypeError, "network"),
+    (lambda: AutoParallel(_step, 1), TypeError, "parallel_mode"),
+    (lambda: AutoParallel(_step, "auto"), ValueError, "parallel_mode"),
+    (lambda: AutoParallel(_step, mesh="8"), TypeError, "mesh"),
+    (lambda: AutoParallel(_step, parameter_plan=[1]), TypeError, "parameter_plan"),
+    (lambda: AutoParallel(_step, batch_argnums=-1), TypeError, "batch_argnums"),
+    (lambda: AutoParallel(_step, level=3), ValueError, "level"),
+    (lambda: AutoParallel(_step).hsdp(shard_size=0), ValueError, "shard_size"),
+    (lambda: AutoParallel(_step).hsdp(shard_size=3), ValueError, "shard_size"),
+    (lambda: AutoParallel(_step).hsdp(threshold=-1), ValueError, "threshold"),
+    (lambda: AutoParallel(_step).hsdp(optimizer_level="level4"), ValueError, "optimizer_level"),
+    (lambda: AutoParallel(_step).dataset_strategy(5), TypeError, "config"),
+    (lambda: AutoParallel(_step).dataset_strategy("model_parallel"), ValueError, "config"),
+    (lambda: AutoParallel(_step).dataset_strategy(()), ValueError, "config"),
+    (lambda: AutoParallel(_step).dataset_strategy(((8, "a"),)), TypeError, "ints"),
+    (lambda: AutoParallel(_step).dataset_strategy(((8, 0),)), ValueError, "positive"),
+    (lambda: AutoParallel(_step).dataset_strategy((8,)), TypeError, "config"),
+    (lambda: AutoParallel(_step).pipeline(stages=0), ValueError, "stages"),
+    (lambda: AutoParallel(_step).pipeline(stages="2"), TypeError, "stages"),
+    (lambda: AutoParallel(_step).pipeline(interleave=1), TypeError, "interleave"),
+    (lambda: AutoParallel(_step).pipeline(scheduler="zb"), ValueError, "scheduler"),
+    (lambda: AutoParallel(_step).pipeline(stages=2), NotImplementedError, "pipeline"),
+    (lambda: AutoParallel(_step).comm_fusion([]), TypeError, "config"),
+    (lambda: AutoParallel(_step).comm_fusion({"allgather": {"mode": "index", "config": [1]}}),
+     ValueError, "allgather"),
+    (lambda: AutoParallel(_step).save_param_strategy_file(None), TypeError, "file_path"),
+    (lambda: AutoParallel(_step).load_operator_strategy_file("/no/such/file.json"), ValueError,
+     "no such file"),
+])
+def test_bad_arguments_are_refused(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_context_pipeline_stages_are_refused():
+    jaxpar.set_auto_parallel_context(pipeline_stages=2)
+    with pytest.raises(NotImplementedError, match="pipeline"):
+        AutoParallel(_step)
+
+
+def test_context_mem_coeff_and_device_num_are_read():
+    jaxpar.set_auto_parallel_context(mem_coeff=0.5, device_num=4)
+    net = AutoParallel(_step, "recursive_programming")
+    assert net.mem_coeff == 0.5 and net.mesh.devices.size == 4
+
+
+def test_context_grad_accumulation_gives_the_full_batch_update():
+    from jaxpar.models.mlp import init_mlp, mlp_loss
+
+    params = init_mlp(jax.random.key(3), [16, 32, 8])
+    x = jax.random.normal(jax.random.key(4), (32, 16))
+    y = jax.random.normal(jax.random.key(5), (32, 8))
+    tx = optax.adamw(1e-3)
+    full = jax.jit(jaxpar.make_train_step(mlp_loss, tx))(params, tx.init(params), x, y)
+    jaxpar.set_auto_parallel_context(grad_accumulation_step=4)
+    step = jaxpar.make_train_step(mlp_loss, tx)
+    got = AutoParallel(step, "recursive_programming")(params, tx.init(params), x, y)
+    np.testing.assert_allclose(float(got[2]), float(full[2]), rtol=1e-5)
+    _close_trees(got[0], full[0])
+    lowered = jax.make_jaxpr(step)(params, tx.init(params), x, y)
+    assert any(e.primitive.name == "scan" for e in lowered.jaxpr.eqns)
+
+
+def test_checkpoint_from_8_devices_continues_on_4(problem, tmp_path):
+    step, args, want_losses, want_params = problem
+    params, opt_state, tokens, targets = args
+    net8 = AutoParallel(step, "recursive_programming")
+    losses, state = [], (params, opt_state)
+    for _ in range(2):
+        *state, loss = net8(*state, tokens, targets)
+        losses.append(float(loss))
+    jaxpar.save_checkpoint(tmp_path / "ckpt", tuple(state))
+    net4 = AutoParallel(step, "recursive_programming", mesh=jaxpar.make_mesh(4))
+    shardings = net4.plan(*args).in_specs_tree[:2]
+    restored = jaxpar.restore_checkpoint(tmp_path / "ckpt", tuple(state), mesh=net4.mesh,
+                                         shardings=shardings)
+    leaf = jax.tree.leaves(restored)[0]
+    assert leaf.sharding.mesh.devices.size == 4
+    *state, loss = net4(*restored, tokens, targets)
+    losses.append(float(loss))
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-4)
+    _close_trees(state[0], want_params)
