@@ -12,6 +12,7 @@ from jaxpar.context import (
     save_config,
     set_auto_parallel_context,
 )
+from jaxpar.distributed import ProcessInfo, init
 from jaxpar.mesh import make_mesh
 from jaxpar.plan import Plan
 from jaxpar.spec import OpStrategy, Spec
@@ -23,9 +24,9 @@ from jaxpar.train import (
     shard_batch,
 )
 
-__all__ = ["AutoParallel", "Layout", "OpStrategy", "ParallelContext", "Plan", "ShardedFunction",
-           "Spec", "collective_stats", "current_context", "estimate_time",
-           "get_auto_parallel_context", "load_config", "make_mesh", "make_train_step",
+__all__ = ["AutoParallel", "Layout", "OpStrategy", "ParallelContext", "Plan", "ProcessInfo",
+           "ShardedFunction", "Spec", "collective_stats", "current_context", "estimate_time",
+           "get_auto_parallel_context", "init", "load_config", "make_mesh", "make_train_step",
            "reset_auto_parallel_context", "restore_checkpoint", "save_checkpoint", "save_config",
            "set_auto_parallel_context", "shard", "shard_batch"]
 __version__ = "0.1.0"

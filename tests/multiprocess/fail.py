@@ -1,0 +1,34 @@
+"""Rank 1 fails while rank 0 waits for it in a collective; every rank records its pid.
+
+Usage (under `jaxpar launch -n 2`): fail.py MODE PID_DIR, MODE "exit" (sys.exit(3)) or "kill"
+(SIGKILL to itself). Without the launcher's stopping it, rank 0 would wait in the barrier until
+JAX's heartbeat timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from jax.experimental import multihost_utils
+
+from jaxpar.distributed import init
+
+
+def main(mode: str, pid_dir: str) -> None:
+    info = init()
+    with open(os.path.join(pid_dir, f"rank_{info.process_id}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    multihost_utils.sync_global_devices("both ranks are up")
+    if info.process_id == 1:
+        print("rank 1 fails now", flush=True)
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        sys.exit(3)
+    multihost_utils.sync_global_devices("rank 1 never gets here")
+    print("rank 0 passed a barrier without rank 1", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

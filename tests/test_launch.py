@@ -1,0 +1,240 @@
+"""`jaxpar launch` and `jaxpar.init()`: real multi-process runs on CPU devices.
+
+The scripts the launches run are in tests/multiprocess/. Launches that need no signal to the
+launcher run in this process (launch()); the others start `python -m jaxpar launch`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import cli
+from jaxpar.analysis import collective_ops
+from jaxpar.distributed import ENV_NUM_PROCESSES, init, launch_environment
+from jaxpar.launch import launch
+
+SCRIPTS = Path(__file__).parent / "multiprocess"
+REPO = Path(__file__).parent.parent
+
+
+def _cli(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jaxpar", "launch", *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _pids(pid_dir: Path) -> list[int]:
+    return [int(p.read_text()) for p in sorted(pid_dir.glob("rank_*.pid"))]
+
+
+def _assert_all_gone(pids: list[int]) -> None:
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def _train_step_module():
+    spec = importlib.util.spec_from_file_location("train_step", SCRIPTS / "train_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- acceptance: 2 processes x 4 devices train like 1 process x 8 devices --------------------
+
+
+def test_two_processes_train_like_one_process(tmp_path):
+    out = tmp_path / "result.npz"
+    proc = _cli("-n", "2", "--devices-per-process", "4",
+                str(SCRIPTS / "train_step.py"), str(out))
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stdout + stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] step 1 loss" in stdout, stdout
+    multi = np.load(out)
+    assert (int(multi["processes"]), int(multi["devices"])) == (2, 8)
+
+    ts = _train_step_module()
+    f = ts.sharded_step()  # the same program in this process, on its 8 devices
+    w1, w2, x, y = ts.problem()
+    losses = []
+    for _ in range(ts.STEPS):
+        w1, w2, loss = f(w1, w2, x, y)
+        losses.append(float(loss))
+    np.testing.assert_allclose(multi["losses"], losses, rtol=1e-5)
+    np.testing.assert_allclose(multi["w1"], np.asarray(w1), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(multi["w2"], np.asarray(w2), rtol=1e-5, atol=1e-7)
+    _, _, unsharded = jax.jit(ts.step)(*ts.problem())
+    np.testing.assert_allclose(multi["losses"][0], float(unsharded), rtol=1e-5)
+
+
+def test_train_step_reduces_across_the_process_axis():
+    """Mesh (dp=2, tp=4): devices 0-3 are process 0's, 4-7 process 1's. The batch and w1's
+    contraction dimension are cut over dp, so some all-reduce spans both processes."""
+    ts = _train_step_module()
+    f = ts.sharded_step()
+    plan = f.plan(*ts.problem())
+    assert [s.to_pspec() for s in plan.in_specs] == [P("dp", "tp"), P("tp"), P("dp"), P("dp")]
+    groups = [g for op in collective_ops(f.lower(*ts.problem()).compile())
+              if op.kind == "all-reduce" for g in (op.groups or ())]
+    assert any(min(g) < 4 <= max(g) for g in groups), groups
+
+
+# --- failures: the whole launch ends within seconds, naming the rank --------------------------
+
+
+@pytest.mark.parametrize("mode, status, message", [
+    ("exit", 3, "rank 1 exited with status 3"),
+    ("kill", 128 + signal.SIGKILL, "rank 1 was killed by SIGKILL"),
+])
+def test_failing_rank_ends_the_launch(tmp_path, capsys, mode, status, message):
+    start = time.monotonic()
+    code = launch(2, [str(SCRIPTS / "fail.py"), mode, str(tmp_path)], devices_per_process=1)
+    elapsed = time.monotonic() - start
+    err = capsys.readouterr().err
+    assert code == status, err
+    assert f"jaxpar launch: {message}" in err
+    assert elapsed < 30
+    pids = _pids(tmp_path)
+    assert len(pids) == 2
+    _assert_all_gone(pids)
+
+
+def test_rank_ignoring_sigterm_is_killed_after_the_grace(tmp_path, capsys):
+    start = time.monotonic()
+    code = launch(2, [str(SCRIPTS / "sleep.py"), str(tmp_path), "stubborn", "exit3-on-rank1"],
+                  grace_s=1.0)
+    assert code == 3
+    assert time.monotonic() - start < 20
+    assert "rank 1 exited with status 3; stopping rank(s) 0" in capsys.readouterr().err
+    _assert_all_gone(_pids(tmp_path))
+
+
+def test_sigint_is_forwarded_to_every_rank(tmp_path):
+    proc = _cli("-n", "2", str(SCRIPTS / "sleep.py"), str(tmp_path))
+    ready = [proc.stdout.readline() for _ in range(2)]
+    assert sorted(ready) == ["[rank 0] ready\n", "[rank 1] ready\n"]
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=20)
+    assert proc.returncode == 128 + signal.SIGINT, stderr
+    assert "received SIGINT; stopped all ranks" in stderr
+    assert stdout.count("KeyboardInterrupt") == 2  # each rank got it and exited
+    _assert_all_gone(_pids(tmp_path))
+
+
+# --- output: prefixed lines, or one log file per rank -----------------------------------------
+
+
+def test_output_lines_are_prefixed_with_the_rank(capsys):
+    assert launch(2, [str(SCRIPTS / "echo.py"), "a", "--flag"], devices_per_process=3) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for rank in (0, 1):
+        mine = [line for line in lines if line.startswith(f"[rank {rank}] ")]
+        assert len(mine) == 2, lines
+        assert f"[rank {rank}] rank {rank} to stderr" in mine
+        argv_line = next(line for line in mine if "argv=" in line)
+        assert "argv=['a', '--flag']" in argv_line
+        assert f"'JAXPAR_PROCESS_ID': '{rank}'" in argv_line
+        assert "'JAXPAR_NUM_PROCESSES': '2'" in argv_line
+        assert "'JAXPAR_LOCAL_DEVICES': '3'" in argv_line
+        assert "'JAXPAR_COORDINATOR': '127.0.0.1:" in argv_line
+
+
+def test_log_dir_gets_one_file_per_rank(tmp_path, capsys):
+    logs = tmp_path / "logs"
+    assert launch(2, [str(SCRIPTS / "echo.py")], port=23456, log_dir=str(logs)) == 0
+    assert "[rank" not in capsys.readouterr().out
+    assert sorted(p.name for p in logs.iterdir()) == ["rank_0.log", "rank_1.log"]
+    for rank in (0, 1):
+        text = (logs / f"rank_{rank}.log").read_text()
+        assert f"rank {rank} to stderr" in text
+        assert "'JAXPAR_COORDINATOR': '127.0.0.1:23456'" in text
+        assert "JAXPAR_LOCAL_DEVICES" not in text  # no --devices-per-process: platform default
+
+
+# --- argument errors, before anything starts --------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-n", "0", "S"], "-n/num_processes=0 must be >= 1"),
+    (["-n", "2", "--devices-per-process", "0", "S"], "--devices-per-process=0 must be >= 1"),
+    (["-n", "2", "--port", "70000", "S"], "--port=70000 must be between 1 and 65535"),
+    (["-n", "2", "missing.py"], "script 'missing.py' does not exist"),
+    (["-n", "2"], "give a script path"),
+    (["-n", "2", "-m", "not-a-module"], "give a module name"),
+])
+def test_bad_arguments_fail_before_starting(tmp_path, capsys, argv, message):
+    argv = [str(SCRIPTS / "echo.py") if a == "S" else a for a in argv]
+    logs = tmp_path / "logs"
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["launch", "--log-dir", str(logs), *argv])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not logs.exists()
+
+
+def test_launch_rejects_bad_types():
+    with pytest.raises(TypeError, match="num_processes='2' must be an integer"):
+        launch("2", [str(SCRIPTS / "echo.py")])
+    with pytest.raises(ValueError, match="is not a directory"):
+        launch(1, [str(SCRIPTS / "echo.py")], log_dir=str(SCRIPTS / "echo.py"))
+
+
+# --- jaxpar.init() ----------------------------------------------------------------------------
+
+
+def test_init_without_environment_is_a_quiet_no_op():
+    code = ("import jax, jaxpar.distributed as d\n"
+            "from jax._src import xla_bridge\n"
+            "info = d.init()\n"
+            "assert not xla_bridge.backends_are_initialized(), 'init started the backend'\n"
+            "print(info.process_id, info.num_processes, jax.distributed.is_initialized(),\n"
+            "      info.device_count, d.init().num_processes)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPAR_")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "1", "False", "8", "1"]
+    assert done.stderr.strip() == ""
+
+
+def test_init_reads_explicit_arguments_over_the_environment(monkeypatch):
+    monkeypatch.setenv(ENV_NUM_PROCESSES, "2")
+    info = init(num_processes=1, auto=True)  # one process after all: nothing to join
+    assert (info.process_id, info.num_processes) == (0, 1)
+    assert not jax.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("env, error, match", [
+    ({ENV_NUM_PROCESSES: "two"}, ValueError, r"\$JAXPAR_NUM_PROCESSES='two' is not an integer"),
+    (launch_environment("127.0.0.1:1", 2, 2), ValueError, "process_id=2 must be below"),
+    (launch_environment("localhost", 2, 0), ValueError, "must be 'host:port'"),
+    ({ENV_NUM_PROCESSES: "2"}, ValueError, "also needs coordinator_address"),
+    # This test process has started JAX's backend: too late to join a launch.
+    (launch_environment("127.0.0.1:1", 2, 0), RuntimeError, r"Call jaxpar.init\(\) first"),
+])
+def test_init_errors(monkeypatch, env, error, match):
+    jax.devices()
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(error, match=match):
+        init()
+    assert not jax.distributed.is_initialized()
+
+
+def test_init_refuses_another_device_count_once_started():
+    jax.devices()
+    assert init(local_device_count=8).num_processes == 1  # the count it has: fine
+    with pytest.raises(RuntimeError, match="already started with 8 CPU devices"):
+        init(local_device_count=4)
+
