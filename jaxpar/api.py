@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxpar.cost.hardware import load_profile
@@ -325,9 +326,14 @@ def _same_structure(arg, out) -> bool:
 
 def _placed(x, sharding: NamedSharding):
     """x, moved onto `sharding` first when it is a jax.Array laid out otherwise (jit refuses
-    committed arguments whose sharding differs from in_shardings)."""
-    if isinstance(x, jax.Array) and not x.sharding.is_equivalent_to(sharding, x.ndim):
-        return jax.device_put(x, sharding)
+    committed arguments whose sharding differs from in_shardings). With several processes a
+    host value (numpy, scalars) is the global value, the same in every process: each process
+    fills its own devices' pieces of it (jit takes no host values for sharded inputs there)."""
+    if isinstance(x, jax.Array):
+        return x if x.sharding.is_equivalent_to(sharding, x.ndim) else jax.device_put(x, sharding)
+    if jax.process_count() > 1:
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
     return x
 
 
