@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from jaxpar.cost.hardware import load_profile
 from jaxpar.cost.model import CostModel
@@ -49,8 +49,17 @@ class ShardOptions:
 
 @dataclass
 class _Compiled:
+    """A plan and its jitted program, built on first use (`.plan()` needs none)."""
+
     plan: Plan
-    jitted: Any
+    build: Any
+    _jitted: Any = None
+
+    @property
+    def jitted(self):
+        if self._jitted is None:
+            self._jitted = self.build()
+        return self._jitted
 
 
 def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=None, level=0, *,
@@ -114,9 +123,10 @@ def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, sea
     if device is not None and device not in ("CPU", "GPU", "TPU"):
         raise ValueError(f"shard(device={device!r}): use 'CPU', 'GPU', 'TPU' or None for JAX's "
                          "default backend (Ascend is MindSpore's; jaxpar runs on JAX backends).")
-    if mesh is not None and not isinstance(mesh, Mesh):
+    if mesh is not None and not isinstance(mesh, Mesh | AbstractMesh):
         raise TypeError(f"shard(mesh={mesh!r}): pass a jax.sharding.Mesh, e.g. "
-                        "jaxpar.make_mesh(8), or None for all devices.")
+                        "jaxpar.make_mesh(8), an AbstractMesh (plans only, any size), or None "
+                        "for all devices.")
     if memory_budget == "hardware":  # the profile's memory per device
         memory_budget = load_profile(hardware).memory_bytes
     if memory_budget is not None and (not isinstance(memory_budget, numbers.Real)
@@ -147,10 +157,11 @@ class ShardedFunction:
         self.__wrapped__ = fn
 
     @property
-    def mesh(self) -> Mesh:
+    def mesh(self) -> Mesh | AbstractMesh:
         return self.opts.mesh
 
     def __call__(self, *args):
+        self._check_concrete("call")
         c = self._compiled(args)
         flat = [_placed(x, NamedSharding(self.mesh, s.to_pspec()))
                 for x, s in zip(jax.tree_util.tree_leaves(args), c.plan.in_specs, strict=True)]
@@ -163,6 +174,7 @@ class ShardedFunction:
 
     def lower(self, *args) -> jax.stages.Lowered:
         """The lowered program (call `.compile()` on it)."""
+        self._check_concrete("lower")
         c = self._compiled(args)
         flat = [jax.ShapeDtypeStruct(x.shape, x.dtype,
                                      sharding=NamedSharding(self.mesh, s.to_pspec()))
@@ -215,7 +227,10 @@ class ShardedFunction:
         if ties:  # each carried output takes the spec of the input it replaces
             spec = {i: gp.specs[graph.inputs[i]] for i, _ in ties}
             fixed_out |= {j: spec[i] for i, j in ties}
-            if o.search_mode != "dynamic_programming":  # the exact search tied them already
+            # The automatic searches tie them themselves: they price an output that comes
+            # back in another spec (a ZeRO-style gather at the end of the step). Propagation
+            # does not, so it plans again with the carried state pinned.
+            if o.search_mode not in AUTOMATIC_MODES:
                 fixed_in |= {graph.inputs[i]: spec[i] for i, _ in ties}
                 gp, notes, decisions = self._search(graph, model, fixed_in, fixed_out, [])
             notes.append(f"carried state: {len(ties)} outputs keep the sharding of the input "
@@ -234,7 +249,7 @@ class ShardedFunction:
 
     def _search(self, graph, model, fixed_in, fixed_out, ties):
         """(GraphPlan, notes, decisions) from the chosen search mode; ties: (input value,
-        output position) pairs of carried state (the exact search prices them itself)."""
+        output position) pairs of carried state (the automatic searches price them)."""
         mode = self.opts.search_mode
         if mode == "dynamic_programming":
             gp, sol = dynamic_programming(graph, model, fixed_in, fixed_out,
@@ -244,7 +259,7 @@ class ShardedFunction:
         if mode == "recursive_programming":
             from jaxpar.search.recursive import recursive_programming
             gp, decisions = recursive_programming(graph, model, fixed_in, fixed_out,
-                                                  self.opts.memory_budget)
+                                                  self.opts.memory_budget, ties)
             return gp, [], decisions
         return propagate(graph, model, fixed_in, fixed_out), [], []
 
@@ -254,9 +269,15 @@ class ShardedFunction:
             plan.out_tree = jax.tree_util.tree_structure(jax.eval_shape(self.fn, *args))
         donate = tuple(i for i, _ in enumerate(jax.tree_util.tree_leaves(args))
                        if self._leaf_arg(args, i) in self.opts.donate_argnums)
-        jitted = build_callable(graph, plan.graph_plan, self.mesh, plan.in_specs,
-                                plan.out_specs, donate, self.opts.fp32_communication)
-        return _Compiled(plan, jitted)
+        return _Compiled(plan, lambda: build_callable(
+            graph, plan.graph_plan, self.mesh, plan.in_specs, plan.out_specs, donate,
+            self.opts.fp32_communication))
+
+    def _check_concrete(self, what: str) -> None:
+        if isinstance(self.mesh, AbstractMesh):
+            raise ValueError(f"cannot {what} a function sharded over an AbstractMesh of "
+                             f"{self.mesh.size} devices: it only plans (`.plan(...)`). Shard it "
+                             "over a Mesh of real devices (jaxpar.make_mesh) to run it.")
 
     @staticmethod
     def _leaf_arg(args: tuple, leaf: int) -> int:
