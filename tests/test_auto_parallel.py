@@ -359,3 +359,23 @@ def test_checkpoint_from_8_devices_continues_on_4(mlp_problem, tmp_path):
     losses.append(float(loss))
     np.testing.assert_allclose(losses, want_losses, rtol=1e-4)
     _close_trees(state[0], want_params)
+
+
+@pytest.mark.parametrize("name, tx", [
+    ("adam", optax.adam(1e-3)), ("sgd_momentum", optax.sgd(1e-2, momentum=0.9)),
+    ("adafactor", optax.adafactor(1e-3)),
+])
+def test_optimizer_parallel_with_any_optax_optimizer(name, tx):
+    params = mlp.init_mlp(jax.random.key(9), [64, 128, 64])
+    x = jax.random.normal(jax.random.key(10), (32, 64))
+    y = jax.random.normal(jax.random.key(11), (32, 64))
+    step = mlp.make_train_step(tx)
+    want_p, want_o, want_loss = jax.jit(step)(params, tx.init(params), x, y)
+    net = AutoParallel(step)
+    net.hsdp(threshold=0, optimizer_level="level3")
+    got_p, got_o, loss = net(params, tx.init(params), x, y)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    _close_trees(got_p, want_p)
+    _close_trees(got_o, want_o)
+    specs = _specs(net, (params, tx.init(params), x, y))
+    assert specs["params/0/w"].shards(net.plan(params, tx.init(params), x, y).mesh) == 8
