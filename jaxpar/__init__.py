@@ -13,7 +13,7 @@ from jaxpar.context import (
     set_auto_parallel_context,
 )
 from jaxpar.distributed import ProcessInfo, init
-from jaxpar.mesh import make_mesh
+from jaxpar.mesh import make_hybrid_mesh, make_mesh
 from jaxpar.plan import Plan
 from jaxpar.spec import OpStrategy, Spec
 from jaxpar.strategy import Layout
@@ -25,8 +25,9 @@ from jaxpar.train import (
 )
 
 __all__ = ["AutoParallel", "Layout", "OpStrategy", "ParallelContext", "Plan", "ProcessInfo",
-           "ShardedFunction", "Spec", "collective_stats", "current_context", "estimate_time",
-           "get_auto_parallel_context", "init", "load_config", "make_mesh", "make_train_step",
-           "reset_auto_parallel_context", "restore_checkpoint", "save_checkpoint", "save_config",
-           "set_auto_parallel_context", "shard", "shard_batch"]
+           "ShardedFunction", "Spec", "collective_stats", "current_context",
+           "estimate_time", "get_auto_parallel_context", "init", "load_config",
+           "make_hybrid_mesh", "make_mesh", "make_train_step",
+           "reset_auto_parallel_context", "restore_checkpoint", "save_checkpoint",
+           "save_config", "set_auto_parallel_context", "shard", "shard_batch"]
 __version__ = "0.1.0"

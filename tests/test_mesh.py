@@ -1,10 +1,20 @@
-"""make_mesh: prime-factor axes, explicit shapes, Auto axis types, clear errors."""
+"""make_mesh and make_hybrid_mesh: axes, device order across processes, device kinds, errors."""
+
+from dataclasses import dataclass
 
 import jax
+import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from jaxpar.mesh import make_mesh, prime_factors
+from jaxpar.mesh import (
+    available_platforms,
+    hybrid_grid,
+    make_hybrid_mesh,
+    make_mesh,
+    mesh_devices,
+    prime_factors,
+)
 
 
 def test_device_count_factors_into_prime_axes():
@@ -21,8 +31,26 @@ def test_explicit_shape_and_names():
     assert make_mesh(1).devices.size == 1
 
 
+def test_devices_fill_the_mesh_by_process_then_id():
+    devices = mesh_devices()
+    assert [(d.process_index, d.id) for d in devices] == \
+        sorted((d.process_index, d.id) for d in jax.devices())
+    assert [d.id for d in make_mesh((2, 4)).devices.flat] == [d.id for d in devices]
+
+
 def test_platform_selection():
     assert make_mesh(2, device="CPU").devices.flat[0].platform == "cpu"
+    assert available_platforms() == ["CPU"]  # conftest: JAX_PLATFORMS=cpu
+
+
+@pytest.mark.parametrize("kind", ["TPU", "GPU"])
+def test_absent_platform_names_the_available_ones(kind):
+    if kind in available_platforms():
+        pytest.skip(f"a {kind} is present, so the missing-platform path cannot be exercised")
+    with pytest.raises(ValueError, match=rf"no {kind} devices.*available platforms: \['CPU'\]"):
+        make_mesh(2, device=kind)
+    with pytest.raises(ValueError, match=f"no {kind} devices"):
+        make_hybrid_mesh((1, 2), (2, 1), device=kind)
 
 
 @pytest.mark.parametrize("args,kwargs,exc,match", [
@@ -39,8 +67,59 @@ def test_errors(args, kwargs, exc, match):
         make_mesh(*args, **kwargs)
 
 
-def test_missing_platform_is_a_clear_error():
-    if any(d.platform == "gpu" for d in jax.devices()):
-        pytest.skip("a GPU is present, so the missing-platform path cannot be exercised")
-    with pytest.raises(ValueError, match="no GPU devices"):
-        make_mesh(2, device="GPU")
+def test_hybrid_mesh_puts_granules_on_the_outer_axis():
+    mesh = make_hybrid_mesh((1, 4), (2, 1), ("node", "gpu"))
+    assert dict(mesh.shape) == {"node": 2, "gpu": 4}
+    assert all(t == AxisType.Auto for t in mesh.axis_types)
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    assert ids.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]  # a simulated node per row
+
+
+def test_hybrid_axis_may_hold_both_parts():
+    # Axis 0 = 2 granules x 2 devices: still four consecutive devices per granule.
+    mesh = make_hybrid_mesh((2, 2), (2, 1))
+    assert dict(mesh.shape) == {"d0": 4, "d1": 2}
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    assert ids.flatten().tolist() == list(range(8))
+    assert make_hybrid_mesh((1, 2), (2, 1)).devices.size == 4  # fewer devices: the first ones
+
+
+@pytest.mark.parametrize("ici,dcn,exc,match", [
+    ((1, 4), (2,), ValueError, "one entry per mesh axis"),
+    (4, (2,), TypeError, "tuple of axis sizes"),
+    ((1, 0), (2, 1), ValueError, "positive ints"),
+    ((4, 1), (1, 2), ValueError, "axes that cross granules first"),
+    ((2, 4), (2, 1), ValueError, "asked for 16 devices"),
+])
+def test_hybrid_errors(ici, dcn, exc, match):
+    with pytest.raises(exc, match=match):
+        make_hybrid_mesh(ici, dcn)
+
+
+@dataclass(frozen=True)
+class FakeDevice:
+    """Stands in for the devices of a multi-process run (what create_hybrid_device_mesh reads)."""
+
+    id: int
+    process_index: int
+    platform: str = "cpu"
+    device_kind: str = "cpu"
+
+
+TWO_PROCESSES = [FakeDevice(p * 100 + i, p) for p in (0, 1) for i in range(4)]
+
+
+def test_hybrid_grid_across_processes_uses_jax_granules():
+    grid = hybrid_grid(TWO_PROCESSES, (1, 4), (2, 1))
+    assert np.vectorize(lambda d: d.process_index)(grid).tolist() == [[0] * 4, [1] * 4]
+    grid = hybrid_grid(TWO_PROCESSES, (2, 2), (2, 1))
+    assert np.vectorize(lambda d: d.process_index)(grid)[:, 0].tolist() == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("ici,dcn,match", [
+    ((1, 8), (1, 1), "come from 2 processes"),
+    ((1, 2), (2, 1), r"hold \[4\] devices each"),
+])
+def test_hybrid_grid_errors_name_processes(ici, dcn, match):
+    with pytest.raises(ValueError, match=match):
+        hybrid_grid(TWO_PROCESSES, ici, dcn)

@@ -1,20 +1,39 @@
 """Hardware profiles: peak flops, memory and the links behind each mesh axis (YAML, one file each).
 
-A profile's devices are split evenly into `nodes` groups in device order. A mesh axis whose
-devices all sit inside one node uses the `intra` link; an axis that spans nodes uses `inter`.
-With row-major device order the outermost axes are the ones that cross nodes.
+Before: a profile name, a YAML path or a dict. After: a frozen `HardwareProfile` whose
+`axis_links(mesh)` says which `Link` every axis of a mesh communicates over.
+
+Which axes cross nodes. jaxpar's meshes (`make_mesh`, `make_hybrid_mesh`) list devices node by
+node: a node's devices are consecutive in the mesh's row-major order (sorted by slice, process,
+device id), so the node of the device at flat position p is `p // devices_per_node`. A mesh
+axis whose device groups all stay inside one node uses the `intra` link (NVLink, ICI, shared
+memory); an axis with a group that spans nodes uses `inter` (InfiniBand, DCN), the slower link
+setting the pace of the whole group. How many devices a node holds:
+- `devices_per_node: 8` (a real cluster of 8-GPU nodes): any mesh, however many nodes it spans;
+- otherwise `nodes: N`: the mesh is split evenly into N nodes (`h100-2node-ib` has nodes: 2, so
+  on a (2, 4) mesh the outer axis crosses the two nodes and the inner axis stays inside one).
+With row-major order the outermost axes are the ones that cross nodes.
+
+Measured links. `axes: {name: link}` (what `jaxpar calibrate` writes) gives a mesh axis of that
+name its own link, whatever its position. A link may also carry per-collective figures
+(`collectives: {all-gather: {bandwidth, latency}, ...}`), read with `Link.figures(kind)`.
+
+Bandwidths follow the bus-bandwidth convention of `jaxpar.cost.comm`: a ring all-gather of b
+bytes per device over n devices takes (n-1)/n * b / bandwidth, an all-reduce twice that.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 from jaxpar.spec import MeshInfo
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
+TOPOLOGIES = ("switch", "ring")
 
 
 @dataclass(frozen=True)
@@ -22,32 +41,67 @@ class Link:
     """One kind of interconnect."""
 
     name: str
-    bandwidth: float          # bytes/s per device
+    bandwidth: float          # bytes/s per device (bus bandwidth)
     latency: float            # seconds per hop
     topology: str = "switch"  # "switch" (full bisection) or "ring" (torus axis)
+    # Per-collective figures where measured: {kind: {"bandwidth": ..., "latency": ...}}.
+    collectives: dict[str, dict[str, float]] = field(default_factory=dict, hash=False)
+
+    def figures(self, kind: str) -> tuple[float, float]:
+        """(bandwidth, latency) for one collective kind: measured ones, else the link's.
+
+        Example:
+          >>> Link("ici", 90e9, 1e-6).figures("all-to-all")
+          (90000000000.0, 1e-06)
+        """
+        own = self.collectives.get(kind, {})
+        return float(own.get("bandwidth", self.bandwidth)), float(own.get("latency", self.latency))
 
 
 @dataclass(frozen=True)
 class HardwareProfile:
-    """Per-device compute and memory, and the links between devices."""
+    """Per-device compute and memory, and the links between devices (see the module doc)."""
 
     name: str
     peak_flops: float         # flop/s per device
     memory_bytes: float       # HBM (or RAM) per device
     memory_bandwidth: float   # bytes/s per device
-    intra: Link
-    inter: Link | None = None
-    nodes: int = 1            # the devices are split evenly into this many nodes
+    intra: Link               # between devices of one node
+    inter: Link | None = None  # between nodes (None: as intra)
+    nodes: int = 1            # without devices_per_node: the mesh splits evenly into these
+    devices_per_node: int = 0  # > 0: a node is this many consecutive devices of the mesh
+    axes: dict[str, Link] = field(default_factory=dict, hash=False)  # measured, by axis name
+
+    def devices_in_node(self, mesh: MeshInfo) -> int:
+        """How many consecutive devices of `mesh` share one node."""
+        if self.devices_per_node > 0:
+            return self.devices_per_node
+        return max(1, mesh.size // max(1, self.nodes))
+
+    def crossing_axes(self, mesh: MeshInfo) -> tuple[str, ...]:
+        """The axes of `mesh` with a device group that spans more than one node.
+
+        Example:
+          >>> load_profile("h100-2node-ib").crossing_axes(MeshInfo(("node", "gpu"), (2, 4)))
+          ('node',)
+        """
+        node = np.arange(mesh.size).reshape(mesh.sizes) // self.devices_in_node(mesh)
+        return tuple(name for i, name in enumerate(mesh.names)
+                     if mesh.sizes[i] > 1 and bool(np.any(np.ptp(node, axis=i) > 0)))
 
     def axis_links(self, mesh: MeshInfo) -> dict[str, Link]:
-        """The link each mesh axis communicates over."""
-        per_node = max(1, mesh.size // self.nodes)
-        links, stride = {}, 1
-        for name, size in reversed(list(zip(mesh.names, mesh.sizes, strict=True))):
-            crosses = self.nodes > 1 and size * stride > per_node
-            links[name] = (self.inter or self.intra) if crosses else self.intra
-            stride *= size
-        return links
+        """The link each mesh axis communicates over: its measured link (`axes`) by name, else
+        `inter` when the axis crosses nodes and `intra` when it stays inside one.
+
+        Example:
+          >>> links = load_profile("h100-2node-ib").axis_links(MeshInfo(("node", "gpu"), (2, 4)))
+          >>> links["node"].name, links["gpu"].name
+          ('infiniband-ndr', 'nvlink4')
+        """
+        crossing = set(self.crossing_axes(mesh))
+        outer = self.inter or self.intra
+        return {name: self.axes.get(name) or (outer if name in crossing else self.intra)
+                for name in mesh.names}
 
 
 def available_profiles() -> list[str]:
@@ -55,7 +109,12 @@ def available_profiles() -> list[str]:
 
 
 def load_profile(profile: str | Path | HardwareProfile | None) -> HardwareProfile:
-    """A profile by name (`h100-nvlink`), by YAML path, or the default `cpu` for None."""
+    """A profile by name (`h100-nvlink`), by YAML path, or the default `cpu` for None.
+
+    Example:
+      >>> load_profile("tpu-v5e").intra.topology
+      'ring'
+    """
     if isinstance(profile, HardwareProfile):
         return profile
     if profile is None:
@@ -74,17 +133,83 @@ def load_profile(profile: str | Path | HardwareProfile | None) -> HardwareProfil
 
 def profile_from_dict(data: dict, where: str = "profile") -> HardwareProfile:
     """Build a profile from YAML data; keys map one to one onto the dataclass fields."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: a hardware profile is a mapping of "
+                         f"{sorted(f.name for f in fields(HardwareProfile))}, got {data!r}.")
     known = {f.name for f in fields(HardwareProfile)}
     unknown = set(data) - known
     if unknown:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)}; expected {sorted(known)}.")
     try:
         data = dict(data)
-        data["intra"] = Link(**data["intra"])
+        data["intra"] = _link(data["intra"], f"{where}: intra")
         if data.get("inter"):
-            data["inter"] = Link(**data["inter"])
+            data["inter"] = _link(data["inter"], f"{where}: inter")
+        data["axes"] = {str(k): _link(v, f"{where}: axes.{k}")
+                        for k, v in (data.get("axes") or {}).items()}
         for key in ("peak_flops", "memory_bytes", "memory_bandwidth"):
-            data[key] = float(data[key])
+            data[key] = _number(data[key], f"{where}: {key}")
+        for key in ("nodes", "devices_per_node"):
+            data[key] = _count(data.get(key, 1 if key == "nodes" else 0), f"{where}: {key}")
         return HardwareProfile(**data)
-    except (KeyError, TypeError) as err:
+    except (KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"{where}: malformed hardware profile ({err}).") from None
+
+
+def _link(data: dict, where: str) -> Link:
+    link = Link(**data)
+    if link.topology not in TOPOLOGIES:
+        raise ValueError(f"{where}: topology={link.topology!r}; use one of {list(TOPOLOGIES)}.")
+    bandwidth = _number(link.bandwidth, f"{where}: bandwidth")
+    latency = _number(link.latency, f"{where}: latency", zero=True)
+    kinds = {str(k): {str(f): _number(x, f"{where}: collectives.{k}.{f}", zero=f == "latency")
+                      for f, x in v.items()}
+             for k, v in (link.collectives or {}).items()}
+    return Link(str(link.name), bandwidth, latency, link.topology, kinds)
+
+
+def _number(value, where: str, zero: bool = False) -> float:
+    """A positive float (non-negative with zero=True) from YAML, where 5e9 reads as a string."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        x = float("nan")
+    if not (x >= 0 if zero else x > 0):
+        raise ValueError(f"{where}={value!r} must be a {'non-negative' if zero else 'positive'} "
+                         "number (bytes, bytes/s, flop/s or seconds).")
+    return x
+
+
+def _count(value, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where}={value!r} must be a non-negative int.")
+    return value
+
+
+def profile_to_dict(profile: HardwareProfile) -> dict:
+    """The YAML data of a profile (what `profile_from_dict` reads back), empty fields left out.
+
+    Example:
+      >>> profile_from_dict(profile_to_dict(load_profile("cpu"))) == load_profile("cpu")
+      True
+    """
+    data = asdict(profile)
+    for key, empty in (("inter", None), ("axes", {}), ("devices_per_node", 0)):
+        if data[key] == empty:
+            del data[key]
+    for link in [data["intra"], data.get("inter"), *data.get("axes", {}).values()]:
+        if link is not None and not link["collectives"]:
+            del link["collectives"]
+    return data
+
+
+def save_profile(profile: HardwareProfile, path: str | Path, comment: str = "") -> Path:
+    """Write a profile as YAML (with `comment` lines on top); `load_profile(path)` reads it.
+
+    Example:
+      >>> save_profile(profile, "my-cluster.yaml", "measured by jaxpar calibrate")
+    """
+    path = Path(path)
+    head = "".join(f"# {line}\n" for line in comment.splitlines())
+    path.write_text(head + yaml.safe_dump(profile_to_dict(profile), sort_keys=False))
+    return path

@@ -1,0 +1,123 @@
+"""jaxpar calibrate: the alpha-beta fit inverts comm.py's model, a run on 8 CPU devices writes a
+profile that loads and drives jaxpar.shard, and profiles round-trip through YAML."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpar
+from jaxpar.calibrate import KINDS, fit_link, main
+from jaxpar.cost.comm import Collective, collective_time
+from jaxpar.cost.hardware import (
+    Link,
+    available_profiles,
+    load_profile,
+    profile_from_dict,
+    profile_to_dict,
+    save_profile,
+)
+from jaxpar.mesh import make_mesh
+from jaxpar.spec import MeshInfo
+
+
+@pytest.mark.parametrize("topology", ["switch", "ring"])
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fit_gives_back_the_link_comm_prices_with(kind, n, topology):
+    link = Link("x", bandwidth=37e9, latency=3e-6, topology=topology)
+    mesh = MeshInfo(("x",), (n,))
+    small, large = 1024.0, 8.0 * 2**20
+    t = [collective_time(Collective(kind, ("x",), b), mesh, {"x": link}) for b in (small, large)]
+    bandwidth, latency = fit_link(kind, n, topology, small, t[0], large, t[1])
+    assert bandwidth == pytest.approx(37e9, rel=1e-9)
+    assert latency == pytest.approx(3e-6, rel=1e-6)
+
+
+def test_noisy_timings_fall_back_to_the_large_message():
+    bandwidth, latency = fit_link("all-gather", 2, "switch", 1024, 5e-3, 2**20, 1e-3)
+    assert bandwidth == pytest.approx(0.5 * 2**20 / 1e-3) and latency >= 0.0
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    path = tmp_path_factory.mktemp("calibrate") / "cpu8.yaml"
+    code = main(["--mesh", "2,4", "--names", "node,gpu", "--out", str(path), "--quick",
+                 "--memory-gb", "2", "--name", "test-cpu8"])
+    return code, path
+
+
+def test_calibrate_writes_a_profile_that_loads(calibrated, capsys):
+    code, path = calibrated
+    assert code == 0 and path.is_file()
+    p = load_profile(path)
+    assert p.name == "test-cpu8" and p.memory_bytes == 2e9 and p.nodes == 1
+    assert p.peak_flops > 1e8 and p.memory_bandwidth > 1e7  # any CPU does better
+    assert set(p.axes) == {"node", "gpu"}
+    for link in p.axes.values():
+        assert link.bandwidth > 1e6 and link.latency >= 0 and link.topology == "switch"
+        assert set(link.collectives) == set(KINDS) - {"all-reduce"}
+        assert all(link.figures(k)[0] > 1e6 for k in KINDS)
+    assert p.intra in p.axes.values() and p.inter is None  # one process: no inter link
+    assert p.axis_links(MeshInfo(("node", "gpu"), (2, 4))) == p.axes
+    assert "Measured by `jaxpar calibrate` on 8 cpu" in path.read_text()
+
+
+def test_calibrated_profile_drives_shard(calibrated):
+    _, path = calibrated
+    mesh = make_mesh((2, 4), ("node", "gpu"))
+
+    def f(x, w):
+        return jnp.tanh(x @ w).sum(axis=0)
+
+    x = jax.random.normal(jax.random.key(0), (16, 32))
+    w = jax.random.normal(jax.random.key(1), (32, 64))
+    g = jaxpar.shard(f, mesh=mesh, search_mode="dynamic_programming", hardware=str(path))
+    assert g.plan(x, w).hardware == "test-cpu8"
+    np.testing.assert_allclose(g(x, w), jax.jit(f)(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--mesh", "2,x"], "comma-separated axis sizes"),
+    (["--mesh", "2,4", "--devices", "4"], "--mesh 2,4 has 8 devices but --devices is 4"),
+    (["--mesh", "2,4", "--names", "a"], "name each of the 2"),
+    (["--names", "a,b"], "give --mesh with one size per name"),
+    (["--devices", "0"], "positive device count"),
+    (["--memory-gb", "-1"], "--memory-gb -1.0"),
+])
+def test_bad_arguments_exit_2_with_a_message(argv, match, capsys):
+    assert main(argv + ["--out", "/nonexistent/never-written.yaml"]) == 2
+    assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", available_profiles())
+def test_profiles_round_trip_through_yaml(name, tmp_path):
+    p = load_profile(name)
+    assert load_profile(save_profile(p, tmp_path / f"{name}.yaml", "a comment")) == p
+    assert profile_from_dict(profile_to_dict(p)) == p
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"intra": {"name": "l", "bandwidth": 1e9, "latency": 1e-6, "topology": "torus"}},
+     "topology='torus'"),
+    ({"intra": {"name": "l", "bandwidth": -1, "latency": 1e-6}}, "bandwidth=-1"),
+    ({"intra": {"name": "l", "bandwidth": "fast", "latency": 1e-6}}, "bandwidth='fast'"),
+    ({"devices_per_node": -8}, "devices_per_node=-8"),
+    ({"nodes": 1.5}, "nodes=1.5"),
+    ({"axes": {"gpu": {"name": "l", "bandwidth": 1e9}}}, "malformed"),
+])
+def test_bad_profile_fields_are_named(change, match):
+    base = {"name": "t", "peak_flops": 1e12, "memory_bytes": 1e9, "memory_bandwidth": 1e11,
+            "intra": {"name": "l", "bandwidth": 1e9, "latency": 1e-6}}
+    with pytest.raises(ValueError, match=match):
+        profile_from_dict({**base, **change})
+
+
+def test_yaml_numbers_without_a_dot_still_load(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("name: p\npeak_flops: 1e12\nmemory_bytes: 16e9\nmemory_bandwidth: 8e11\n"
+                    "intra: {name: ici, bandwidth: 9e10, latency: 1e-6, topology: ring}\n")
+    p = load_profile(path)  # YAML 1.1 reads 1e12 as a string
+    assert p.peak_flops == 1e12 and p.intra.bandwidth == 9e10
+    assert Link("l", 1e9, 1e-6, collectives={"all-to-all": {"bandwidth": 5e8}}).figures(
+        "all-to-all") == (5e8, 1e-6)
