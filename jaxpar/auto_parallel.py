@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from jaxpar import strategy as strat
 from jaxpar.api import ShardedFunction, carried_pairs, optimizer_followers, shard
@@ -98,6 +98,7 @@ class AutoParallel:
       parallel_mode: "semi_auto" (default), "sharding_propagation", "recursive_programming" or
         "dynamic_programming" (see the module docstring).
       mesh: the device mesh; default `make_mesh(device_num)` from the context (all devices).
+        An AbstractMesh plans for any number of devices (`.plan` only; calls refuse).
       parameter_plan: {parameter path: strategy}; an unknown path is an error listing the
         closest known paths.
       hardware, level, mem_coeff, memory_budget: as for `jaxpar.shard`; None takes the context's.
@@ -106,6 +107,8 @@ class AutoParallel:
         carried state, every argument but the first (`apply(params, *batch)`).
       donate_argnums: arguments whose buffers a call may reuse (nnx objects' state always is:
         it is replaced in place).
+      context: the ParallelContext to read defaults from; default the current one
+        (`set_auto_parallel_context`).
 
     Example:
       >>> net = jaxpar.AutoParallel(train_step, parallel_mode="recursive_programming")
@@ -114,11 +117,12 @@ class AutoParallel:
       >>> print(net.plan(params, opt_state, tokens, targets).explain())
     """
 
-    def __init__(self, network, parallel_mode: str = "semi_auto", *, mesh: Mesh | None = None,
-                 parameter_plan: dict | None = None, hardware=None, level: int = 0,
-                 mem_coeff: float | None = None, memory_budget=None,
-                 batch_argnums: int | tuple[int, ...] | None = None,
-                 donate_argnums: int | tuple[int, ...] = ()):
+    def __init__(self, network, parallel_mode: str = "semi_auto", *,
+                 mesh: Mesh | AbstractMesh | None = None, parameter_plan: dict | None = None,
+                 hardware=None, level: int = 0, mem_coeff: float | None = None,
+                 memory_budget=None, batch_argnums: int | tuple[int, ...] | None = None,
+                 donate_argnums: int | tuple[int, ...] = (),
+                 context: ParallelContext | None = None):
         if not callable(network):
             raise TypeError(f"AutoParallel(network={network!r}): network must be a function or "
                             "a Flax nnx Module.")
@@ -128,12 +132,15 @@ class AutoParallel:
         if parallel_mode not in PARALLEL_MODES:
             raise ValueError(f"AutoParallel(parallel_mode={parallel_mode!r}): must be one of "
                              f"{list(PARALLEL_MODES)}.")
-        ctx = current_context()
+        if context is not None and not isinstance(context, ParallelContext):
+            raise TypeError(f"AutoParallel(context={context!r}): pass a jaxpar.ParallelContext "
+                            "or None for the current one.")
+        ctx = context if context is not None else current_context()
         self.network, self.parallel_mode, self.context = network, parallel_mode, ctx
         self.mesh = mesh if mesh is not None else make_mesh(ctx.device_num or len(jax.devices()))
-        if not isinstance(self.mesh, Mesh):
+        if not isinstance(self.mesh, Mesh | AbstractMesh):
             raise TypeError(f"AutoParallel(mesh={mesh!r}): pass a jax.sharding.Mesh, e.g. "
-                            "jaxpar.make_mesh(8).")
+                            "jaxpar.make_mesh(8), or an AbstractMesh to plan only.")
         if parameter_plan is not None and not isinstance(parameter_plan, dict):
             raise TypeError(f"AutoParallel(parameter_plan={parameter_plan!r}): must be a dict "
                             "mapping parameter paths to strategies, e.g. {'params/w': (1, 8)}.")
@@ -510,13 +517,13 @@ def _leaf_owners(args: tuple) -> list[int]:
     return [k for k, a in enumerate(args) for _ in jax.tree_util.tree_leaves(a)]
 
 
-def _dataset_specs(config, shapes: list[tuple], mesh: Mesh) -> list:
+def _dataset_specs(config, shapes: list[tuple], mesh: Mesh | AbstractMesh) -> list:
     """A PartitionSpec (or None) per data leaf under a dataset strategy."""
     if config == "full_batch":
         return [PartitionSpec() for _ in shapes]
     if config == "data_parallel":
         axes = tuple(mesh.axis_names)
-        size = mesh.devices.size
+        size = mesh.size
         return [PartitionSpec(axes) if s and s[0] % size == 0 else None for s in shapes]
     if len(config) != len(shapes):
         raise ValueError(f"dataset_strategy({config!r}): {len(config)} strategies for "

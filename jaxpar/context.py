@@ -472,11 +472,33 @@ def load_config(path: str | os.PathLike) -> ParallelContext:
         raise ValueError(f"load_config(path={str(path)!r}): no such file; pass a YAML file such "
                          "as configs/parallel/default.yaml.")
     try:
-        return ParallelContext(**_fields_from_yaml(yaml.safe_load(path.read_text())))
+        data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         raise ValueError(f"{path}: not valid YAML ({err}).") from None
+    return context_from_mapping(data, str(path))
+
+
+def context_from_mapping(data: Mapping[str, Any] | None, where: str) -> ParallelContext:
+    """A parallel context from a mapping in any form `load_config` reads from a YAML file.
+
+    For configs that hold a parallel context among other things (a run config's `parallel:`
+    and `parallel_config:` blocks): the same translation, the same checks.
+
+    Args:
+      data: the mapping (None: every key at its default), e.g. {"parallel": {"parallel_mode": 2}}.
+      where: what the mapping came from (a file name), put before every error message.
+
+    Returns:
+      The checked ParallelContext (the process-wide context is not changed).
+
+    Example:
+      >>> context_from_mapping({"parallel": {"parallel_mode": 2}}, "run.yaml").parallel_mode
+      'auto_parallel'
+    """
+    try:
+        return ParallelContext(**_fields_from_yaml(data))
     except (ValueError, TypeError) as err:  # a file's bad type is a bad value of the file
-        raise ValueError(f"{path}: {err}") from None
+        raise ValueError(f"{where}: {err}") from None
 
 
 def save_config(ctx: ParallelContext, path: str | os.PathLike) -> None:

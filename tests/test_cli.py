@@ -1,0 +1,141 @@
+"""The `jaxpar` command line: plan, explain, demo, --help, and clean errors (exit status 2)."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from jaxpar import cli, demo
+
+REPO = Path(__file__).parent.parent
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+SUBCOMMANDS = ("demo", "plan", "explain", "launch", "calibrate")
+
+
+def _main(capsys, *argv: str) -> tuple[int, str, str]:
+    status = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_help_lists_every_subcommand(capsys):
+    status, out, _ = _main(capsys)
+    assert status == 0
+    for name in SUBCOMMANDS:
+        assert f"    {name}" in out
+
+
+def test_calibrate_hands_its_arguments_to_jaxpar_calibrate(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["calibrate", "--help"])
+    assert done.value.code == 0
+    assert "jaxpar calibrate" in capsys.readouterr().out
+
+
+def test_unknown_arguments_are_refused(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["plan", str(CONFIGS[0]), "--devicez", "4"])
+    assert done.value.code == 2
+    assert "--devicez" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_plan_prints_the_plan_memory_and_time(capsys, config):
+    status, out, err = _main(capsys, "plan", str(config))
+    assert status == 0, err
+    assert "planned only (abstract mesh)" in out
+    assert "per device (modeled): compute" in out and "peak memory" in out
+    assert "step time" in out and "arguments" in out
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_plan_for_64_devices_as_json_then_explain(capsys, tmp_path, config):
+    saved = tmp_path / "plan.json"
+    status, out, err = _main(capsys, "plan", str(config), "--devices", "64", "--json",
+                             "--out", str(saved))
+    assert status == 0, err
+    summary = json.loads(out)
+    assert tuple(summary) == cli.PLAN_JSON_KEYS
+    assert summary["devices"] == 64 == math.prod(summary["mesh"]["sizes"])
+    assert summary["config"] == str(config) and summary["cost"]["total_s"] > 0
+    assert summary["parameters"] and summary["ops"] and summary["mode"]
+    status, out, err = _main(capsys, "explain", str(saved))
+    assert status == 0, err
+    assert "modeled per device" in out and "predicted collectives" in out
+    assert f"logical mesh: {summary['layout']}" in out
+
+
+def test_plan_overrides_mode_and_hardware(capsys):
+    config = REPO / "configs" / "mlp_data_parallel.yaml"
+    status, out, err = _main(capsys, "plan", str(config), "--mode", "recursive_programming",
+                             "--hardware", "h100-nvlink", "--json")
+    assert status == 0, err
+    summary = json.loads(out)
+    assert (summary["mode"], summary["search_mode"], summary["hardware"]) == (
+        "recursive_programming", "recursive_programming", "h100-nvlink")
+
+
+@pytest.mark.parametrize("text, match", [
+    ("model: {name: mlp, sizes: [8, 8]}\ntrian: {batch_size: 8}\n", "unknown key 'trian'"),
+    ("model: {name: mlp, sizes: [8, 8]}\ntrain: {optimizer: lamb}\n", "train.optimizer='lamb'"),
+    ("train: {batch_size: 8}\nparallel: {parallel_mode: 2}\n", "no 'model:' block"),
+    ("model: {name: gpt}\n", "parallel_mode is 'stand_alone'"),
+    ("model: {name: gpt}\nparallel: {parallel_mode: 2}\nmesh: 0\n", "mesh=0"),
+    ("model: {name: gpt\n", "not valid YAML"),
+])
+def test_bad_config_files_exit_2_with_one_line(capsys, tmp_path, text, match):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    status, out, err = _main(capsys, "plan", str(path))
+    assert status == 2 and out == ""
+    assert err.startswith(f"jaxpar plan: error: {path}") and match in err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_missing_files_exit_2(capsys, tmp_path):
+    status, _, err = _main(capsys, "plan", str(tmp_path / "none.yaml"))
+    assert status == 2 and "no such file" in err
+    (tmp_path / "x.json").write_text("{}")
+    status, _, err = _main(capsys, "explain", str(tmp_path / "x.json"))
+    assert status == 2 and "not a jaxpar plan file" in err
+
+
+def test_demo_quick_trains_like_one_device(capsys):
+    status, out, err = _main(capsys, "demo", "--quick", "--steps", "3")
+    assert status == 0, out + err
+    for section in ("1. the plan", "2. predicted collectives", "3. against hand-written",
+                    "4. 3 training steps"):
+        assert section in out
+    assert "data parallel" in out and "Megatron" in out and "dp4 x tp2" in out
+    assert "PASS: sharded training loss matches single-device jax.jit" in out
+    assert "FAIL" not in out
+
+
+def test_demo_refuses_bad_arguments(capsys):
+    status, _, err = _main(capsys, "demo", "--quick", "--steps", "0")
+    assert status == 2 and "steps=0" in err
+    status, _, err = _main(capsys, "demo", "--quick", "--hardware", "abacus")
+    assert status == 2 and "abacus" in err
+
+
+def test_loss_curves_must_agree_at_every_step():
+    assert demo.losses_match([2.0, 1.0], [2.0, 1.00001]) == (True, pytest.approx(1e-5, rel=1e-3))
+    ok, worst = demo.losses_match([2.0, 1.0], [2.0, 1.001])
+    assert not ok and worst == pytest.approx(1e-3, rel=1e-3)
+    assert not demo.losses_match([float("nan")], [1.0])[0]
+    with pytest.raises(ValueError, match="equally long"):
+        demo.losses_match([1.0], [1.0, 2.0])
+
+
+def test_a_mismatch_exits_1(capsys, monkeypatch):
+    class Mismatch:
+        def __init__(self, *args):
+            pass
+
+        def run(self, steps):
+            return False
+
+    monkeypatch.setattr(demo, "_Demo", Mismatch)
+    status, out, _ = _main(capsys, "demo", "--quick")
+    assert status == 1

@@ -1,0 +1,205 @@
+"""Run configs (jaxpar/run_config.py): loading, checking, mesh and mode resolution, planning."""
+
+from pathlib import Path
+
+import jax
+import pytest
+import yaml
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.context import context_from_mapping, load_config
+from jaxpar.run_config import (
+    build_problem,
+    load_run_config,
+    plan_run,
+    run_config_from_mapping,
+    tensor_parallel_specs,
+)
+from jaxpar.spec import Spec
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+TINY_MLP = {"name": "mlp", "sizes": [16, 32, 8]}
+
+
+def _run(**blocks):
+    return run_config_from_mapping({"model": TINY_MLP, **blocks}, "run.yaml")
+
+
+def test_configs_are_shipped_and_load():
+    names = {c.name for c in CONFIGS}
+    assert {"gpt_small_auto_parallel.yaml", "gpt_small_semi_auto.yaml",
+            "mlp_data_parallel.yaml"} <= names
+    modes = {c.name: load_run_config(c).plan_mode() for c in CONFIGS}
+    assert modes["gpt_small_auto_parallel.yaml"] == "recursive_programming"
+    assert modes["gpt_small_semi_auto.yaml"] == "semi_auto"
+    assert modes["mlp_data_parallel.yaml"] == "data_parallel"
+
+
+def test_fields_come_from_the_yaml_keys():
+    run = load_run_config(CONFIGS[0].parent / "gpt_small_auto_parallel.yaml")
+    assert (run.model.name, run.model.config.layers, run.model.config.d_model) == ("gpt", 2, 512)
+    assert (run.train.batch_size, run.train.optimizer, run.train.learning_rate) == (
+        64, "adamw", 3e-4)
+    assert (run.mesh.devices, run.hardware, run.context.mem_coeff) == (8, "h100-nvlink", 0.1)
+
+
+@pytest.mark.parametrize("mode, expected", [
+    (2, "recursive_programming"), ("AUTO_PARALLEL", "recursive_programming"),
+    (1, "semi_auto"), ("semi_auto_parallel", "semi_auto"), ("hybrid_parallel", "semi_auto"),
+    (0, "data_parallel"), ("data_parallel", "data_parallel")])
+def test_parallel_mode_maps_to_a_planning_mode(mode, expected):
+    assert _run(parallel={"parallel_mode": mode}).plan_mode() == expected
+
+
+def test_auto_parallel_takes_the_search_mode_and_an_override_wins():
+    run = _run(parallel={"parallel_mode": 2, "search_mode": "dynamic_programming"})
+    assert run.plan_mode() == "dynamic_programming"
+    assert run.plan_mode("data_parallel") == "data_parallel"
+    with pytest.raises(ValueError, match="mode='fast'"):
+        run.plan_mode("fast")
+
+
+def test_stand_alone_plans_nothing():
+    with pytest.raises(ValueError, match="run.yaml: parallel_mode is 'stand_alone'"):
+        _run(use_parallel=False).plan_mode()
+
+
+@pytest.mark.parametrize("data, match", [
+    ({"model": TINY_MLP, "optimiser": "adam"}, r"unknown key 'optimiser'"),
+    ({"model": {**TINY_MLP, "widths": [1, 2]}}, r"model \(mlp\): unknown key 'widths'"),
+    ({"model": {"name": "gpt", "layer": 2}}, r"unknown key 'layer'.*Did you mean 'layers'"),
+    ({"model": {"name": "gpt", "layers": 0}}, r"GPTConfig\(layers=0\)"),
+    ({"model": {"name": "nnx_gpt", "scan_layers": True}}, r"model.scan_layers=true"),
+    ({"model": {"name": "gpt", "dtype": "float99"}}, r"model.dtype='float99'"),
+    ({"model": {"name": "resnet"}}, r"model.name='resnet'"),
+    ({"train": {"batch_size": 8}}, r"no 'model:' block"),
+    ({"model": TINY_MLP, "train": {"optimizer": "adamm"}}, r"train.optimizer='adamm'"),
+    ({"model": TINY_MLP, "train": {"learning_rate": "1e-3"}}, r"write 1.0e-3"),
+    ({"model": TINY_MLP, "train": {"batch_size": -4}}, r"train.batch_size=-4"),
+    ({"model": {**TINY_MLP, "sizes": [16]}}, r"model.sizes=\[16\]"),
+    ({"model": {**TINY_MLP, "activation": "swish"}}, r"model.activation='swish'"),
+    ({"model": TINY_MLP, "mesh": {"shape": [4, 2], "names": ["dp"]}}, r"mesh.names"),
+    ({"model": TINY_MLP, "mesh": {"shape": [4, 2], "devices": 4}}, r"not mesh.devices=4"),
+    ({"model": TINY_MLP, "mesh": 0}, r"mesh=0"),
+    ({"model": TINY_MLP, "mesh": 8, "parallel": {"device_num": 16}}, r"parallel.device_num"),
+    ({"model": TINY_MLP, "hardware": "h200-nvlink"}, r"no such profile"),
+    ({"model": TINY_MLP, "parallel": {"parallel_mode": 7}}, r"integer modes"),
+    ({"model": TINY_MLP, "parallel": {"search": "x"}}, r"unknown key parallel.search"),
+    ({"model": TINY_MLP, "parallel_config": {"mem_coeff": -1}}, r"mem_coeff=-1"),
+    ([1, 2], r"a run config is a mapping"),
+])
+def test_bad_configs_name_the_file_and_the_key(data, match):
+    with pytest.raises(ValueError, match="run.yaml: ") as err:
+        run_config_from_mapping(data, "run.yaml")
+    assert err.match(match)
+
+
+def test_a_missing_or_broken_file_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        load_run_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_run_config(bad)
+
+
+def test_context_blocks_read_as_load_config_reads_them():
+    path = CONFIGS[0].parent / "parallel" / "mindformers_auto.yaml"
+    data = yaml.safe_load(path.read_text())
+    assert context_from_mapping(data, str(path)) == load_config(path)
+    run = run_config_from_mapping({"model": TINY_MLP, **data}, "run.yaml")
+    assert run.context == load_config(path)
+    assert run.context.enable_parallel_optimizer and run.context.parallel_mode == "auto_parallel"
+
+
+@pytest.mark.parametrize("devices, sizes", [(64, (4, 4, 4)), (16, (2, 2, 4)), (8, (2, 2, 2)),
+                                            (12, (2, 2, 3)), (7, (7,)), (1, (1,))])
+def test_device_counts_factor_into_at_most_three_axes(devices, sizes):
+    run = _run(parallel={"parallel_mode": 2})
+    assert run.mesh_axes(devices) == (sizes, tuple(f"d{i}" for i in range(len(sizes))))
+
+
+def test_an_explicit_mesh_is_kept_unless_the_count_changes():
+    run = _run(parallel={"parallel_mode": 2}, mesh={"shape": [4, 2], "names": ["dp", "tp"]})
+    assert run.mesh_axes() == ((4, 2), ("dp", "tp"))
+    assert run.mesh_axes(8) == ((4, 2), ("dp", "tp"))
+    assert run.mesh_axes(64) == ((4, 4, 4), ("d0", "d1", "d2"))
+
+
+def test_semi_auto_model_parallel_makes_a_dp_mp_mesh():
+    run = _run(parallel={"parallel_mode": 1},
+               parallel_config={"data_parallel": 4, "model_parallel": 2})
+    assert run.device_count() == 8
+    assert run.mesh_axes() == ((4, 2), ("dp", "mp"))
+    assert run.mesh_axes(64) == ((32, 2), ("dp", "mp"))
+    with pytest.raises(ValueError, match="model_parallel=2 does not divide 7 devices"):
+        run.mesh_axes(7)
+    assert run.mesh_axes(mode="recursive_programming") == ((2, 2, 2), ("d0", "d1", "d2"))
+
+
+def test_semi_auto_degrees_must_match_the_mesh():
+    run = _run(parallel={"parallel_mode": 1}, mesh=16,
+               parallel_config={"data_parallel": 4, "model_parallel": 2})
+    with pytest.raises(ValueError, match="data_parallel=4 x model_parallel=2 is 8 devices"):
+        run.mesh_axes()
+
+
+def test_tensor_parallel_specs_follow_megatron():
+    gpt = tensor_parallel_specs("gpt", ["params/blocks/0/attn/wqkv", "params/blocks/0/attn/wo",
+                                        "params/blocks/0/ln1/scale", "params/wte"], "tp")
+    assert list(gpt.values()) == [P(None, "tp"), P("tp", None), P(), P("tp", None)]
+    nnx = tensor_parallel_specs("nnx_gpt", ["params/blocks/0/mlp/w1/value"])
+    assert nnx == {"params/blocks/0/mlp/w1/value": P(None, "mp")}
+    mlp = tensor_parallel_specs("mlp", ["params/0/w", "params/0/b", "params/1/w", "params/1/b"])
+    assert list(mlp.values()) == [P(None, "mp"), P("mp"), P("mp", None), P()]
+    with pytest.raises(ValueError, match="model='bert'"):
+        tensor_parallel_specs("bert", [])
+
+
+def _in_specs(plan) -> dict:
+    return dict(zip(plan.in_paths, plan.in_specs, strict=True))
+
+
+def test_what_each_mode_fixes_before_the_search():
+    mesh = {"shape": [2, 4], "names": ["a", "b"]}
+    run = _run(train={"batch_size": 16, "optimizer": "sgd"}, parallel={"parallel_mode": 0},
+               mesh=mesh)
+    problem = build_problem(run)
+    assert problem.paths == ("params/0/b", "params/0/w", "params/1/b", "params/1/w", "x", "y")
+    dp = _in_specs(plan_run(run).plan)  # data parallel: batch over every axis, rest replicated
+    assert dp["x"] == dp["y"] == Spec((("a", "b"), ()))
+    assert all(dp[p] == Spec(((),) * dp[p].rank) for p in problem.paths[:4])
+    odd = _run(train={"batch_size": 15, "optimizer": "sgd"}, parallel={"parallel_mode": 0},
+               mesh=mesh)
+    assert _in_specs(plan_run(odd).plan)["x"].dims[0] != ("a", "b")  # 15 rows: the search's
+
+
+def test_plan_run_plans_for_more_devices_than_exist():
+    planned = plan_run(_run(parallel={"parallel_mode": 2}, train={"batch_size": 64}),
+                       devices=64, hardware="tpu-v5e")
+    plan = planned.plan
+    assert plan.mesh.size == 64 > len(jax.devices())
+    assert planned.sizes == (4, 4, 4) and planned.hardware == plan.hardware == "tpu-v5e"
+    assert plan.cost.total_s > 0 and plan.search_mode == "recursive_programming"
+
+
+def test_plan_run_semi_auto_keeps_the_megatron_layout():
+    run = _run(parallel={"parallel_mode": 1}, parallel_config={"model_parallel": 2},
+               mesh=8, train={"batch_size": 16})
+    plan = plan_run(run).plan
+    specs = dict(zip(plan.in_paths, plan.in_specs, strict=True))
+    assert specs["params/0/w"] == Spec(((), ("mp",)))
+    assert specs["params/1/w"] == Spec((("mp",), ()))
+    assert specs["x"] == Spec((("dp",), ()))
+
+
+def test_parallel_optimizer_cuts_optimizer_state_further():
+    base = {"model": {"name": "mlp", "sizes": [64, 256, 64]}, "train": {"batch_size": 32},
+            "mesh": 8, "parallel": {"parallel_mode": 0}}
+    off = plan_run(run_config_from_mapping(base)).plan
+    on = plan_run(run_config_from_mapping({**base, "parallel": {
+        "parallel_mode": 0, "enable_parallel_optimizer": True,
+        "parallel_optimizer_config": {"parallel_optimizer_threshold": 0}}})).plan
+    mu = "opt_state/0/mu/1/w"
+    assert dict(zip(off.in_paths, off.in_specs, strict=True))[mu].shards(off.mesh) == 1
+    assert dict(zip(on.in_paths, on.in_specs, strict=True))[mu].shards(on.mesh) == 8
