@@ -36,7 +36,7 @@ KEYS = {"model": str, "mesh": str, "hardware": str, "strategy": str, "kind": str
 @pytest.fixture(scope="module")
 def mlp_rows():
     opts = run.Options(("mlp",), ((4, 2),), ("h100-nvlink",), ("dynamic_programming",),
-                       preset="tiny")
+                       objectives=("default",), preset="tiny")
     return models.build("mlp", "tiny"), run.run(opts)
 
 
@@ -145,9 +145,10 @@ def test_main_writes_results_and_reports_na(tmp_path, monkeypatch):
                      "tpu-v5e", "--modes", "dynamic_programming", "--baselines", "maxtext_2d",
                      "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert [r["strategy"] for r in saved] == ["maxtext_2d", "jaxpar-dynamic_programming"]
+    assert [r["strategy"] for r in saved] == ["maxtext_2d", "jaxpar-dynamic_programming",
+                                              "jaxpar-dynamic_programming-speed"]
     assert saved[0]["status"] == "n/a" and "two or more axes" in saved[0]["reason"]
-    assert saved[1]["status"] == "ok" and saved[1]["mesh"] == "8"
+    assert saved[1]["status"] == saved[2]["status"] == "ok" and saved[1]["mesh"] == "8"
     assert code == 0  # no baseline compiled: nothing for jaxpar to be slower than
     with pytest.raises(SystemExit, match="--baselines 'zero'"):
         run.main(["--sizes", "tiny", "--baselines", "zero", "--out", str(tmp_path)])
