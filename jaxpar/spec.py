@@ -5,11 +5,14 @@ dimension (listed in mesh order), plus the axes over which the value is still a 
 that needs a reduction. An `OpStrategy` is one way to run one op: the spec each input must have,
 and the spec each output comes out with. `MeshInfo` is the part of a mesh the planner needs
 (axis names and sizes), so plans can be made for meshes larger than the machine.
+
+The searches ask these objects the same questions millions of times, so answers are kept:
+equal Specs are one object (interned, compared and hashed by identity), a Spec remembers its
+axes, shards and fits per mesh, and a MeshInfo its group sizes (and what rules list on it).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -24,6 +27,8 @@ class MeshInfo:
 
     names: tuple[str, ...]
     sizes: tuple[int, ...]
+    # Group sizes by axes, and whatever else callers price per mesh (filled as asked).
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def of(mesh) -> MeshInfo:
@@ -37,7 +42,12 @@ class MeshInfo:
         return self.sizes[self.names.index(name)]
 
     def group_size(self, axes: Axes) -> int:
-        return _group_size(self, tuple(axes))
+        """Devices in a group spanning `axes` (the product of their sizes)."""
+        hit = self.cache.get(axes)
+        if hit is None:
+            axes = tuple(axes)
+            hit = self.cache[axes] = math.prod(self.sizes[self.names.index(a)] for a in axes)
+        return hit
 
     def order(self, axes) -> Axes:
         """`axes` sorted into mesh order (the canonical order within one dimension)."""
@@ -47,17 +57,35 @@ class MeshInfo:
         return " x ".join(f"{n}={s}" for n, s in zip(self.names, self.sizes, strict=True))
 
 
-@functools.lru_cache(maxsize=65536)
-def _group_size(mesh: MeshInfo, axes: Axes) -> int:
-    return math.prod(mesh.sizes[mesh.names.index(a)] for a in axes)
+# Every Spec made, by (dims, partial): equal specs are one object. The searches hash and
+# compare specs in their inner loops; interned, that is by identity, at C speed. The table
+# only grows by distinct shardings (a few hundred for a model), like Python's string interning.
+_INTERNED: dict[tuple, Spec] = {}
 
 
 @dataclass(frozen=True)
 class Spec:
-    """Sharding of one array: `dims[i]` are the mesh axes that cut dimension i."""
+    """Sharding of one array: `dims[i]` are the mesh axes that cut dimension i.
+
+    Specs are interned (equal specs are the same object, see _INTERNED) and remember what
+    `axes()`, `resolved()`, `shards()` and `fits()` gave (in their __dict__, outside the
+    dataclass fields), since the searches ask for them in their inner loops.
+    """
 
     dims: tuple[Axes, ...]
     partial: Axes = ()
+
+    def __new__(cls, dims: tuple[Axes, ...], partial: Axes = ()):
+        hit = _INTERNED.get((dims, partial))
+        if hit is None:  # setdefault: two threads making one spec get one object
+            hit = _INTERNED.setdefault((dims, partial), object.__new__(cls))
+        return hit
+
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
+
+    def __reduce__(self):
+        return (Spec, (self.dims, self.partial))  # without the remembered hash
 
     @staticmethod
     def replicated(rank: int) -> Spec:
@@ -74,27 +102,49 @@ class Spec:
 
     def axes(self) -> Axes:
         """Every mesh axis this spec uses, sharding or partial."""
-        return tuple(a for d in self.dims for a in d) + self.partial
+        hit = self.__dict__.get("_axes")
+        if hit is None:
+            hit = self.__dict__["_axes"] = tuple(a for d in self.dims for a in d) + self.partial
+        return hit
 
     def dim_of(self, axis: str) -> int | None:
-        for i, d in enumerate(self.dims):
-            if axis in d:
-                return i
-        return None
+        """The dimension `axis` cuts, or None."""
+        where = self.__dict__.get("_dim_of")
+        if where is None:
+            where = self.__dict__["_dim_of"] = {a: i for i, d in enumerate(self.dims)
+                                                for a in d}
+        return where.get(axis)
 
     def shards(self, mesh: MeshInfo) -> int:
         """Number of distinct pieces the array is cut into."""
-        return math.prod(mesh.group_size(d) for d in self.dims)
+        hit = self.__dict__.get("_shards")
+        if hit is None or hit[0] is not mesh:
+            hit = self.__dict__["_shards"] = (mesh, math.prod(mesh.group_size(d)
+                                                              for d in self.dims))
+        return hit[1]
 
     def local_shape(self, shape: tuple[int, ...], mesh: MeshInfo) -> tuple[int, ...]:
         return tuple(n // mesh.group_size(d) for n, d in zip(shape, self.dims, strict=True))
 
     def fits(self, shape: tuple[int, ...], mesh: MeshInfo) -> bool:
         """True when every dimension divides evenly by the axes that cut it."""
-        return all(n % mesh.group_size(d) == 0 for n, d in zip(shape, self.dims, strict=True))
+        memo = self.__dict__.get("_fits")
+        if memo is None or memo[0] is not mesh:
+            memo = self.__dict__["_fits"] = (mesh, {})
+        hit = memo[1].get(shape)
+        if hit is None:
+            hit = memo[1][shape] = all(n % mesh.group_size(d) == 0
+                                       for n, d in zip(shape, self.dims, strict=True))
+        return hit
 
     def resolved(self) -> Spec:
-        return Spec(self.dims)
+        """This spec without its partial axes (itself when it has none)."""
+        if not self.partial:
+            return self
+        hit = self.__dict__.get("_resolved")
+        if hit is None:
+            hit = self.__dict__["_resolved"] = Spec(self.dims)
+        return hit
 
     def to_pspec(self) -> P:
         entries = [None if not d else d[0] if len(d) == 1 else d for d in self.dims]

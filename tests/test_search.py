@@ -73,3 +73,15 @@ def test_unconstrained_program_still_gets_a_full_plan():
     graph, plan, _ = plan_of(lambda x: jnp.sum(jnp.exp(x) * 2.0), (jnp.ones((64, 64)),))
     assert len(plan.choices) == len(graph.ops)
     assert all(v in plan.specs for v in graph.inputs)
+
+
+def test_specs_are_interned_and_survive_pickling():
+    import pickle
+
+    a, b = S(("d0", "d1"), None), S(("d0", "d1"), None)
+    assert a is b and hash(a) == hash(b) and a != S("d0", None)
+    assert pickle.loads(pickle.dumps(a)) is a
+    assert a.resolved() is a
+    partial = Spec(a.dims, ("d2",))
+    assert partial != a and partial.resolved() is a
+    assert a.shards(MESH) == 4 and a.fits((8, 3), MESH) and not a.fits((6, 3), MESH)

@@ -15,10 +15,13 @@ A larger mem_coeff favours plans that cut weights (model parallel), a smaller on
 
 `options(info)` lists an op's candidate strategies that fit its shapes, with their costs, once per
 op signature (primitive, params, shapes, dtypes): the layers of a deep model repeat the same ops,
-so a search prices each distinct op once. With `recompute_heavy=False` (the automatic searches)
-heavy ops (dot_general, conv) keep only the candidates that cut their work into the most pieces
-the shapes allow, Alpa's rule against computing a matmul redundantly: without it a model of toy
-size is cheapest fully replicated, since its compute costs less than one collective's latency.
+so a search prices each distinct op once. Ops whose rules give the same candidates on the same
+shapes (an add and a mul) share the work of listing them, and their costs when their flops and
+dtypes agree too; each signature still gets a candidate list of its own (callers key on it).
+With `recompute_heavy=False` (the automatic searches) heavy ops (dot_general, conv) keep only
+the candidates that cut their work into the most pieces the shapes allow, Alpa's rule against
+computing a matmul redundantly: without it a model of toy size is cheapest fully replicated,
+since its compute costs less than one collective's latency.
 """
 
 from __future__ import annotations
@@ -91,6 +94,10 @@ class CostModel:
                                default=profile.intra.bandwidth)
         self._reshard_cache: dict = {}
         self._options_cache: dict = {}
+        self._costs_cache: dict = {}
+        self._fitting_cache: dict = {}
+        self._itemsizes: dict = {}
+        self._layouts: dict = {}
 
     def options(self, info: OpInfo, share: float = 1.0
                 ) -> tuple[list[OpStrategy], list[OpCost]]:
@@ -99,22 +106,50 @@ class CostModel:
         key = None if key is None else (key, share)
         hit = self._options_cache.get(key) if key is not None else None
         if hit is None:
-            shapes = info.in_shapes + info.out_shapes
-            cands = [s for s in candidates(info, self.mesh)
-                     if all(sp.fits(sh, self.mesh) for sp, sh in zip(s.ins + s.outs, shapes,
-                                                                      strict=True))]
-            if not self.recompute_heavy and info.primitive.name in HEAVY_OPS:
-                most = max(self.pieces(s) for s in cands)
-                cands = [s for s in cands if self.pieces(s) == most]
-            hit = (cands, [self.op(info, s, share) for s in cands])
+            cands = self._fitting(info)
+            # Ops alike to the cost model (same candidates, flops, shapes and dtypes: an add
+            # and a mul on one shape) share their costs.
+            alike = (id(cands), flops(info), info.in_shapes, info.out_shapes, info.in_dtypes,
+                     info.out_dtypes, share)
+            costs = self._costs_cache.get(alike)
+            if costs is None:
+                costs = self._costs_cache[alike] = self._costs(info, cands, share)
+            hit = (list(cands), costs)  # a list of its own: callers key work on its id
             if key is not None:
                 self._options_cache[key] = hit
         return hit
 
+    def _fitting(self, info: OpInfo) -> list[OpStrategy]:
+        """candidates() that fit the op's shapes (the automatic modes: heavy ops cut most)."""
+        raw = candidates(info, self.mesh)
+        heavy = not self.recompute_heavy and info.primitive.name in HEAVY_OPS
+        key = (id(raw), info.in_shapes, info.out_shapes, heavy)
+        hit = self._fitting_cache.get(key)
+        if hit is None:
+            shapes, mesh = info.in_shapes + info.out_shapes, self.mesh
+            hit = [s for s in raw if all(sp.fits(sh, mesh) for sp, sh in
+                                         zip(s.ins + s.outs, shapes, strict=True))]
+            if heavy:
+                pieces = [self.pieces(s) for s in hit]
+                most = max(pieces)
+                hit = [s for s, n in zip(hit, pieces, strict=True) if n == most]
+            self._fitting_cache[key] = (raw, hit)  # raw kept alive: its id stays its own
+            return hit
+        return hit[1]
+
     def pieces(self, s: OpStrategy) -> int:
         """How many pieces a strategy cuts its op's work into (axes cutting results or partial)."""
-        used = {a for spec in s.outs for a in spec.axes()} | {a for p in s.partial for a in p}
-        return self.mesh.group_size(tuple(sorted(used)))
+        hit = s.__dict__.get("_pieces")  # remembered on the strategy, for this mesh
+        if hit is None or hit[0] is not self.mesh:
+            used = {a for spec in s.outs for a in spec.axes()} | {a for p in s.partial for a in p}
+            hit = s.__dict__["_pieces"] = (self.mesh, self.mesh.group_size(tuple(sorted(used))))
+        return hit[1]
+
+    def _itemsize(self, dtype) -> int:
+        hit = self._itemsizes.get(dtype)
+        if hit is None:
+            hit = self._itemsizes[dtype] = itemsize(dtype)
+        return hit
 
     def collectives_cost(self, cs: list[Collective], share: float = 1.0) -> OpCost:
         return OpCost(comm_s=sum(collective_time(c, self.mesh, self.links,
@@ -125,27 +160,46 @@ class CostModel:
     def reshard(self, src: Spec, dst: Spec, shape, dtype, share: float = 1.0) -> OpCost:
         """Moving a value from `src` to `dst`. share: the fraction of a latency its reductions
         pay (OpGraph.latency_share: below 1 in a step's tail, where XLA combines them)."""
-        if src.resolved() == dst.resolved() and not src.partial:
-            return OpCost()
-        key = (src, dst, tuple(shape), dtype, share)
-        if key not in self._reshard_cache:  # the search prices the same edges many times
-            self._reshard_cache[key] = self.collectives_cost(
-                reshard(src, dst, nbytes(shape, dtype), self.mesh), share)
-        return self._reshard_cache[key]
+        if not src.partial and src.dims == dst.dims:
+            return _FREE
+        key = (src, dst, shape if type(shape) is tuple else tuple(shape), dtype, share)
+        hit = self._reshard_cache.get(key)
+        if hit is None:  # the search prices the same edges many times
+            size = float(math.prod(shape)) * self._itemsize(dtype)
+            hit = self._reshard_cache[key] = self.collectives_cost(
+                reshard(src, dst, size, self.mesh), share)
+        return hit
 
     def op(self, info: OpInfo, s: OpStrategy, share: float = 1.0) -> OpCost:
         """Compute, the op's own reductions (partial results), and per-device memory."""
-        pieces = self.pieces(s)
-        io = [(sh, dt, sp) for sh, dt, sp in zip(info.in_shapes, info.in_dtypes, s.ins,
-                                                   strict=True)]
-        io += list(zip(info.out_shapes, info.out_dtypes, s.outs, strict=True))
-        total = sum(nbytes(sh, dt) for sh, dt, _ in io)
-        compute = max(flops(info) / self.profile.peak_flops,
-                      total / self.profile.memory_bandwidth) / pieces
-        memory = sum(nbytes(sh, dt) / sp.shards(self.mesh) for sh, dt, sp in io)
+        return self._op(_Io(info, self._itemsize), s, share)
+
+    def _costs(self, info: OpInfo, cands: list[OpStrategy], share: float) -> list[OpCost]:
+        """op() of every candidate, from what the candidate list shares (_Layout)."""
+        layout = self._layouts.get(id(cands))
+        if layout is None:
+            layout = self._layouts[id(cands)] = _Layout(cands, self)
+        io = _Io(info, self._itemsize)
+        work = max(io.flops / self.profile.peak_flops, io.total / self.profile.memory_bandwidth)
+        out = []
+        for n, s in enumerate(cands):
+            memory = sum(b / k for b, k in zip(io.sizes, layout.shards[n], strict=True))
+            cost = OpCost(compute_s=work / layout.pieces[n], memory_bytes=memory)
+            for j, raw in layout.partial[n]:
+                cost = cost + self.reshard(raw, s.outs[j], info.out_shapes[j],
+                                           info.out_dtypes[j], share)
+            out.append(cost)
+        return out
+
+    def _op(self, io: _Io, s: OpStrategy, share: float) -> OpCost:
+        mesh = self.mesh
+        compute = max(io.flops / self.profile.peak_flops,
+                      io.total / self.profile.memory_bandwidth) / self.pieces(s)
+        memory = sum(b / sp.shards(mesh) for b, sp in zip(io.sizes, s.ins + s.outs,
+                                                           strict=True))
         cost = OpCost(compute_s=compute, memory_bytes=memory)
-        for out, partial, shape, dtype in zip(s.outs, s.partial, info.out_shapes,
-                                              info.out_dtypes, strict=True):
+        for out, partial, shape, dtype in zip(s.outs, s.partial, io.info.out_shapes,
+                                              io.info.out_dtypes, strict=True):
             if partial:
                 raw = Spec(tuple(tuple(a for a in d if a not in partial) for d in out.dims),
                            partial)
@@ -156,6 +210,36 @@ class CostModel:
         mem_s = c.memory_bytes / self.memory_rate
         return (c.compute_s + _LEVEL_COMM_WEIGHT[self.level] * c.comm_s
                 + (_LEVEL_MEM_WEIGHT[self.level] + self.mem_coeff) * mem_s)
+
+
+_FREE = OpCost()
+
+
+class _Layout:
+    """What a candidate list shows CostModel whatever op it belongs to: the pieces each
+    strategy cuts the work into, the shards of each operand and result, and each partial
+    result before its reduction."""
+
+    def __init__(self, cands: list[OpStrategy], model: CostModel):
+        self.cands = cands  # kept alive: the cache is keyed by its id
+        self.pieces = [model.pieces(s) for s in cands]
+        self.shards = [[sp.shards(model.mesh) for sp in s.ins + s.outs] for s in cands]
+        self.partial = [[(j, Spec(tuple(tuple(a for a in d if a not in p) for d in out.dims), p))
+                         for j, (out, p) in enumerate(zip(s.outs, s.partial, strict=True)) if p]
+                        for s in cands]
+
+
+class _Io:
+    """What CostModel.op reads of an op once for all its strategies: bytes of each operand and
+    result, their total, and the flops."""
+
+    def __init__(self, info: OpInfo, size_of):
+        self.info = info
+        self.sizes = [float(math.prod(sh)) * size_of(dt) for sh, dt in
+                      zip(info.in_shapes + info.out_shapes, info.in_dtypes + info.out_dtypes,
+                          strict=True)]
+        self.total = sum(self.sizes)
+        self.flops = flops(info)
 
 
 def _signature(info: OpInfo):

@@ -25,15 +25,18 @@ _ODD = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9),
 
 def op_signature(op: Op, graph: OpGraph):
     """A hashable description of what the op computes (not where it sits)."""
-    try:
-        params = tuple(sorted(op.params.items()))
-        hash(params)
-    except TypeError:  # params holding arrays or lists: compare by their text
-        params = repr(sorted(op.params.items(), key=lambda kv: kv[0]))
     if op.regions:  # bodies are never shared between region ops
         params = ("region", op.index)
-    shapes = tuple((graph.shape(v), str(graph.dtype(v))) for v in op.inputs + op.outputs)
-    return (op.name, params, shapes)
+    else:
+        try:
+            params = tuple(sorted(op.params.items()))
+            hash(params)
+        except TypeError:  # params holding arrays or lists: compare by their text
+            params = repr(sorted(op.params.items(), key=lambda kv: kv[0]))
+    values = graph.values
+    shapes = tuple((values[v].shape, values[v].dtype) if isinstance(v, int) else
+                   (v.shape, v.dtype) for v in op.inputs + op.outputs)
+    return (op.primitive, params, shapes)
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -56,9 +59,11 @@ def _source_key(v, graph: OpGraph, inputs: set[int]):
     """What an operand not made by an op looks like: a literal's value, an input's or a
     constant's shape and dtype."""
     if isinstance(v, Lit):
-        return ("lit", v.shape, str(v.dtype), np.asarray(v.value).tobytes())
+        value = v.value if isinstance(v.value, int | float | bool) else \
+            np.asarray(v.value).tobytes()
+        return ("lit", v.shape, v.dtype, value)
     kind = "input" if v in inputs else "const"
-    return (kind, graph.shape(v), str(graph.dtype(v)) if kind == "input" else "")
+    return (kind, graph.shape(v), graph.dtype(v) if kind == "input" else "")
 
 
 class _Edges:
@@ -69,14 +74,24 @@ class _Edges:
         producer = {v: (op.index, j) for op in graph.ops for j, v in enumerate(op.outputs)}
         inputs = set(graph.inputs)
         reader, pos, src, port, fixed = [], [], [], [], []
+        sources: dict = {}  # a value no op makes -> its fixed hash
+        none = (-1, 0)
         for op in graph.ops:
+            x = op.index
             for i, v in enumerate(op.inputs):
-                p, j = producer.get(v, (-1, 0)) if isinstance(v, int) else (-1, 0)
-                reader.append(op.index)
+                p, j = producer.get(v, none) if isinstance(v, int) else none
+                reader.append(x)
                 pos.append(i)
                 src.append(p)
                 port.append(j)
-                fixed.append(0 if p >= 0 else _fixed(_source_key(v, graph, inputs)))
+                if p >= 0:
+                    fixed.append(0)
+                    continue
+                key = v if isinstance(v, int) else id(v)
+                h = sources.get(key)
+                if h is None:
+                    h = sources[key] = _fixed(_source_key(v, graph, inputs))
+                fixed.append(h)
         self.reader, self.pos = np.array(reader, np.int64), np.array(pos, np.uint64)
         self.src, self.port = np.array(src, np.int64), np.array(port, np.uint64)
         self.fixed = np.array(fixed, np.uint64)

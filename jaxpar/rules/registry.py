@@ -9,7 +9,8 @@ into concrete choices: an all-reduce (result replicated on the axis) or a reduce
 cut on the axis along one of its dimensions).
 
 Primitives without a rule get the replicated strategy only, and `has_rule()` says so, so the plan
-can mark them.
+can mark them. Ops with the same loops over the same shapes (an add and a mul) get the same
+candidate lists, kept per mesh in `MeshInfo.cache`: a deep model lists each kind of op once.
 """
 
 from __future__ import annotations
@@ -68,8 +69,15 @@ def loop_strategies(info: OpInfo, mesh: MeshInfo, loops: Sequence[Loop],
     """Every assignment of mesh axes to loops (each axis to one loop or to none).
 
     scatter_dims: the result dims a partial result may be reduce-scattered onto (None: any),
-    for ops where XLA mishandles some of them.
+    for ops where XLA mishandles some of them. Ops with the same loops over the same ranks get
+    the same list (kept in `mesh.cache`), so callers may key further work on it.
     """
+    allowed = None if scatter_dims is None else tuple(scatter_dims)
+    key = ("loops", tuple(map(len, info.in_shapes)), tuple(map(len, info.out_shapes)),
+           tuple(loops), allowed)
+    hit = mesh.cache.get(key)
+    if hit is not None:
+        return hit
     for loop in loops:
         assert loop.reducible or any(d is not None for d in loop.outs), \
             f"{info.primitive}: a loop indexing no result must be reducible"
@@ -79,7 +87,8 @@ def loop_strategies(info: OpInfo, mesh: MeshInfo, loops: Sequence[Loop],
                for li in range(len(loops))]
         if all(loop.size % mesh.group_size(axes) == 0 for loop, axes in zip(loops, cut,
                                                                              strict=True)):
-            strategies.append(_assemble(info, loops, cut, scatter_dims))
+            strategies.append(_assemble(info, loops, cut, allowed))
+    mesh.cache[key] = strategies
     return strategies
 
 
@@ -123,24 +132,31 @@ def has_rule(primitive) -> bool:
 
 
 def candidates(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
-    """All concrete strategies of an op: rule candidates with partial results resolved."""
+    """All concrete strategies of an op: rule candidates with partial results resolved. Ops
+    whose rule gave the same list (loop_strategies) on the same shapes share the result."""
     _load_families()
     rule = RULES.get(info.primitive)
     raw = rule(info, mesh) if rule else []
+    key = ("candidates", id(raw), info.in_shapes, info.out_shapes)
+    hit = mesh.cache.get(key)
+    if hit is not None and hit[0] is raw:
+        return hit[1]
     out, seen = [], set()
     for strategy in [replicated(info), *raw]:
         for s in _resolve_partials(strategy, info, mesh):
-            key = (s.ins, s.outs, s.partial)
-            if key not in seen:
-                seen.add(key)
+            key_s = (s.ins, s.outs, s.partial)
+            if key_s not in seen:
+                seen.add(key_s)
                 out.append(s)
+    if raw:
+        mesh.cache[key] = (raw, out)  # raw kept alive: no other list takes its id
     return out
 
 
 def _resolve_partials(s: OpStrategy, info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
     """A partial result becomes an all-reduce, or (single result) a reduce-scatter onto a dim."""
     if not any(s.partial):
-        return [OpStrategy(s.ins, s.outs, tuple(() for _ in s.outs), s.name)]
+        return [s]
     if len(s.outs) != 1:
         return [s]
     (out,), (partial,), (shape,) = s.outs, s.partial, info.out_shapes

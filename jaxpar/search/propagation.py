@@ -15,17 +15,26 @@ operand specs known at that moment; a loop's carried values keep one spec across
 `fixed_ops` (op index -> strategy) are ops whose strategy a caller decided already
 (recursive_programming's main ops): they are planned first, in program order, with that single
 candidate, and everything else propagates outward from them; ops reached only from replicated
-values then come last (a replicated value does not say how its consumers should cut).
+values then come last, one by one in reverse program order (a replicated value does not say
+how its consumers should cut; planned after them, an op sees what they need). Ops of one class
+(ir.repeat.op_classes) are planned together where something tells them how to cut.
+
+`refine` (a `Refiner`) then improves any complete plan with the exact objective: each op in
+turn takes the strategy cheapest against everything around it, until none moves; `replan`
+plans a region again from scratch and keeps it only if the total drops. Neither raises the
+plan's total (graph_cost). A `GraphIndex` (producers, readers, sizes) can be shared by both.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from jaxpar.cost.model import CostModel, OpCost, flops
-from jaxpar.ir.graph import Lit, Op, OpGraph
+from jaxpar.ir.graph import Lit, Op, OpGraph, itemsize
 from jaxpar.rules.registry import OpInfo, has_rule
 from jaxpar.spec import OpStrategy, Spec
 
@@ -57,28 +66,195 @@ def propagate(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec] | None
               fixed_out: dict[int, Spec] | None = None,
               fixed_ops: dict[int, OpStrategy] | None = None,
               classes: list[int] | None = None,
-              ties: tuple[tuple[int, int], ...] = ()) -> GraphPlan:
+              ties: tuple[tuple[int, int], ...] = (),
+              index: GraphIndex | None = None) -> GraphPlan:
     """Plan `graph` by sharding propagation; fixed_in maps value ids, fixed_out output positions,
     fixed_ops op indices to the strategy they must take (see the module docstring). classes:
     a class number per op (ir.repeat.op_classes): the ops of one class are planned together
     where the front first reaches the class, and those that see the same specs around them
     (the repeated layers of a deep model) take one choice, made once. ties: (input value,
     output position) pairs of carried state: whichever of the two gets a spec first, the
-    other is asked for it too."""
-    return _Propagation(graph, model, fixed_in or {}, fixed_out or {}, fixed_ops or {},
-                        classes, ties).run()
+    other is asked for it too. index: the graph's GraphIndex, when the caller has one."""
+    return _Propagation(_Graph(graph, model, classes, index), fixed_in or {}, fixed_out or {},
+                        fixed_ops or {}, classes is not None, ties).run()
+
+
+def refine(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict[int, Spec],
+           fixed_out: dict[int, Spec], classes: list[int] | None = None,
+           ties: tuple[tuple[int, int], ...] = (), index: GraphIndex | None = None
+           ) -> GraphPlan:
+    """`plan` improved one op at a time with the exact objective (iterated conditional modes).
+
+    Every op without regions is visited (in program order, then again whenever something
+    around it changed) and takes the strategy whose own cost plus resharding from its
+    operands' specs and into what its consumers, fixed outputs and carried state need is least,
+    everything else held; a free input takes the spec its readers (and, carried, the output
+    replacing it) need at least cost. No step raises the plan's total (graph_cost), so a greedy
+    front's mistake, such as an optimizer chain computed replicated because its consumer asked
+    for that first and then gathered, is undone wherever moving one op at a time shows it. Ops
+    of one class (ir.repeat.op_classes) in the same surroundings share one evaluation. ties:
+    (input value, output position) pairs whose output comes back in the input's spec;
+    index: the graph's GraphIndex, when the caller has one.
+
+    Example:
+      >>> better = refine(graph, model, propagate(graph, model), {}, {})
+    """
+    return Refiner(graph, model, plan, fixed_in, fixed_out, classes, ties, index).run()
+
+
+class _Options:
+    """One kind of op's candidates, their costs and scores, each slot's spec per candidate."""
+
+    def __init__(self, key, cands: list[OpStrategy], costs: list[OpCost], model: CostModel,
+                 rule: bool):
+        self.key, self.cands, self.costs, self.rule = key, cands, costs, rule
+        self.scores = [model.score(c) for c in costs]
+        self.ins = list(zip(*(s.ins for s in cands), strict=True)) if cands else []
+        self.outs = list(zip(*(s.outs for s in cands), strict=True)) if cands else []
+        self._index: dict | None = None
+
+    @property
+    def index(self) -> dict[OpStrategy, int]:
+        """Candidate -> its position."""
+        if self._index is None:
+            self._index = {s: i for i, s in enumerate(self.cands)}
+        return self._index
+
+
+class GraphIndex:
+    """What the planners read of one graph, found once and shared by them: each value's
+    producer (op index, result position) and readers (op index, operand position), its bytes
+    and latency share (latency_shares)."""
+
+    def __init__(self, graph: OpGraph):
+        self.g = graph
+        self.producer: dict[int, int] = {}
+        self.port: dict[int, int] = {}
+        self.readers: dict[int, list[tuple[int, int]]] = {}
+        for op in graph.ops:
+            x = op.index
+            for i, v in enumerate(op.inputs):
+                if isinstance(v, int):
+                    self.readers.setdefault(v, []).append((x, i))
+            for j, v in enumerate(op.outputs):
+                self.producer[v] = x
+                self.port[v] = j
+        self.shares = latency_shares(graph)
+        self.sizes: dict[int, float] = {}
+
+    def nbytes(self, v: int) -> float:
+        hit = self.sizes.get(v)
+        if hit is None:
+            info = self.g.values[v]
+            hit = self.sizes[v] = float(math.prod(info.shape)) * itemsize(info.dtype)
+        return hit
+
+
+class _Graph:
+    """A GraphIndex with one cost model: each kind of op's options, and resharding prices."""
+
+    def __init__(self, graph: OpGraph, model: CostModel, classes: list[int] | None,
+                 index: GraphIndex | None = None):
+        index = index if index is not None and index.g is graph else GraphIndex(graph)
+        self.g, self.model, self.classes, self.index = graph, model, classes, index
+        self.producer, self.readers, self.shares = index.producer, index.readers, index.shares
+        self.nbytes = index.nbytes
+        self.value_kind: dict[int, int] = {}
+        self.kinds: dict = {}
+        self.prices: dict = {}
+        self.options_of: dict = {}
+
+    def share(self, op: Op) -> float:
+        return max((self.shares(v) for v in op.outputs), default=1.0)
+
+    def opts(self, op: Op) -> _Options:
+        """op's candidates and costs, found once per class (or per op without classes); ops
+        the cost model prices alike share them."""
+        share = self.share(op)
+        key = (self.classes[op.index] if self.classes is not None else op.index, share)
+        hit = self.options_of.get(key)
+        if hit is None:
+            cands, costs = self.model.options(OpInfo.of(op, self.g), share)
+            rule = has_rule(op.primitive)
+            alike = (id(cands), id(costs), rule)
+            hit = self.options_of.get(alike)
+            if hit is None:
+                hit = self.options_of[alike] = _Options(alike, cands, costs, self.model, rule)
+            self.options_of[key] = hit
+        return hit
+
+    def price(self, v: int, src: Spec, dst: Spec) -> float:
+        """Score of resharding value v from src to dst."""
+        if src is dst or (not src.partial and src.dims == dst.dims):
+            return 0.0
+        k = self.value_kind.get(v)
+        if k is None:
+            info = self.g.values[v]
+            k = self.value_kind[v] = self.kinds.setdefault(
+                (info.shape, info.dtype, self.shares(v)), len(self.kinds))
+        key = (k, src, dst)
+        hit = self.prices.get(key)
+        if hit is None:
+            info = self.g.values[v]
+            hit = self.prices[key] = self.model.score(self.model.reshard(
+                src, dst, info.shape, info.dtype, self.shares(v)))
+        return hit
+
+    def priced(self, op: Op, o: _Options, ins: tuple, needs: tuple) -> list[float]:
+        """Each candidate's own score plus resharding from the operand specs `ins` (None:
+        unknown) and into the specs `needs` (per result) its consumers need."""
+        total = list(o.scores)
+        price = self.price
+        for i, (v, spec) in enumerate(zip(op.inputs, ins, strict=True)):
+            if spec is not None:
+                seen: dict = {}
+                for n, want in enumerate(o.ins[i]):
+                    c = seen.get(want)
+                    if c is None:
+                        c = seen[want] = price(v, spec, want)
+                    total[n] += c
+        for j, (v, wants) in enumerate(zip(op.outputs, needs, strict=True)):
+            if wants:
+                seen = {}
+                for n, made in enumerate(o.outs[j]):
+                    c = seen.get(made)
+                    if c is None:
+                        c = seen[made] = sum(price(v, made, w) for w in wants)
+                    total[n] += c
+        return total
+
+    @staticmethod
+    def choice(o: _Options, totals: list[float]) -> Choice:
+        """The cheapest candidate (the first of equals) and its runner-up."""
+        order = sorted(range(len(totals)), key=totals.__getitem__)
+        best, runner = order[0], (order[1] if len(order) > 1 else None)
+        return Choice(o.cands[best], o.costs[best], totals[best],
+                      o.cands[runner] if runner is not None else None,
+                      totals[runner] if runner is not None else None, len(o.cands), o.rule)
+
+    def region(self, op: Op, known_specs: dict[int, Spec]) -> Choice:
+        """A region op's one candidate: its bodies planned with the operand specs known."""
+        from jaxpar.search.regions import plan_region
+
+        info = OpInfo.of(op, self.g)
+        known = [known_specs.get(v) if isinstance(v, int) else Spec.replicated(len(sh))
+                 for v, sh in zip(op.inputs, info.in_shapes, strict=True)]
+        s, regions, body_cost, trips = plan_region(op, info, known, self.model)
+        edges = sum(self.price(v, k, need) for v, k, need in zip(op.inputs, known, s.ins,
+                                                                 strict=True)
+                    if isinstance(v, int) and k is not None)
+        return Choice(s, body_cost, self.model.score(body_cost) + edges, None, None, 1, True,
+                      regions, trips)
 
 
 class _Propagation:
-    def __init__(self, graph, model, fixed_in, fixed_out, fixed_ops=None, classes=None,
-                 ties=()):
-        self.g, self.model = graph, model
+    def __init__(self, base: _Graph, fixed_in, fixed_out, fixed_ops, classed: bool, ties):
+        self.b, self.g, self.model = base, base.g, base.model
+        graph = self.g
         self.plan = GraphPlan(specs=dict(fixed_in))
-        self.fixed_out = fixed_out
-        self.fixed_ops = fixed_ops or {}
-        self.producer = graph.producers()
-        self.users = graph.users()
+        self.fixed_out, self.fixed_ops, self.classed = fixed_out, fixed_ops, classed
         self.heap: list = []
+        self.queued: dict[int, tuple] = {}  # unit -> the best priority it waits in the heap with
         self.tick = itertools.count()
         self.out_needs: dict[int, list[Spec]] = {}
         for pos, spec in fixed_out.items():
@@ -92,27 +268,24 @@ class _Propagation:
                 self.tied_out.setdefault(w, []).append(v)
                 if v in fixed_in:
                     self.out_needs.setdefault(w, []).append(fixed_in[v])
-        self.shares = latency_shares(graph)
-        self.sizes: dict[int, int] = {}
         self.flops: dict[int, float] = {}
-        self.seen: dict = {}  # (candidates, latency share, context) -> Choice, with classes
+        self.seen: dict = {}  # (kind, context) -> Choice, with classes
         # Each op is planned as its class: `unit` maps an op to its class's first op.
-        self.classed = classes is not None
         self.unit = list(range(len(graph.ops)))
         self.members = {i: [i] for i in self.unit}
-        if classes is not None:
+        if base.classes is not None:
             first: dict[int, int] = {}
-            self.unit = [first.setdefault(c, i) for i, c in enumerate(classes)]
+            self.unit = [first.setdefault(c, i) for i, c in enumerate(base.classes)]
             self.members = {}
             for i, u in enumerate(self.unit):
                 self.members.setdefault(u, []).append(i)
 
     def run(self) -> GraphPlan:
-        for v in self.plan.specs:
+        for v in list(self.plan.specs):
             self._push_neighbours(v)
         for pos, v in enumerate(self.g.outputs):
-            if pos in self.fixed_out and isinstance(v, int) and v in self.producer:
-                self._push(self.producer[v], self._nbytes(v))
+            if pos in self.fixed_out and isinstance(v, int) and v in self.b.producer:
+                self._push(self.b.producer[v], self.b.nbytes(v))
         self.remaining = remaining = set(self.members)
         self._place_shared_inputs()
         for idx in sorted(self.fixed_ops):
@@ -121,22 +294,16 @@ class _Propagation:
                 self._plan_op(self.g.ops[self.unit[idx]])
         while remaining:
             op = self._next(remaining)
+            if op is None:
+                break
             remaining.discard(op.index)
             self._plan_op(op)
+        for op in reversed(self.g.ops):  # what only replicated values reach, consumers first
+            if op.index not in self.plan.choices:
+                self._apply(op, self._choice(op, self._context(op) if self.classed else None))
         for v in self.g.inputs:  # inputs no op reads keep the replicated default
             self.plan.specs.setdefault(v, Spec.replicated(len(self.g.values[v].shape)))
         return self.plan
-
-    def _share(self, v: int) -> float:
-        return self.shares(v)
-
-    def _nbytes(self, v: int) -> int:
-        if v not in self.sizes:
-            self.sizes[v] = self.g.values[v].nbytes
-        return self.sizes[v]
-
-    def _op_share(self, op: Op) -> float:
-        return max((self._share(v) for v in op.outputs), default=1.0)
 
     def _place_shared_inputs(self) -> None:
         """A free input (or constant) that fixed ops read takes the spec, among those they
@@ -145,14 +312,12 @@ class _Propagation:
         for idx in sorted(self.fixed_ops):
             op = self.g.ops[idx]
             for v, need in zip(op.inputs, self.fixed_ops[idx].ins, strict=True):
-                if isinstance(v, int) and v not in self.plan.specs and v not in self.producer:
+                if isinstance(v, int) and v not in self.plan.specs and v not in self.b.producer:
                     needs.setdefault(v, []).append(need.resolved())
         for v, specs in needs.items():
-            info, share = self.g.values[v], self._share(v)
-            options = list(dict.fromkeys(specs + [Spec.replicated(len(info.shape))]))
+            options = list(dict.fromkeys(specs + [Spec.replicated(len(self.g.values[v].shape))]))
             self._set_input(v, min(options, key=lambda src: sum(
-                self.model.score(self.model.reshard(src, need, info.shape, info.dtype, share))
-                for need in specs)))
+                self.b.price(v, src, need) for need in specs)))
 
     def _set_input(self, v: int, spec: Spec) -> None:
         """A free input (or constant) takes `spec`; outputs carrying it on are asked for it."""
@@ -160,28 +325,42 @@ class _Propagation:
         self._push_neighbours(v)
         for w in self.tied_in.get(v, []):
             self.out_needs.setdefault(w, []).append(spec)
-            if w in self.producer:
-                self._push(self.producer[w], self._nbytes(w))
+            if w in self.b.producer:
+                self._push(self.b.producer[w], self.b.nbytes(w))
 
-    def _push(self, op: Op, weight: float, later: bool = False) -> None:
-        if op.index not in self.plan.choices:
-            heapq.heappush(self.heap, (later, -weight, next(self.tick), self.unit[op.index]))
+    def _push(self, x: int, weight: float, later: bool = False) -> None:
+        if x in self.plan.choices:
+            return
+        unit = self.unit[x]
+        key = (later, -weight)
+        best = self.queued.get(unit)
+        if best is None or key < best:  # a unit waits once, with its best priority
+            self.queued[unit] = key
+            heapq.heappush(self.heap, (later, -weight, next(self.tick), unit))
 
     def _push_neighbours(self, v: int) -> None:
-        weight = self._nbytes(v)
-        if v in self.producer:
-            self._push(self.producer[v], weight)
+        weight = self.b.nbytes(v)
+        producer = self.b.producer.get(v)
+        if producer is not None:
+            self._push(producer, weight)
         # With decided ops to start from, a replicated value says nothing about how its
         # consumers should cut (any cut of it is free): they wait for better-informed fronts.
-        later = bool(self.fixed_ops) and not any(self.plan.specs[v].axes())
-        for op, _ in self.users.get(v, []):
-            self._push(op, weight, later)
+        later = bool(self.fixed_ops) and not self.plan.specs[v].axes()
+        for x, _ in self.b.readers.get(v, ()):
+            self._push(x, weight, later)
 
-    def _next(self, remaining: set[int]) -> Op:
+    def _next(self, remaining: set[int]) -> Op | None:
+        """The next unit to plan; None when, with decided ops, only ops that replicated
+        values reach are left (they are planned last, in reverse program order)."""
         while self.heap:
+            if self.heap[0][0] and self.fixed_ops:
+                return None
             *_, idx = heapq.heappop(self.heap)
+            self.queued.pop(idx, None)
             if idx in remaining:
                 return self.g.ops[idx]
+        if self.fixed_ops:
+            return None
         # A new front: the most expensive op not yet planned.
         return max((self.g.ops[i] for i in remaining),
                    key=lambda op: (self._flops(op), -op.index))
@@ -196,116 +375,297 @@ class _Propagation:
         op of the class that sees nothing yet (no sharded operand, no demand) leaves it, to
         be planned on its own when the front reaches it."""
         members = self.members[op.index]
+        if len(members) == 1:
+            self._apply(op, self._choice(op, self._context(op) if self.classed else None))
+            return
         groups: dict = {}
+        ops = self.g.ops
         for i in members:
-            m = self.g.ops[i]
-            groups.setdefault(self._context(m) if self.classed else None, []).append(m)
-        first = self._context(op) if self.classed else None
+            groups.setdefault(self._context(ops[i]), []).append(i)
+        first = self._context(op)
+        plan = {key for key in groups if _informed(key)} or {first}  # none: a new front
         for key, group in groups.items():
-            if key != first and not _informed(key):
-                for m in group:
-                    self.unit[m.index], self.members[m.index] = m.index, [m.index]
-                    self.remaining.add(m.index)
+            if key not in plan:
+                for i in group:
+                    self.unit[i], self.members[i] = i, [i]
+                    self.remaining.add(i)
                 continue
-            choice = self._choice(group[0], key)
-            for m in group:
-                self._apply(m, choice)
+            choice = self._choice(ops[group[0]], key)
+            for i in group:
+                self._apply(ops[i], choice)
 
     def _context(self, op: Op) -> tuple:
         """What a choice for op depends on: its fixed strategy, known operand specs, and the
         specs its planned consumers need."""
+        specs = self.plan.specs
         return (self.fixed_ops.get(op.index),
-                tuple(self.plan.specs.get(v) if isinstance(v, int) else None for v in op.inputs),
-                tuple(tuple(self._demands(v)) for v in op.outputs))
+                tuple(specs.get(v) if isinstance(v, int) else None for v in op.inputs),
+                tuple(self._demands(v) for v in op.outputs))
 
-    def _choice(self, op: Op, context: tuple | None = None) -> Choice:
-        """op's choice; with classes, ops of one signature in one context share it."""
-        info = OpInfo.of(op, self.g)
+    def _choice(self, op: Op, context: tuple | None) -> Choice:
+        """op's choice; with classes, ops of one kind in one context share it."""
         if op.regions:
-            return self._plan_region(op, info)
-        share = self._op_share(op)
-        if op.index in self.fixed_ops:
-            s = self.fixed_ops[op.index]
-            return self._choose(op, [s], [self.model.op(info, s, share)])
-        cands, costs = self.model.options(info, share)
-        if context is None:
-            return self._choose(op, cands, costs)
-        key = (id(cands), share, context)
-        if key not in self.seen:
-            self.seen[key] = self._choose(op, cands, costs)
-        return self.seen[key]
+            return self.b.region(op, self.plan.specs)
+        o = self.b.opts(op)
+        key = (o.key, context)
+        if context is not None and key in self.seen:
+            return self.seen[key]
+        specs = self.plan.specs
+        ins = tuple(specs.get(v) if isinstance(v, int) else None for v in op.inputs)
+        needs = tuple(self._demands(v) for v in op.outputs)
+        fixed = self.fixed_ops.get(op.index)
+        if fixed is not None:
+            k = o.index.get(fixed)
+            cost = o.costs[k] if k is not None else \
+                self.model.op(OpInfo.of(op, self.g), fixed, self.b.share(op))
+            solo = _Options(o.key, [fixed], [cost], self.model, o.rule)
+            choice = self.b.choice(solo, self.b.priced(op, solo, ins, needs))
+        else:
+            choice = self.b.choice(o, self.b.priced(op, o, ins, needs))
+        if context is not None:
+            self.seen[key] = choice
+        return choice
 
     def _apply(self, op: Op, choice: Choice) -> None:
         """op takes `choice`; its unplanned neighbours join the front."""
+        specs, producer = self.plan.specs, self.b.producer
         self.plan.choices[op.index] = choice
         s = choice.strategy
         for v, spec in zip(op.inputs, s.ins, strict=True):
-            if isinstance(v, int) and v not in self.plan.specs and v not in self.producer:
+            if isinstance(v, int) and v not in specs and v not in producer:
                 self._set_input(v, spec.resolved())  # a free input or constant takes this spec
         for v, spec in zip(op.outputs, s.outs, strict=True):
-            self.plan.specs[v] = spec
+            specs[v] = spec
             self._push_neighbours(v)
-            for u in self.tied_out.get(v, []):  # the input it replaces, if still free
-                if u not in self.plan.specs:
+            for u in self.tied_out.get(v, ()):  # the input it replaces, if still free
+                if u not in specs:
                     self._set_input(u, spec.resolved())
         for v in op.inputs:
-            if isinstance(v, int) and v in self.producer:
-                self._push(self.producer[v], self._nbytes(v))
+            if isinstance(v, int) and v in producer:
+                self._push(producer[v], self.b.nbytes(v))
 
-    def _choose(self, op: Op, cands: list[OpStrategy], costs: list[OpCost]) -> Choice:
-        """The candidate whose own cost plus edges to what is already planned is cheapest."""
-        score, edges = self.model.score, self._edge_costs(op)
-        priced = sorted(((score(own) + score(edges(s)), i)
-                         for i, (s, own) in enumerate(zip(cands, costs, strict=True))))
-        (best_score, best), runner = priced[0], (priced[1] if len(priced) > 1 else None)
-        return Choice(cands[best], costs[best], best_score,
-                      cands[runner[1]] if runner else None, runner[0] if runner else None,
-                      len(cands), has_rule(op.primitive))
-
-    def _edges(self, op: Op, s: OpStrategy) -> OpCost:
-        return self._edge_costs(op)(s)
-
-    def _edge_costs(self, op: Op):
-        """strategy -> resharding from op's known operand specs and into the specs its planned
-        consumers need; each (operand, spec) priced once."""
-        ins = [(k, v, self.plan.specs[v]) for k, v in enumerate(op.inputs)
-               if isinstance(v, int) and v in self.plan.specs]
-        outs = [(k, v, self._demands(v)) for k, v in enumerate(op.outputs)]
-        memo: dict = {}
-
-        def price(key, v, src, dst):
-            if key not in memo:
-                info = self.g.values[v]
-                memo[key] = self.model.reshard(src, dst, info.shape, info.dtype, self._share(v))
-            return memo[key]
-
-        def edges(s: OpStrategy) -> OpCost:
-            cost = OpCost()
-            for k, v, known in ins:
-                cost = cost + price((0, k, s.ins[k]), v, known, s.ins[k])
-            for k, v, needs in outs:
-                for n, need in enumerate(needs):
-                    cost = cost + price((1, k, n, s.outs[k]), v, s.outs[k], need)
-            return cost
-        return edges
-
-    def _demands(self, v: int) -> list[Spec]:
+    def _demands(self, v: int) -> tuple:
         """Specs already required of value v by planned consumers and fixed outputs."""
-        needs = [self.plan.choices[op.index].strategy.ins[i] for op, i in self.users.get(v, [])
-                 if op.index in self.plan.choices]
-        return needs + self.out_needs.get(v, [])
+        choices = self.plan.choices
+        needs = [choices[x].strategy.ins[i] for x, i in self.b.readers.get(v, ())
+                 if x in choices]
+        extra = self.out_needs.get(v)
+        return tuple(needs + extra) if extra else tuple(needs)
 
-    def _known(self, v: int | Lit, rank: int) -> Spec | None:
-        return self.plan.specs.get(v) if isinstance(v, int) else Spec.replicated(rank)
 
-    def _plan_region(self, op: Op, info: OpInfo) -> Choice:
-        from jaxpar.search.regions import plan_region
+class Refiner:
+    """refine()'s state, kept for more moves: `run()` visits ops until no single change
+    lowers the total; `replan(region, ...)` plans a set of ops again from scratch (what their
+    consumers need first, then what their operands give), with some inputs and outputs kept
+    in other specs, and keeps the result only when the plan's total drops."""
 
-        known = [self._known(v, len(sh)) for v, sh in zip(op.inputs, info.in_shapes, strict=True)]
-        s, regions, body_cost, trips = plan_region(op, info, known, self.model)
-        edges = self._edges(op, s)
-        return Choice(s, body_cost, self.model.score(body_cost + edges), None, None, 1, True,
-                      regions, trips)
+    def __init__(self, graph: OpGraph, model: CostModel, plan: GraphPlan,
+                 fixed_in: dict[int, Spec], fixed_out: dict[int, Spec],
+                 classes: list[int] | None = None, ties: tuple[tuple[int, int], ...] = (),
+                 index: GraphIndex | None = None):
+        base = _Graph(graph, model, classes, index)
+        self.b, self.g = base, base.g
+        self.plan = GraphPlan(dict(plan.specs), dict(plan.choices))
+        self.fixed_in = dict(fixed_in)
+        self.out_needs: dict[int, list[Spec]] = {}
+        for pos, spec in fixed_out.items():
+            if isinstance(self.g.outputs[pos], int):
+                self.out_needs.setdefault(self.g.outputs[pos], []).append(spec)
+        self.tied_in: dict[int, int] = {}   # carried input -> the output replacing it
+        self.tied_out: dict[int, list[int]] = {}
+        for v, pos in ties:
+            w = self.g.outputs[pos]
+            if isinstance(w, int) and pos not in fixed_out and v not in fixed_in:
+                self.tied_in[v] = w
+                self.tied_out.setdefault(w, []).append(v)
+        self.memo: dict = {}
+
+    def run(self) -> GraphPlan:
+        """Program order first, then whatever changed around; a budget of visits bounds it."""
+        ops, readers, producer = self.g.ops, self.b.readers, self.b.producer
+        queue = deque(op.index for op in ops if not op.regions)
+        queued = set(queue)
+        free = [v for v in self.g.inputs if v not in self.fixed_in and v in readers]
+        budget = 8 * len(queue) + 64
+
+        def push(x: int) -> None:
+            if x not in queued and not ops[x].regions:
+                queued.add(x)
+                queue.append(x)
+        while queue and budget > 0:
+            while queue and budget > 0:
+                x = queue.popleft()
+                queued.discard(x)
+                budget -= 1
+                if self._visit(ops[x]):
+                    for v in ops[x].inputs:
+                        if isinstance(v, int) and v in producer:
+                            push(producer[v])
+                    for v in ops[x].outputs:
+                        for r, _ in readers.get(v, ()):
+                            push(r)
+            for v in free:
+                if self._place(v):
+                    for r, _ in readers[v]:
+                        push(r)
+                    if v in self.tied_in and self.tied_in[v] in producer:
+                        push(producer[self.tied_in[v]])
+        return self.plan
+
+    def _demands(self, v: int) -> tuple:
+        choices = self.plan.choices
+        needs = [choices[x].strategy.ins[i] for x, i in self.b.readers.get(v, ())]
+        extra = self.out_needs.get(v)
+        if extra:
+            needs += extra
+        tied = self.tied_out.get(v)
+        if tied:
+            needs += [self.plan.specs[u] for u in tied]
+        return tuple(needs)
+
+    def _visit(self, op: Op) -> bool:
+        specs, o = self.plan.specs, self.b.opts(op)
+        ins = tuple(specs.get(v) if isinstance(v, int) else None for v in op.inputs)
+        needs = tuple(self._demands(v) for v in op.outputs)
+        key = (o.key, ins, needs)
+        hit = self.memo.get(key)
+        if hit is None:
+            totals = self.b.priced(op, o, ins, needs)
+            hit = self.memo[key] = (self.b.choice(o, totals), totals)
+        best, totals = hit
+        current = self.plan.choices[op.index].strategy
+        k = o.index.get(current)
+        if k is not None and best.score >= totals[k] - 1e-9 * abs(totals[k]):
+            return False
+        self.plan.choices[op.index] = best
+        for v, spec in zip(op.outputs, best.strategy.outs, strict=True):
+            specs[v] = spec
+        return True
+
+    def _place(self, v: int) -> bool:
+        """A free input takes the spec, among those its readers need and the replicated one,
+        that costs least to reshard into all of them (and, carried, to get back into)."""
+        needs = self._demands(v)
+        w = self.tied_in.get(v)
+        made = (self.plan.specs[w],) if w is not None else ()
+        price = self.b.price
+
+        def cost(src: Spec) -> float:
+            return sum(price(v, src, need) for need in needs) + \
+                sum(price(w, m, src) for m in made)
+        rank = len(self.g.values[v].shape)
+        options = dict.fromkeys([n.resolved() for n in needs + made] + [Spec.replicated(rank)])
+        best = min(options, key=cost)
+        now = self.plan.specs.get(v)
+        if now is not None and cost(best) >= cost(now) - 1e-9 * abs(cost(now)):
+            return False
+        self.plan.specs[v] = best
+        return True
+
+    def replan(self, region: list[int], inputs: dict[int, Spec], outputs: dict[int, Spec],
+               keep: set[int]) -> bool:
+        """Plan the ops of `region` again with carried inputs `inputs` (value -> spec) and
+        the outputs replacing them `outputs` (value -> spec) fixed anew; ops in `keep` only
+        choose where their results land (their operands and reductions stay). Kept when the
+        total drops (True); else everything goes back."""
+        g, plan, b = self.g, self.plan, self.b
+        ops, inside = g.ops, set(region)
+        values = {v for x in region for v in ops[x].outputs}
+        touched = inside | {r for v in values | set(inputs) for r, _ in b.readers.get(v, ())}
+        tied = [v for x in region for v in ops[x].inputs
+                if isinstance(v, int) and v in self.tied_in]
+        touched |= {r for v in tied for r, _ in b.readers.get(v, ())}
+        saved = ({x: plan.choices[x] for x in touched},
+                 {v: plan.specs.get(v) for v in values | set(inputs) | set(tied)},
+                 {w: self.out_needs.get(w) for w in outputs})
+        before = self._local(touched, values)
+        for v, spec in inputs.items():
+            plan.specs[v] = spec
+        for w, spec in outputs.items():
+            self.out_needs[w] = [spec]
+        for x in sorted(region, reverse=True):  # what consumers need, operands unknown
+            self._take(ops[x], keep, {v for v in values if b.producer.get(v, -1) < x})
+        for _ in range(3):  # then with the operands known
+            if not sum(self._take(ops[x], keep, ()) for x in sorted(region)):
+                break
+        for v in tied:
+            self._place(v)
+        if self._local(touched, values) < before * (1 - 1e-9):
+            return True
+        plan.choices.update(saved[0])
+        for v, spec in saved[1].items():
+            if spec is None:
+                plan.specs.pop(v, None)
+            else:
+                plan.specs[v] = spec
+        for w, needs in saved[2].items():
+            if needs is None:
+                self.out_needs.pop(w, None)
+            else:
+                self.out_needs[w] = needs
+        return False
+
+    def report(self, x: int) -> Choice:
+        """Op x's strategy in the plan as a Choice: its score and its runner-up's, each its
+        own cost plus resharding from the operands' specs and into what consumers need."""
+        op, specs = self.g.ops[x], self.plan.specs
+        o, current = self.b.opts(op), self.plan.choices[x].strategy
+        ins = tuple(specs.get(v) if isinstance(v, int) else None for v in op.inputs)
+        needs = tuple(self._demands(v) for v in op.outputs)
+        key = (o.key, ins, needs, current, "report")
+        hit = self.memo.get(key)
+        if hit is None:
+            totals = self.b.priced(op, o, ins, needs)
+            k = o.index[current]
+            others = sorted((t, i) for i, t in enumerate(totals) if i != k)
+            runner = others[0] if others else None
+            hit = self.memo[key] = Choice(current, o.costs[k], totals[k],
+                                          o.cands[runner[1]] if runner else None,
+                                          runner[0] if runner else None, len(o.cands), o.rule)
+        return hit
+
+    def _take(self, op: Op, keep: set[int], unknown) -> bool:
+        """op takes its cheapest strategy given the operand specs (those in `unknown` not
+        counted) and what its consumers need; an op in `keep` only moves its results."""
+        specs, o = self.plan.specs, self.b.opts(op)
+        ins = tuple(specs.get(v) if isinstance(v, int) and v not in unknown else None
+                    for v in op.inputs)
+        needs = tuple(self._demands(v) for v in op.outputs)
+        current = self.plan.choices[op.index].strategy
+        only = (current.ins, current.partial) if op.index in keep else None
+        key = (o.key, ins, needs, only)
+        best = self.memo.get(key)
+        if best is None:
+            totals = self.b.priced(op, o, ins, needs)
+            if only is not None:
+                totals = [t if (s.ins, s.partial) == only else math.inf
+                          for s, t in zip(o.cands, totals, strict=True)]
+            best = self.memo[key] = self.b.choice(o, totals)
+        if best.strategy == current:
+            return False
+        self.plan.choices[op.index] = best
+        for v, spec in zip(op.outputs, best.strategy.outs, strict=True):
+            specs[v] = spec
+        return True
+
+    def _local(self, ops: set[int], values: set[int]) -> float:
+        """The plan's total over some ops (own cost and resharding of their operands) and
+        the fixed and carried outputs among `values`."""
+        plan, b, total = self.plan, self.b, 0.0
+        for x in ops:
+            op, s = self.g.ops[x], plan.choices[x].strategy
+            o = b.opts(op)
+            k = o.index.get(s)
+            total += o.scores[k] if k is not None else self.b.model.score(plan.choices[x].cost)
+            for v, need in zip(op.inputs, s.ins, strict=True):
+                if isinstance(v, int):
+                    total += b.price(v, plan.specs[v], need)
+        for w in values:
+            for need in self.out_needs.get(w, ()):
+                total += b.price(w, plan.specs[w], need)
+            for u in self.tied_out.get(w, ()):
+                total += b.price(w, plan.specs[w], plan.specs[u])
+        return total
 
 
 def _informed(context: tuple) -> bool:

@@ -1,31 +1,42 @@
 """recursive_programming: MindSpore's SAPP (double recursive) search over an OpGraph.
 
-Before: an OpGraph, the specs the user fixed (inputs and outputs), a CostModel of the automatic
-modes (heavy ops use every device), an optional memory budget per device. After: a GraphPlan
-like propagate()'s, and the decision log.
+Before: an OpGraph, the specs the user fixed (inputs and outputs), carried-state ties, a
+CostModel of the automatic modes (heavy ops use every device), an optional memory budget per
+device. After: a GraphPlan like propagate()'s, and the decision log.
 
-1. Main ops (dot_general, conv, gather, scatter-add, reductions over big tensors) are linked to
-   each other through the ops between them (elementwise ops, reshapes, transposes, ...): a link
-   says which dimension of one main op's operand or result is which of the other's (links.py).
-   Main ops at the same place in identical layers form a class (ir.repeat.op_classes) and are
-   decided once, by the class's first op in its context.
-2. The outer recursion walks the device count factor by factor (the mesh axes, outermost
-   first); the inner one the main ops in order of cost. Each chooses which of its loops the axis
-   cuts (I, J, K or batch of a matmul; a dimension of other ops; or none) among the cuts its
-   strategies allow given the axes decided before. A cut costs its op-cost (the cheapest of the
-   op's strategies that cut so; mem_coeff included) plus its rest-cost: resharding against the
-   neighbours decided on this axis and the fixed specs, over the axes decided so far, plus for
-   each undecided neighbour the extra cost of its best answer to the cut. The cheapest cut wins
-   and every price goes to the log, in MindSpore's words. Two other ways to cut the axis are
-   priced over all links against the greedy one and taken when cheaper: a second greedy pass
-   from the first op's runner-up cut (when that was close), and every op cutting as on the
+1. Units. Main ops (dot_general, conv, gather, scatter-add, reductions over big tensors) are
+   units; so is carried state: a training step's parameter and its optimizer moments, whose
+   updates are made together, form one unit with one spec (links.Units). Units at the same
+   place in identical layers form a class (ir.repeat.op_classes) and are decided once, by the
+   class's first unit in its context; a class linked to itself alternates (Megatron's column
+   and row kernels), and carried state splits by the classes of the ops that read it.
+2. Links. Units are linked through the ops between them (elementwise ops, reshapes, ...): a
+   link says which dimension of one unit's operand or result is which of the other's, and
+   what the ops it passes cost (they run cut when either end cuts what the link carries).
+3. The outer recursion walks the device count factor by factor (the mesh axes, outermost
+   first); the inner one the classes: main ops by cost, then carried state, then the main ops
+   that make its updates (gradients; deciding after the state, they see whether it is kept
+   cut). Each chooses which of its loops the axis cuts (I, J, K or batch of a matmul; a
+   dimension of other ops; or none) among the cuts its strategies allow given the axes decided
+   before. A cut costs its op-cost (the cheapest of the op's strategies that cut so;
+   mem_coeff included) plus its rest-cost: its links to classes decided on this axis and to
+   fixed specs (resharding over the axes decided so far, and the ops between), plus for each
+   undecided neighbour the extra cost of its best answer to the cut. The cheapest cut wins and
+   every price goes to the log, in MindSpore's words. Two other ways to cut the axis are priced
+   over all links against the greedy one and taken when cheaper: a second greedy pass from the
+   first class's runner-up cut (when dearer by at most 5%), and every class cutting as on the
    axis before (greedy passes trust their one-step look-ahead too much on long chains).
-3. With the main ops' strategies fixed, sharding propagation plans every other op (per class);
-   carried state (`ties`) goes in and out in the spec the main ops reading it need.
-4. A plan over the memory budget is searched again with mem_coeff four times larger (more model
+4. With the main ops and the state that no main op reads (optimizer moments) fixed,
+   sharding propagation plans every other op (per class) and the parameters, then
+   propagation.Refiner improves the plan with the exact objective, one op at a time; carried
+   state kept cut is then tried replicated, its update planned again (gradients may be
+   all-reduced), where that lowers the total (small state: a gather's latency outweighs the
+   work it saves). Carried outputs are priced against their input's spec throughout, so the
+   plan holds for a step called in a loop (a ZeRO-style gather at the end of the step shows).
+5. A plan over the memory budget is searched again with mem_coeff four times larger (more model
    parallel, less memory) a few times, then fails with a ValueError saying what it needs.
-The work is linear in the number of ops: every op is walked or propagated once, and the main
-ops of repeated layers are decided once per class.
+The work is linear in the number of ops: every op is walked, propagated and refined a bounded
+number of times, and the units of repeated layers are decided once per class.
 """
 
 from __future__ import annotations
@@ -39,8 +50,8 @@ from jaxpar.cost.model import CostModel
 from jaxpar.ir.graph import Lit, Op, OpGraph
 from jaxpar.ir.repeat import op_classes
 from jaxpar.rules.registry import OpInfo
-from jaxpar.search.links import Link, Linker, Slot, mapped
-from jaxpar.search.propagation import Choice, GraphPlan, latency_shares, propagate
+from jaxpar.search.links import Link, Slot, Units, mapped
+from jaxpar.search.propagation import GraphIndex, GraphPlan, Refiner, propagate
 from jaxpar.spec import MeshInfo, OpStrategy, Spec
 
 log = logging.getLogger("jaxpar.search.recursive")
@@ -49,7 +60,7 @@ _ALWAYS_MAIN = frozenset({"dot_general", "conv_general_dilated", "gather", "scat
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
 _RETRIES = 6          # memory budget: searches again with mem_coeff x4, x16, ...
 _TIE = 1e-9           # relative: cuts this close in cost count as equal (the first one wins)
-_CLOSE = 1.25         # a first decision's runner-up this close is tried as a second start
+_CLOSE = 1.05         # a first decision's runner-up this close is tried as a second start
 
 
 def recursive_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
@@ -64,8 +75,8 @@ def recursive_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, 
       fixed_in: {value id: Spec} the user fixed; fixed_out: {output position: Spec}.
       memory_budget: bytes per device the plan's peak must fit in, or None.
       ties: (input value, output position) pairs of carried state (a training step's
-        parameters and optimizer state): the output comes back in the input's spec, so the
-        update that makes it is linked to the ops that read the input, and both take one spec.
+        parameters and optimizer state): the output comes back in the input's spec; the
+        plan prices that (see the module docstring) and gives the input its spec.
 
     Returns:
       (GraphPlan, decision log lines); each line also goes to the "jaxpar.search.recursive"
@@ -90,12 +101,12 @@ def _search(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     from jaxpar.plan import peak_memory
 
     _check_fixed(graph, model.mesh, fixed_in, memory_budget)
-    classes = op_classes(graph)
+    classes, index = op_classes(graph), GraphIndex(graph)
     lines: list[str] = []
     peaks = []
     for attempt in range(_RETRIES + 1):
         m = model if attempt == 0 else _with_mem_coeff(model, _bigger(model.mem_coeff, attempt))
-        gp = _Sapp(graph, m, fixed_in, fixed_out, classes, lines, ties).run()
+        gp = _Sapp(index, m, fixed_in, fixed_out, classes, lines, ties).run()
         if memory_budget is None:
             return gp, lines
         peaks.append(peak_memory(graph, gp, model.mesh))
@@ -136,19 +147,18 @@ def _note(lines: list[str], line: str) -> None:
     lines.append(line)
 
 
-def main_ops(graph: OpGraph) -> list[int]:
+def main_ops(graph: OpGraph, index: GraphIndex | None = None) -> list[int]:
     """Indices of the ops SAPP decides itself: matmuls, convs, gathers, scatter-adds, and
     reductions whose operand is at least as big as the smallest of those ops' largest operands
     (every reduction when there are none)."""
+    size = (index or GraphIndex(graph)).nbytes
+
+    def nbytes(v: int | Lit) -> float:
+        return 0 if isinstance(v, Lit) else size(v)
     heavy = [op for op in graph.ops if op.name in _ALWAYS_MAIN]
-    big = min((max(_nbytes(graph, v) for v in op.inputs) for op in heavy), default=0)
+    big = min((max(nbytes(v) for v in op.inputs) for op in heavy), default=0)
     return [op.index for op in graph.ops if not op.regions and (
-        op.name in _ALWAYS_MAIN
-        or (op.name in _REDUCTIONS and _nbytes(graph, op.inputs[0]) >= big))]
-
-
-def _nbytes(graph: OpGraph, v: int | Lit) -> int:
-    return 0 if isinstance(v, Lit) else graph.values[v].nbytes
+        op.name in _ALWAYS_MAIN or (op.name in _REDUCTIONS and nbytes(op.inputs[0]) >= big))]
 
 
 def _slot(s: OpStrategy, slot: Slot) -> Spec:
@@ -157,48 +167,65 @@ def _slot(s: OpStrategy, slot: Slot) -> Spec:
 
 def _usage(s: OpStrategy, axis: str) -> tuple:
     """How a strategy uses one mesh axis: the dim it cuts in each operand and result, and
-    whether the op reduces over it."""
-    return (tuple(sp.dim_of(axis) for sp in s.ins), tuple(sp.dim_of(axis) for sp in s.outs),
-            any(axis in p for p in s.partial))
+    whether the op reduces over it (remembered on the strategy)."""
+    memo = s.__dict__.setdefault("_usage", {})
+    hit = memo.get(axis)
+    if hit is None:
+        hit = memo[axis] = (tuple(sp.dim_of(axis) for sp in s.ins),
+                            tuple(sp.dim_of(axis) for sp in s.outs),
+                            any(axis in p for p in s.partial))
+    return hit
 
 
 class _Sapp:
-    """One search: links, the axis-by-axis decisions, then propagation."""
+    """One search: units and links, the axis-by-axis decisions, then the rest of the plan."""
 
-    def __init__(self, graph: OpGraph, model: CostModel, fixed_in, fixed_out,
+    def __init__(self, index: GraphIndex, model: CostModel, fixed_in, fixed_out,
                  classes: list[int], lines: list[str], ties: tuple = ()):
-        self.g, self.model, self.fixed_in, self.fixed_out = graph, model, fixed_in, fixed_out
+        self.g, self.index, self.model = index.g, index, model
         self.mesh, self.lines = model.mesh, lines
-        self.ties = [(v, pos) for v, pos in ties if v not in fixed_in and pos not in fixed_out
-                     and isinstance(graph.outputs[pos], int)]
-        self.mains = main_ops(graph)
-        self.linker = Linker(graph, set(self.mains), fixed_in, fixed_out, self.ties,
-                             min(model.mesh.sizes, default=2))
-        self.users, self.out_pos = self.linker.users, self.linker.out_pos
-        self.infos: dict[int, OpInfo] = {}
+        self.mains = main_ops(index.g, index)
+        self.units = Units(index, self.mains, fixed_in, fixed_out, ties,
+                           min(model.mesh.sizes, default=2))
+        self.fixed_in, self.fixed_out = fixed_in, self.units.fixed_out
+        self.linker, self.is_carried = self.units.linker, self.units.is_carried
         self.scores_cache: dict = {}
         self.usage_cache: dict = {}
-        self.shares = latency_shares(graph)
+        self.shares = index.shares
         self.classes = self._main_classes(classes)
 
     # -- setup ---------------------------------------------------------------------------
-    def info(self, op: Op) -> OpInfo:
-        if op.index not in self.infos:
-            self.infos[op.index] = OpInfo.of(op, self.g)
-        return self.infos[op.index]
-
     def share(self, op: Op) -> float:
         """graph.op_latency_share(op)."""
         return max((self.shares(v) for v in op.outputs), default=1.0)
 
+    def options(self, x: int) -> tuple[list[OpStrategy], list[float]]:
+        """A unit's candidates and their scores (carried state: every spec, free)."""
+        info = self.units.info(x)
+        if self.is_carried(x):
+            cands, _ = self.model.options(info)
+            key = ("carried", id(cands))
+            if key not in self.scores_cache:
+                self.scores_cache[key] = [0.0] * len(cands)
+            return cands, self.scores_cache[key]
+        cands, costs = self.model.options(info, self.share(self.g.ops[x]))
+        if id(cands) not in self.scores_cache:
+            self.scores_cache[id(cands)] = [self.model.score(cost) for cost in costs]
+        return cands, self.scores_cache[id(cands)]
+
     def _main_classes(self, classes: list[int]) -> list[int]:
-        """op_classes, with main ops also told apart by their reductions' latency share; each
-        main class remembers its members (first one first)."""
-        out, number = list(classes), {}
+        """op_classes, with main ops also told apart by their reductions' latency share and
+        carried units by the classes of the ops making their outputs; each class remembers
+        its members (first one first)."""
+        units, producer = self.units, self.index.producer
+        out, number = list(classes) + [0] * len(units.groups), {}
         self.members: dict[int, list[int]] = {}
-        for x in self.mains:
-            key = (classes[x], self.share(self.g.ops[x]))
-            c = number.setdefault(key, len(classes) + len(number))
+        keys = [(x, (classes[x], self.share(self.g.ops[x]))) for x in self.mains]
+        keys += [(len(classes) + gi, ("carried", tuple(sorted(
+            classes[producer[units.carried[k][2]]] for k in ks))))
+                 for gi, ks in enumerate(units.groups)]
+        for x, key in keys:
+            c = number.setdefault(key, len(out) + len(number))
             out[x] = c
             self.members.setdefault(c, []).append(x)
         return out
@@ -208,13 +235,8 @@ class _Sapp:
         links = self._link_classes()
         self.cands, self.scores, self.alive = {}, {}, {}
         for c, xs in self.members.items():
-            op = g.ops[xs[0]]
-            cands, costs = model.options(self.info(op), self.share(op))
-            key = id(cands)
-            if key not in self.scores_cache:
-                self.scores_cache[key] = [model.score(cost) for cost in costs]
-            self.cands[c], self.scores[c] = cands, self.scores_cache[key]
-            self.alive[c] = list(range(len(cands)))
+            self.cands[c], self.scores[c] = self.options(xs[0])
+            self.alive[c] = list(range(len(self.cands[c])))
         self.op_links, self.fixed_links, rev = {}, {}, {}
         for c in self.members:
             self.op_links[c] = [lk for lk in links[c] if lk.other >= 0]
@@ -223,55 +245,142 @@ class _Sapp:
                 if self.classes[lk.other] != c:
                     rev.setdefault(self.classes[lk.other], []).append((c, lk))
         self.rev = rev
-        order = sorted(self.members, key=lambda c: (-min(self.scores[c]), self.members[c][0]))
+        self._path_costs(links)
+        order = sorted(self.members, key=self._rank)
         _note(self.lines, f"recursive_programming: {len(self.mains)} main ops of "
-                          f"{len(g.ops)} ({len(order)} classes), mesh {self.mesh.describe()}, "
+                          f"{len(g.ops)} and {len(self.units.carried)} carried states "
+                          f"({len(order)} classes), mesh {self.mesh.describe()}, "
                           f"mem_coeff={model.mem_coeff:g}; costs in modeled seconds")
         for k, axis in enumerate(self.mesh.names):
             self._axis(k, axis, order)
-        fixed = {}
+        fixed, fixed_in, fixed_out = self._decided()
+        ties = tuple((v, pos) for v, pos, _ in self.units.carried if v not in fixed_in)
+        classes = self.classes[:len(g.ops)]
+        gp = propagate(g, model, fixed_in, fixed_out, fixed, classes, ties, self.index)
+        refiner = Refiner(g, model, gp, fixed_in, fixed_out, classes, ties, self.index)
+        refiner.run()
+        self._replicate_state(refiner)
+        for x in self.mains:  # as propagate() reports them: with the runner-up
+            refiner.plan.choices[x] = refiner.report(x)
+        return refiner.plan
+
+    def _decided(self) -> tuple[dict, dict, dict]:
+        """(main op -> strategy, fixed inputs, fixed outputs): the main ops' decisions, and
+        the carried state no main op reads (optimizer moments) in and out in its unit's spec
+        (parameters are placed with the ops reading them)."""
+        fixed, fixed_in, fixed_out = {}, dict(self.fixed_in), dict(self.fixed_out)
+        n, units = len(self.g.ops), self.units
         for c, xs in self.members.items():
             best = self.cands[c][min(self.alive[c], key=self.scores[c].__getitem__)]
-            fixed.update((x, best) for x in xs)
-        fixed_in, fixed_out = dict(self.fixed_in), dict(self.fixed_out)
-        for v, pos in self.ties:  # carried state: in and out in the spec its readers need
-            spec = self._carried_spec(v, fixed)
-            if spec is not None:
-                fixed_in[v], fixed_out[pos] = fixed_in.get(v, spec), spec
-        gp = propagate(g, model, fixed_in, fixed_out, fixed, self.classes, tuple(self.ties))
-        self._runner_ups(gp)
-        return gp
+            if xs[0] < n:
+                fixed.update((x, best) for x in xs)
+                continue
+            read = [bool(units.main_readers(v)) for v, _, _ in units.state(xs[0])]
+            for x in xs:
+                state = units.state(x)
+                if len(state) != len(read):  # another make-up: look again
+                    read = [bool(units.main_readers(v)) for v, _, _ in state]
+                for (v, pos, _), r in zip(state, read, strict=True):
+                    if not r:
+                        fixed_in[v] = fixed_out[pos] = best.ins[0]
+        return fixed, fixed_in, fixed_out
 
-    def _carried_spec(self, v: int, fixed: dict[int, OpStrategy]) -> Spec | None:
-        """The spec, among those the main ops reading carried input v need and the replicated
-        one, that costs least to reshard into all of them (None: no main op reads it)."""
-        needs = [fixed[op.index].ins[i].resolved() for op, i in self.users.get(v, [])
-                 if op.index in fixed]
-        if not needs:
-            return None
-        info, share = self.g.values[v], self.shares(v)
-        options = list(dict.fromkeys(needs + [Spec.replicated(len(info.shape))]))
-        return min(options, key=lambda src: sum(self.model.score(self.model.reshard(
-            src, need, info.shape, info.dtype, share)) for need in needs))
+    def _replicate_state(self, refiner: Refiner) -> None:
+        """The exact check of a decision the links price roughly: carried state kept cut is
+        tried replicated, its update planned again (gradient reductions may all-reduce), and
+        kept where the plan's total drops (small state, where a gather's latency outweighs
+        the work it saves). A class is tried on its first unit; if that gains, on the rest."""
+        n, units = len(self.g.ops), self.units
+        for xs in self.members.values():
+            if xs[0] < n:
+                continue
+            for x in xs:
+                state = [(v, w) for v, _, w in units.state(x)
+                         if v not in self.fixed_in and v in refiner.fixed_in]
+                if not state or not any(refiner.plan.specs[v].axes() for v, _ in state):
+                    break
+                region, keep = units.update_region(x)
+                whole = {v: Spec.replicated(len(self.g.values[v].shape)) for v, _ in state}
+                if not refiner.replan(region, whole, {w: whole[v] for v, w in state}, keep):
+                    break
+                refiner.fixed_in.update(whole)
+
+    def _rank(self, c: int) -> tuple:
+        """The order classes decide in, most expensive first within three tiers: main ops,
+        then carried state (zero op-cost, after the ops reading it), then the main ops that
+        make the updates of carried state (gradients), which then see the state decided."""
+        x = self.members[c][0]
+        if self.is_carried(x):
+            return (1, 0.0, x)
+        writes = any(self.is_carried(lk.other) and lk.other_slot == (0, 0)
+                     for lk in self.op_links[c])
+        return (2 if writes else 0, -min(self.scores[c]), x)
 
     # -- links ---------------------------------------------------------------------------
     def _link_classes(self) -> dict[int, list[Link]]:
-        """Each main class's links (from its first op). A class linked to itself is split in
-        two, its ops alternating between them: a stack of identical layers may alternate
-        (Megatron's column- and row-parallel matmuls)."""
+        """Each class's links (from its first unit). A main class linked to itself is split
+        in two, its ops alternating between them: a stack of identical layers may alternate
+        (Megatron's column- and row-parallel matmuls); carried state then splits by the
+        classes of the main ops reading it."""
         walk = self.linker.walk_all
-        found = {c: walk(self.g.ops[xs[0]]) for c, xs in self.members.items()}
+        found = {c: walk(xs[0]) for c, xs in self.members.items()}
         for c in list(self.members):
             xs = self.members[c]
-            if len(xs) > 1 and any(lk.other >= 0 and self.classes[lk.other] == c
-                                   for lk in found[c]):
-                new = max(self.members) + 1
-                self.members[c], self.members[new] = xs[0::2], xs[1::2]
-                for x in xs[1::2]:
-                    self.classes[x] = new
-                found[new] = walk(self.g.ops[xs[1]])
-        return {c: self.linker.merged(self.g.ops[xs[0]], found[c], self.classes)
+            if len(xs) > 1 and not self.is_carried(xs[0]) and any(
+                    lk.other >= 0 and self.classes[lk.other] == c for lk in found[c]):
+                self._split(c, [xs[0::2], xs[1::2]], found)
+        for c in list(self.members):
+            xs = self.members[c]
+            if len(xs) > 1 and self.is_carried(xs[0]):
+                by: dict[tuple, list[int]] = {}
+                for x in xs:
+                    readers = {y for v, _, _ in self.units.state(x)
+                               for y in self.units.main_readers(v)}
+                    by.setdefault(tuple(sorted({self.classes[y] for y in readers})),
+                                  []).append(x)
+                self._split(c, list(by.values()), found)
+        return {c: self.linker.merged(xs[0], found[c], self.classes)
                 for c, xs in self.members.items()}
+
+    def _split(self, c: int, parts: list[list[int]], found: dict) -> None:
+        """Class c keeps its first part; each other part becomes a class of its own."""
+        self.members[c] = parts[0]
+        for part in parts[1:]:
+            new = max(self.members) + 1
+            self.members[new] = part
+            for x in part:
+                self.classes[x] = new
+            found[new] = self.linker.walk_all(part[0])
+
+    def _path_costs(self, links: dict[int, list[Link]]) -> None:
+        """What the ops between linked units cost uncut (`self.path`, by link number). An op
+        on several links is shared out among them, so that summed over every link of every
+        unit (both ends of a link count it) it costs twice its own cost, as a resharding
+        between two units is priced from both ends."""
+        passes: dict[int, int] = {}
+        for c, lks in links.items():
+            for lk in lks:
+                for q in lk.path:
+                    passes[self.classes[q]] = passes.get(self.classes[q], 0) + \
+                        lk.count * len(self.members[c])
+        sizes: dict[int, int] = {}
+        for q in passes:
+            sizes[q] = 0
+        for x in range(len(self.g.ops)):
+            if self.classes[x] in sizes:
+                sizes[self.classes[x]] += 1
+        weight: dict[int, float] = {}
+        for lks in links.values():
+            for lk in lks:
+                for q in lk.path:
+                    qc = self.classes[q]
+                    if qc not in weight:
+                        op = self.g.ops[q]
+                        _, costs = self.model.options(self.units.info(q), self.share(op))
+                        weight[qc] = 2 * self.model.score(costs[0]) * sizes[qc] / passes[qc]
+        self.path = {lk.n: sum(weight[self.classes[q]] for q in lk.path)
+                     for lks in links.values() for lk in lks}
+        self.factor: dict[int, int] = {}
 
     # -- one axis ------------------------------------------------------------------------
     def _axis(self, k: int, axis: str, order: list[int]) -> None:
@@ -285,8 +394,9 @@ class _Sapp:
         self.tab, self.base, self.vectors, self.geo = {}, {}, {}, {}
         self.link_shapes, self.shape_ids = {}, {}
         self.opts = {c: self._options(c) for c in order}
-        self.start = {c: [sum(self._cost(lk, u[lk.slot[0]][lk.slot[1]], None)
-                              for lk in self.fixed_links[c]) for u, _, _ in self.opts[c]]
+        self._vectors(order)
+        self.start = {c: [sum(self._cost(lk, self.dxs[lk.n][n], None)
+                              for lk in self.fixed_links[c]) for n in range(len(self.opts[c]))]
                       for c in order}
         runs = [self._greedy(order)]
         second = runs[0][2]
@@ -307,6 +417,13 @@ class _Sapp:
                    f"starting from the runner-up cut of op {self.members[order[0]][0]}")
             _note(self.lines, f"axis {axis}: {how} costs {costs[best]:.6g} over the links, "
                               f"less than the greedy choices ({costs[0]:.6g}): taken instead")
+        size = self.mesh.axis_size(axis)
+        for c, u in chosen.items():  # links that carry a cut: the ops between run cut
+            for lk in self.op_links[c] + self.fixed_links[c]:
+                dy = lk.fixed.dim_of(axis) if lk.other < 0 else \
+                    self._dy(lk, chosen[self.classes[lk.other]])
+                if _carries(lk, u[lk.slot[0]][lk.slot[1]], dy):
+                    self.factor[lk.n] = self.factor.get(lk.n, 1) * size
         for c, u in chosen.items():
             usage = self.usage_cache[(id(self.cands[c]), axis)]
             self.alive[c] = [i for i in self.alive[c] if usage[i] == u]
@@ -314,32 +431,40 @@ class _Sapp:
 
     def _greedy(self, order: list[int], forced: dict | None = None):
         """One greedy pass: (cut per class, log lines, the first class's runner-up cut when
-        it priced within _CLOSE of the best, else None)."""
+        it priced above the best but within _CLOSE of it, else None)."""
         self.decided = dict.fromkeys(order)
         self.acc = {c: list(acc) for c, acc in self.start.items()}
+        self.gather = {c: [0.0] * len(acc) for c, acc in self.start.items()}
         lines: list[str] = []
         second = None
         for c in order:
             rows = self._decide(c, (forced or {}).get(c), lines)
             if c == order[0]:
-                mine = next(r[0] for r in rows if r[5] == self.decided[c])
-                others = sorted(r for r in rows if r[5] != self.decided[c])
-                if others and others[0][0] <= _CLOSE * mine:
+                mine = next(r[0] for r in rows if r[2] == self.decided[c])
+                others = sorted(r for r in rows if r[2] != self.decided[c])
+                if others and mine < others[0][0] <= _CLOSE * mine:
                     second = others[0][5]
-        return dict(self.decided), lines, second
+        return {c: self.opts[c][n][0] for c, n in self.decided.items()}, lines, second
 
     def _objective(self, chosen: dict[int, tuple]) -> float:
         """Op-costs plus resharding over every link, each class counted once per op, when
-        every main class cuts this axis as `chosen` says."""
-        total = 0.0
-        for c, u in chosen.items():
-            own = next(op_cost for v, op_cost, _ in self.opts[c] if v == u)
-            own += sum(self._cost(lk, u[lk.slot[0]][lk.slot[1]], None)
-                       for lk in self.fixed_links[c])
-            own += sum(self._cost(lk, u[lk.slot[0]][lk.slot[1]],
-                                  self._dy(lk, chosen[self.classes[lk.other]]))
-                       for lk in self.op_links[c])
-            total += own * len(self.members[c])
+        every class cuts this axis as `chosen` says. A link is priced at both ends, so half
+        at each; but carried state is read in one spec (gathered once after its update), so
+        its readers' links count once, at the state, as their dearest."""
+        pick = {c: next(n for n, (v, _, _) in enumerate(self.opts[c]) if v == u)
+                for c, u in chosen.items()}
+        total, cost, n_ops = 0.0, self._cost, len(self.g.ops)
+        for c, n in pick.items():
+            own = self.opts[c][n][1] + self.start[c][n]
+            links, read = 0.0, 0.0
+            carried = self.members[c][0] >= n_ops
+            for lk in self.op_links[c]:
+                price = cost(lk, self.dxs[lk.n][n], self.dys[lk.n][pick[self.classes[lk.other]]])
+                if carried and lk.slot == (1, 0):
+                    read = max(read, price)
+                elif not (lk.other >= n_ops and lk.other_slot == (1, 0)):
+                    links += price
+            total += (own + 0.5 * links + read) * len(self.members[c])
         return total
 
     def _options(self, c: int) -> list[tuple[tuple, float, int]]:
@@ -356,55 +481,121 @@ class _Sapp:
                 best[u] = (scores[i], i)
         return [(u, op_cost, i) for u, (op_cost, i) in best.items()]
 
+    def _vectors(self, order: list[int]) -> None:
+        """Per link, the owner's cut dim for each of its class's options (`dxs`) and, for a
+        link to another unit, the other end's cut in the owner's dims for each of the other
+        class's options (`dys`); links grouped by the class at their other end."""
+        self.dxs, self.dys, self.by_class = {}, {}, {}
+        for c in order:
+            slots = [u for u, _, _ in self.opts[c]]
+            by: dict[int, list[Link]] = {}
+            for lk in self.op_links[c] + self.fixed_links[c]:
+                s0, s1 = lk.slot
+                self.dxs[lk.n] = [u[s0][s1] for u in slots]
+                if lk.other >= 0:
+                    d = self.classes[lk.other]
+                    o0, o1, inv = lk.other_slot[0], lk.other_slot[1], lk.inv
+                    self.dys[lk.n] = [None if u[o0][o1] is None else inv.get(u[o0][o1])
+                                      for u, _, _ in self.opts[d]]
+                    by.setdefault(d, []).append(lk)
+            self.by_class[c] = by
+
     def _decide(self, c: int, forced: tuple | None, lines: list[str]) -> list:
         """Price each cut of class c, choose (or take `forced`), and tell the neighbours."""
-        rows, self.extra = [], {}
+        rest = self._lookahead(c)
+        rows = []
         for n, (u, op_cost, _) in enumerate(self.opts[c]):
-            rest = self.acc[c][n] + self._lookahead(c, u)
-            rows.append((op_cost + rest, _uncut(u), n, op_cost, rest, u))
+            rows.append((op_cost + rest[n], _uncut(u), n, op_cost, rest[n], u))
         low = min(r[0] for r in rows)
         best = min((r for r in rows if r[0] <= low + _TIE * abs(low)), key=lambda r: r[1:3])
-        u = forced or best[5]
-        self.decided[c] = u
-        self._log(c, rows, u, lines, forced is not None)
+        pick = best[2] if forced is None else \
+            next(n for n, (u, _, _) in enumerate(self.opts[c]) if u == forced)
+        self.decided[c] = pick
+        self._log(c, rows, self.opts[c][pick][0], lines, forced is not None)
+        n_ops = len(self.g.ops)
         for d, lk in self.rev.get(c, []):  # neighbours now see this decision
             if self.decided[d] is None:
-                theirs = self._dy(lk, u)
+                column = self._column(lk, self.dys[lk.n][pick])
+                if lk.other >= n_ops and lk.other_slot == (1, 0):
+                    # carried state is gathered once for its readers: the dearest counts
+                    self.gather[d] = [max(a, b) for a, b in zip(self.gather[d], column,
+                                                                strict=True)]
+                    continue
                 acc = self.acc[d]
-                for n, (ud, _, _) in enumerate(self.opts[d]):
-                    acc[n] += self._cost(lk, ud[lk.slot[0]][lk.slot[1]], theirs)
+                for n, b in enumerate(column):
+                    acc[n] += b
         return rows
 
-    def _lookahead(self, c: int, u: tuple) -> float:
-        """Links to undecided classes: the extra cost each pays for its best answer to cut u
-        (a class's own members answer with u itself)."""
-        total, pending = 0.0, {}
-        for lk in self.op_links[c]:
-            d = self.classes[lk.other]
-            dx = u[lk.slot[0]][lk.slot[1]]
+    def _seen(self, c: int) -> list[float]:
+        """What class c's links to decided classes cost, for each of its cuts."""
+        return [a + b for a, b in zip(self.acc[c], self.gather[c], strict=True)]
+
+    def _lookahead(self, c: int) -> list[float]:
+        """For each cut of class c: what its links cost, the links to decided classes
+        (`_seen`), to its own class (its members answer with the same cut) and to undecided
+        classes (the extra each pays for its best answer to the cut)."""
+        total = self._seen(c)
+        count = len(total)
+        for d, lks in self.by_class[c].items():
             if d == c:
-                total += self._cost(lk, dx, self._dy(lk, u))
+                for lk in lks:
+                    for n, b in enumerate(self._diagonal(lk)):
+                        total[n] += b
             elif self.decided[d] is None:
-                pending.setdefault(d, []).append((lk, dx))
-        for d, items in pending.items():
-            key = (d, tuple((lk.n, dx) for lk, dx in items))
-            if key not in self.extra:  # cuts of c that look alike to d share its answer
-                own = [op_cost + acc
-                       for (_, op_cost, _), acc in zip(self.opts[d], self.acc[d], strict=True)]
-                answer = own
-                for lk, dx in items:
-                    answer = [a + b for a, b in zip(answer, self._answers(lk, dx, d),
-                                                    strict=True)]
-                self.extra[key] = min(answer) - min(own)
-            total += self.extra[key]
+                own = [op_cost + a for (_, op_cost, _), a in zip(self.opts[d], self._seen(d),
+                                                                   strict=True)]
+                low, extra = min(own), {}
+                keys = self._keys(c, d, lks)
+                for n in range(count):
+                    key = keys[n]
+                    hit = extra.get(key)
+                    if hit is None:  # cuts of c that look alike to d share its answer
+                        answer = list(own)
+                        for lk, dx in zip(lks, key, strict=True):
+                            for m, b in enumerate(self._answers(lk, dx)):
+                                answer[m] += b
+                        hit = extra[key] = min(answer) - low
+                    total[n] += hit
         return total
 
-    def _answers(self, lk: Link, dx: int | None, d: int) -> list[float]:
-        """The link's cost for each cut of its other end's class d, the owner cutting dx."""
+    def _answers(self, lk: Link, dx: int | None) -> list[float]:
+        """The link's cost for each cut of its other end's class, the owner cutting dx."""
         key = (lk.n, dx)
-        if key not in self.vectors:
-            self.vectors[key] = [self._cost(lk, dx, self._dy(lk, ud)) for ud, _, _ in self.opts[d]]
-        return self.vectors[key]
+        hit = self.vectors.get(key)
+        if hit is None:
+            dys = self.dys[lk.n]
+            price = {dy: self._cost(lk, dx, dy) for dy in set(dys)}
+            hit = self.vectors[key] = [price[dy] for dy in dys]
+        return hit
+
+    def _column(self, lk: Link, dy: int | None) -> list[float]:
+        """The link's cost for each cut of its owner's class, the other end cutting dy."""
+        key = (lk.n, "column", dy)
+        hit = self.vectors.get(key)
+        if hit is None:
+            dxs = self.dxs[lk.n]
+            price = {dx: self._cost(lk, dx, dy) for dx in set(dxs)}
+            hit = self.vectors[key] = [price[dx] for dx in dxs]
+        return hit
+
+    def _diagonal(self, lk: Link) -> list[float]:
+        """A link between ops of one class, for each cut of the class (both ends cut so)."""
+        key = (lk.n, "diagonal")
+        hit = self.vectors.get(key)
+        if hit is None:
+            pairs = list(zip(self.dxs[lk.n], self.dys[lk.n], strict=True))
+            price = {p: self._cost(lk, *p) for p in set(pairs)}
+            hit = self.vectors[key] = [price[p] for p in pairs]
+        return hit
+
+    def _keys(self, c: int, d: int, lks: list[Link]) -> list[tuple]:
+        """For each cut of class c, what its links to class d carry (the cut dims)."""
+        key = (c, d, "keys")
+        hit = self.vectors.get(key)
+        if hit is None:
+            cols = [self.dxs[lk.n] for lk in lks]
+            hit = self.vectors[key] = list(zip(*cols, strict=True))
+        return hit
 
     @staticmethod
     def _dy(lk: Link, u: tuple) -> int | None:
@@ -426,7 +617,10 @@ class _Sapp:
                 bases = (mine, theirs, lk.other < 0, lk.into, lk.nbytes)
                 shape = self.link_shapes[lk.n] = self.shape_ids.setdefault(
                     bases, (len(self.shape_ids), bases))
-            hit = self.tab[key] = self._geometry(shape, dx, dy) * lk.count
+            path = self.path[lk.n] / self.factor.get(lk.n, 1)
+            if _carries(lk, dx, lk.fixed.dim_of(self.axis) if lk.other < 0 else dy):
+                path /= self.mesh.axis_size(self.axis)
+            hit = self.tab[key] = (self._geometry(shape, dx, dy) + path) * lk.count
         return hit
 
     def _geometry(self, shape: tuple[int, tuple], dx: int | None, dy: int | None) -> float:
@@ -461,67 +655,13 @@ class _Sapp:
         if len(rows) < 2:
             return
         xs = self.members[c]
-        op = self.g.ops[xs[0]]
-        info = self.info(op)
+        info = self.units.info(xs[0])
         like = f" (and {len(xs) - 1} like it)" if len(xs) > 1 else ""
-        head = f"op {op.index} {op.name}{like}, axis {self.axis}: "
+        head = f"{self.units.name(xs[0])}{like}, axis {self.axis}: "
         lines.extend(head + _price_line(info, u, op_cost, rest, total)
                      for total, _, _, op_cost, rest, u in rows)
         lines.append(head + _choose_line(info, chosen) + (" (to try the runner-up)" if forced
                                                           else ""))
-
-    # -- report --------------------------------------------------------------------------
-    def _runner_ups(self, gp: GraphPlan) -> None:
-        """Main ops' choices as propagate() reports them: the chosen and the runner-up
-        strategy, each priced as its own cost plus resharding to and from the plan around the
-        class's first op."""
-        made: dict = {}
-        for xs in self.members.values():
-            op, chosen = self.g.ops[xs[0]], gp.choices[xs[0]].strategy
-            cands, costs = self.model.options(self.info(op), self.share(op))
-            ins = [gp.specs[v] if isinstance(v, int) else None for v in op.inputs]
-            needs = [self._needs(gp, v) for v in op.outputs]
-            key = (id(cands), chosen, tuple(ins), tuple(map(tuple, needs)))
-            if key not in made:  # a signature in one context is priced once
-                priced = sorted((p, i) for i, p in enumerate(self._local(op, cands, ins, needs)))
-                mine = cands.index(chosen)
-                score = next(p for p, i in priced if i == mine)
-                runner = next(((p, i) for p, i in priced if i != mine), None)
-                made[key] = Choice(chosen, costs[mine], score,
-                                   cands[runner[1]] if runner else None,
-                                   runner[0] if runner else None, len(cands), True)
-            for x in xs:
-                gp.choices[x] = made[key]
-
-    def _needs(self, gp: GraphPlan, v: int) -> list[Spec]:
-        """What v's consumers and fixed outputs need of it in the plan."""
-        needs = [gp.choices[u.index].strategy.ins[i] for u, i in self.users.get(v, [])]
-        return needs + [self.fixed_out[p] for p in self.out_pos.get(v, []) if p in self.fixed_out]
-
-    def _local(self, op: Op, cands: list[OpStrategy], ins: list[Spec | None],
-               needs: list[list[Spec]]) -> list[float]:
-        """Each candidate's own score plus resharding from its operands' specs `ins` and into
-        what its results' consumers need (`needs`)."""
-        total = list(self.scores_cache[id(cands)])
-        for i, (v, spec) in enumerate(zip(op.inputs, ins, strict=True)):
-            if spec is not None:
-                self._add_edges(total, [s.ins[i] for s in cands], v, [spec], True)
-        for j, v in enumerate(op.outputs):
-            self._add_edges(total, [s.outs[j] for s in cands], v, needs[j], False)
-        return total
-
-    def _add_edges(self, total: list[float], specs: list[Spec], v: int, others: list[Spec],
-                   into: bool) -> None:
-        """Add to each candidate's total the resharding between its spec of value v and
-        `others` (from them into it, or from it into them)."""
-        info, share, seen = self.g.values[v], self.shares(v), {}
-        for n, spec in enumerate(specs):
-            if spec not in seen:
-                seen[spec] = sum(self.model.score(self.model.reshard(
-                    other if into else spec, spec if into else other, info.shape, info.dtype,
-                    share)) for other in others)
-            total[n] += seen[spec]
-
 
 def _project(spec: Spec, axes: frozenset) -> Spec:
     """The spec over some axes only (no partial: ops resolve their own)."""
@@ -533,6 +673,12 @@ def _add_axis(spec: Spec, dim: int | None, axis: str) -> Spec:
     if dim is None:
         return spec
     return Spec(tuple(d + (axis,) if i == dim else d for i, d in enumerate(spec.dims)))
+
+
+def _carries(lk: Link, dx: int | None, dy: int | None) -> bool:
+    """Whether a link carries a cut of the axis: the owner cuts a dim that reaches the
+    other end, or the other end cuts one that reaches the owner."""
+    return (dx is not None and lk.dims[dx] is not None) or dy is not None
 
 
 def _uncut(u: tuple) -> bool:
