@@ -267,8 +267,8 @@ class ShardedFunction:
         if plan.in_tree is None:  # a loaded plan: take the structure from these arguments
             plan.in_tree = jax.tree_util.tree_structure(args)
             plan.out_tree = jax.tree_util.tree_structure(jax.eval_shape(self.fn, *args))
-        donate = tuple(i for i, _ in enumerate(jax.tree_util.tree_leaves(args))
-                       if self._leaf_arg(args, i) in self.opts.donate_argnums)
+        donate = tuple(i for i, owner in enumerate(leaf_owners(args))
+                       if owner in self.opts.donate_argnums)
         return _Compiled(plan, lambda: build_callable(
             graph, plan.graph_plan, self.mesh, plan.in_specs, plan.out_specs, donate,
             self.opts.fp32_communication))
@@ -279,15 +279,11 @@ class ShardedFunction:
                              f"{self.mesh.size} devices: it only plans (`.plan(...)`). Shard it "
                              "over a Mesh of real devices (jaxpar.make_mesh) to run it.")
 
-    @staticmethod
-    def _leaf_arg(args: tuple, leaf: int) -> int:
-        """Which positional argument flat leaf `leaf` belongs to."""
-        count = 0
-        for i, a in enumerate(args):
-            count += len(jax.tree_util.tree_leaves(a))
-            if leaf < count:
-                return i
-        return -1
+
+
+def leaf_owners(args: tuple) -> list[int]:
+    """The positional argument each flat leaf of `args` belongs to."""
+    return [k for k, a in enumerate(args) for _ in jax.tree_util.tree_leaves(a)]
 
 
 def carried_pairs(args: tuple, out_shapes) -> list[tuple[int, int]]:

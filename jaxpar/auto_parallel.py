@@ -43,7 +43,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from jaxpar import strategy as strat
-from jaxpar.api import ShardedFunction, carried_pairs, optimizer_followers, shard
+from jaxpar.api import ShardedFunction, carried_pairs, leaf_owners, optimizer_followers, shard
 from jaxpar.context import ParallelContext, current_context
 from jaxpar.ir import leaf_paths
 from jaxpar.ir.trace import arg_names
@@ -352,7 +352,7 @@ class AutoParallel:
         planned = strat.parse_parameter_plan(self.parameter_plan, paths, shapes, mesh)
         fixed = {paths[i]: s.to_pspec() for i, s in planned.items()}
         batch = self._batch_positions(pure, args)
-        owner = _leaf_owners(args)
+        owner = leaf_owners(args)
         config = self._dataset_config()
         if config is not None:
             leaves = [i for i in range(len(paths)) if owner[i] in batch]
@@ -386,7 +386,7 @@ class AutoParallel:
                                  f"{bad} is out of range.")
             return {i + n_state for i in self.batch_argnums}
         out_shapes = jax.eval_shape(pure, *args)
-        carried = {_leaf_owners(args)[i] for i, _ in carried_pairs(args, out_shapes)}
+        carried = {leaf_owners(args)[i] for i, _ in carried_pairs(args, out_shapes)}
         state = set(range(n_state)) | carried
         if state:
             return {i for i in range(len(args)) if i not in state}
@@ -508,13 +508,9 @@ def _sign(fn, names: list[str]) -> None:
 def _state_leaves(pure, args: tuple) -> list[int]:
     """Flat leaves of the carried state (parameters and optimizer state)."""
     n_state = getattr(pure, "n_state", 0)
-    owner = _leaf_owners(args)
+    owner = leaf_owners(args)
     carried = {i for i, _ in carried_pairs(args, jax.eval_shape(pure, *args))}
     return [i for i in range(len(owner)) if owner[i] < n_state or i in carried]
-
-
-def _leaf_owners(args: tuple) -> list[int]:
-    return [k for k, a in enumerate(args) for _ in jax.tree_util.tree_leaves(a)]
 
 
 def _dataset_specs(config, shapes: list[tuple], mesh: Mesh | AbstractMesh) -> list:

@@ -500,6 +500,7 @@ def build_problem(run: RunConfig) -> Problem:
     """
     import jax
 
+    from jaxpar.api import leaf_owners
     from jaxpar.ir import leaf_paths
     from jaxpar.ir.trace import arg_names
 
@@ -507,7 +508,7 @@ def build_problem(run: RunConfig) -> Problem:
     names = arg_names(step, len(args))
     paths = tuple(p for n, a in zip(names, args, strict=True) for p in leaf_paths(a, n))
     leaves = jax.tree_util.tree_leaves(args)
-    owners = tuple(k for k, a in enumerate(args) for _ in jax.tree_util.tree_leaves(a))
+    owners = tuple(leaf_owners(args))
     return Problem(step, args, paths, tuple(tuple(x.shape) for x in leaves), owners)
 
 

@@ -171,12 +171,6 @@ def test_a_uniform_network_gives_another_plan(step):
     assert plans[0].cost.total_s < plans[1].cost.total_s
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "recursive_programming decides mesh axes outermost first: deciding 'node' (InfiniBand) "
-    "before 'gpu', it prices data parallel cuts with a full gradient all-reduce over "
-    "InfiniBand (the hierarchical reduce-scatter over 'gpu' is not decided yet) and cuts the "
-    "qkv/out projections' weights over 'node'. Deciding axes fastest link first (innermost "
-    "first) fixes it; that change belongs to jaxpar/search/recursive.py."))
 def test_recursive_programming_keeps_tensor_parallelism_inside_the_node(step):
     mesh, fn, args, graph, params = step
     plan = jaxpar.shard(fn, mesh=mesh, search_mode="recursive_programming",
