@@ -453,14 +453,9 @@ def _default_names(n: int) -> tuple[str, ...]:
 def _factor(n: int) -> tuple[int, ...]:
     """n as at most MAX_AXES axis sizes, smallest first: prime factors, the two smallest merged
     until few enough (more axes make the candidate space explode)."""
-    factors, p = [], 2
-    while p * p <= n:
-        while n % p == 0:
-            factors.append(p)
-            n //= p
-        p += 1
-    factors += [n] if n > 1 else []
-    factors = sorted(factors) or [1]
+    from jaxpar.mesh import prime_factors
+
+    factors = sorted(prime_factors(n)) or [1]
     while len(factors) > MAX_AXES:
         factors = sorted([factors[0] * factors[1], *factors[2:]])
     return tuple(factors)
