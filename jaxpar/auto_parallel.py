@@ -59,6 +59,7 @@ from jaxpar.train.optimizer_parallel import (
 PARALLEL_MODES = ("semi_auto", "sharding_propagation", "recursive_programming",
                   "dynamic_programming")
 _SEARCH = {"semi_auto": "sharding_propagation"}
+_SEEDED = ("semi_auto", "sharding_propagation")  # modes that fix the batch and parameters
 SCHEDULERS = ("1f1b", "gpipe")
 PARAM_FILE_FORMAT = "jaxpar-param-strategy"
 
@@ -315,9 +316,12 @@ class AutoParallel:
         names = arg_names(pure, len(args))
         paths = [p for n, a in zip(names, args, strict=True) for p in leaf_paths(a, n)]
         shapes = [tuple(x.shape) for x in jax.tree_util.tree_leaves(args)]
-        n_state = pure.n_state if hasattr(pure, "n_state") else 0
+        n_state = getattr(pure, "n_state", 0)
         donate = tuple(range(n_state)) + tuple(i + n_state for i in self.donate_argnums)
-        fixed = self._fixed(pure, args, paths, shapes)
+        owner = leaf_owners(args)
+        carried = {i for i, _ in carried_pairs(args, jax.eval_shape(pure, *args))}
+        state = set(range(n_state)) | {owner[i] for i in carried}
+        fixed = self._fixed(args, paths, shapes, self._batch_positions(args, n_state, state))
         sharded = self._shard(pure, fixed, donate)
         if o.load_operator_file:
             sharded = sharded.with_plan(_load_plan(o.load_operator_file))
@@ -332,7 +336,8 @@ class AutoParallel:
             if more:
                 fixed = {**fixed, **{paths[i]: s.to_pspec() for i, s in more.items()}}
                 sharded = self._shard(pure, fixed, donate)
-        program = _Program(sharded, unwrap, paths, n_state, _state_leaves(pure, args))
+        state_leaves = [i for i in range(len(owner)) if owner[i] < n_state or i in carried]
+        program = _Program(sharded, unwrap, paths, n_state, state_leaves)
         if o.save_operator_file:
             program.save_operator_file(o.save_operator_file, args)
         if o.save_param_file:
@@ -346,12 +351,13 @@ class AutoParallel:
                      mem_coeff=self.mem_coeff, donate_argnums=donate,
                      fp32_communication=self._opts.fp32_communication)
 
-    def _fixed(self, pure, args: tuple, paths: list[str], shapes: list[tuple]) -> dict[str, Any]:
-        """{exact leaf path: strategy} for every leaf fixed before the search."""
+    def _fixed(self, args: tuple, paths: list[str], shapes: list[tuple],
+               batch: set[int]) -> dict[str, Any]:
+        """{exact leaf path: strategy} for every leaf fixed before the search; batch: the
+        positions of the data arguments."""
         mesh = self.mesh
         planned = strat.parse_parameter_plan(self.parameter_plan, paths, shapes, mesh)
         fixed = {paths[i]: s.to_pspec() for i, s in planned.items()}
-        batch = self._batch_positions(pure, args)
         owner = leaf_owners(args)
         config = self._dataset_config()
         if config is not None:
@@ -360,7 +366,7 @@ class AutoParallel:
                                strict=True):
                 if spec is not None and paths[i] not in fixed:
                     fixed[paths[i]] = spec
-        if self.parallel_mode in _SEARCH or self.parallel_mode == "sharding_propagation":
+        if self.parallel_mode in _SEEDED:
             follows = optimizer_followers(paths, shapes)
             for i, path in enumerate(paths):  # parameters replicated unless planned
                 if owner[i] not in batch and i not in follows and path not in fixed:
@@ -371,13 +377,13 @@ class AutoParallel:
         """The dataset strategy in force for this mode (None: the search decides)."""
         if self._opts.dataset_strategy is not None:
             return self._opts.dataset_strategy
-        if self.parallel_mode in ("semi_auto", "sharding_propagation") \
-                or jax.process_count() > 1:
+        if self.parallel_mode in _SEEDED or jax.process_count() > 1:
             return "full_batch" if self.context.full_batch else self.context.dataset_strategy
         return None
 
-    def _batch_positions(self, pure, args: tuple) -> set[int]:
-        n_state = getattr(pure, "n_state", 0)
+    def _batch_positions(self, args: tuple, n_state: int, state: set[int]) -> set[int]:
+        """Positions of the data arguments: batch_argnums (after the nnx states), else those
+        that are not state (nnx objects, carried), else all but the first."""
         if self.batch_argnums is not None:
             bad = [i for i in self.batch_argnums if not 0 <= i < len(args) - n_state]
             if bad:
@@ -385,9 +391,6 @@ class AutoParallel:
                                  f"network takes {len(args) - n_state} data arguments; "
                                  f"{bad} is out of range.")
             return {i + n_state for i in self.batch_argnums}
-        out_shapes = jax.eval_shape(pure, *args)
-        carried = {leaf_owners(args)[i] for i, _ in carried_pairs(args, out_shapes)}
-        state = set(range(n_state)) | carried
         if state:
             return {i for i in range(len(args)) if i not in state}
         return set(range(1, len(args)))
@@ -505,14 +508,6 @@ def _sign(fn, names: list[str]) -> None:
 
 
 # -- helpers -------------------------------------------------------------------------------------
-def _state_leaves(pure, args: tuple) -> list[int]:
-    """Flat leaves of the carried state (parameters and optimizer state)."""
-    n_state = getattr(pure, "n_state", 0)
-    owner = leaf_owners(args)
-    carried = {i for i, _ in carried_pairs(args, jax.eval_shape(pure, *args))}
-    return [i for i in range(len(owner)) if owner[i] < n_state or i in carried]
-
-
 def _dataset_specs(config, shapes: list[tuple], mesh: Mesh | AbstractMesh) -> list:
     """A PartitionSpec (or None) per data leaf under a dataset strategy."""
     if config == "full_batch":
