@@ -468,14 +468,22 @@ def load_config(path: str | os.PathLike) -> ParallelContext:
       >>> set_auto_parallel_context(**ctx.to_dict())
     """
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"load_config(path={str(path)!r}): no such file; pass a YAML file such "
-                         "as configs/parallel/default.yaml.")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ValueError(f"{path}: not valid YAML ({err}).") from None
+    data = read_yaml(path, f"load_config(path={str(path)!r})", "configs/parallel/default.yaml")
     return context_from_mapping(data, str(path))
+
+
+def read_yaml(path: Path, who: str, example: str) -> Any:
+    """The YAML document in `path`, or a ValueError starting with `who` (no such file) or the
+    path (not valid YAML: what and where, on one line)."""
+    if not path.is_file():
+        raise ValueError(f"{who}: no such file; pass a YAML file such as {example}.")
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+        where = " ".join(str(err).split()) if mark is None or problem is None else \
+            f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+        raise ValueError(f"{path}: not valid YAML ({where}).") from None
 
 
 def context_from_mapping(data: Mapping[str, Any] | None, where: str) -> ParallelContext:

@@ -39,9 +39,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from jaxpar.context import ParallelContext, context_from_mapping
+from jaxpar.context import ParallelContext, context_from_mapping, read_yaml
 
 MODELS = ("gpt", "mlp", "nnx_gpt")
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -209,22 +207,8 @@ def load_run_config(path: str | Path) -> RunConfig:
       ('mlp', 'data_parallel')
     """
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"run config {str(path)!r}: no such file; pass a YAML file such as "
-                         "configs/gpt_small_auto_parallel.yaml.")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ValueError(f"{path}: not valid YAML ({_yaml_problem(err)}).") from None
+    data = read_yaml(path, f"run config {str(path)!r}", "configs/gpt_small_auto_parallel.yaml")
     return run_config_from_mapping(data, str(path))
-
-
-def _yaml_problem(err: yaml.YAMLError) -> str:
-    """PyYAML's complaint on one line: what and where."""
-    mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
-    if mark is None or problem is None:
-        return " ".join(str(err).split())
-    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
 
 
 def run_config_from_mapping(data: Any, where: str = "<run config>") -> RunConfig:
