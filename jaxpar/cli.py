@@ -35,7 +35,7 @@ def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="plan, compare, train and check a small GPT on 8 simulated "
                                     "CPU devices",
                        description="Plan a small GPT training step with AutoParallel "
-                                   "(recursive_programming), check its predicted collectives "
+                                   "(dynamic_programming), check its predicted collectives "
                                    "against the compiled program, compare it with data parallel "
                                    "and Megatron, then train it and check the loss against "
                                    "single-device jax.jit. Exit status 1 if they differ.")
@@ -44,8 +44,9 @@ def _add_demo(sub) -> None:
     p.add_argument("--quick", action="store_true", help="a tiny model and few steps")
     p.add_argument("--hardware", default="h100-nvlink", metavar="NAME",
                    help="hardware profile to plan and price for (default h100-nvlink)")
-    p.add_argument("--mode", default="recursive_programming", choices=PARALLEL_MODES,
-                   help="AutoParallel's parallel_mode (default recursive_programming)")
+    p.add_argument("--mode", default="dynamic_programming", choices=PARALLEL_MODES,
+                   help="AutoParallel's parallel_mode (default dynamic_programming, the exact "
+                        "search)")
     p.set_defaults(run=_run_demo)
 
 

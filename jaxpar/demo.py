@@ -1,6 +1,6 @@
 """`jaxpar demo`: a small GPT planned, compared, trained and checked on 8 simulated CPU devices.
 
-1. Plan: `AutoParallel(step, "recursive_programming")` plans a GPT training step (AdamW) with no
+1. Plan: `AutoParallel(step, "dynamic_programming")` plans a GPT training step (AdamW) with no
    strategy given; the plan's summary (layout, ops by primitive, arguments' shardings, modeled
    cost per device) is printed.
 2. Check the prediction: the compiled program's collectives (read from its HLO) beside the
@@ -87,14 +87,14 @@ def three_blocks(params, x):
 
 
 def run_demo(steps: int | None = None, quick: bool = False, hardware: str = "h100-nvlink",
-             mode: str = "recursive_programming", console=None) -> int:
+             mode: str = "dynamic_programming", console=None) -> int:
     """Run the demo (module docstring) and return its exit status.
 
     Args:
       steps: training steps (default 50; 5 with quick).
       quick: a tiny GPT (1 layer, d_model 32) for tests.
       hardware: the profile the plan and the comparison are priced under.
-      mode: AutoParallel's parallel_mode for the plan (default recursive_programming).
+      mode: AutoParallel's parallel_mode for the plan (default dynamic_programming).
       console: a rich Console to print to (default: stdout).
 
     Returns:
