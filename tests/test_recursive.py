@@ -13,6 +13,7 @@ from jaxpar.api import carried_pairs
 from jaxpar.cost import CostModel, load_profile
 from jaxpar.ir import build_graph, trace
 from jaxpar.models.gpt import GPTConfig, abstract_train_step
+from jaxpar.models.mlp import make_sgd_step
 from jaxpar.models.programs import PROGRAMS
 from jaxpar.search.exact import dynamic_programming
 from jaxpar.search.propagation import graph_cost, propagate, refine
@@ -23,16 +24,12 @@ from jaxpar.strategy import parse_in_strategy
 MODE = "recursive_programming"
 
 
-def mlp_step(params, x, y):
-    """Alpa's MLP test: layers with bias, squared loss, one SGD step."""
-    def loss(params):
-        h = x
-        for w, b in params:
-            h = h @ w + b
-        return jnp.mean((h - y) ** 2)
+_SGD = make_sgd_step(0.1, activation=None)
 
-    grads = jax.grad(loss)(params)
-    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+def mlp_step(params, x, y):
+    """Alpa's MLP test: layers with bias, squared loss, one SGD step (the new parameters)."""
+    return _SGD(params, x, y)[0]
 
 
 def mlp_args(batch, hidden, layers=6, scale=0.1):
