@@ -15,8 +15,9 @@ tpu-v5e.
 
 Figures per row (all per device, from the compiled program, never from the plan's prediction):
 - modeled_step_s = flops / the profile's peak flop/s + the alpha-beta time of the program's
-  collectives (`jaxpar.analysis.estimate_time`: "flop_s" + "comm_s"). The roofline figure of
-  estimate_time (max(flop time, bytes accessed / memory bandwidth) + comm) is kept beside it as
+  collectives (`jaxpar.analysis.estimate_time`: "flop_s" + "comm_s"), which is also how
+  jaxpar's planner prices compute under these profiles (`compute_time: flops`). The roofline
+  figure (max(flop time, bytes accessed / memory bandwidth) + comm) is kept beside it as
   roofline_step_s; XLA's CPU backend fuses less than a GPU/TPU one, so its byte counts, and
   with them the memory-bound time, are inflated alike for every strategy.
 - hlo_comm_bytes: bytes of every collective in the HLO (`collective_stats`, loops counted).
@@ -144,7 +145,7 @@ def price(compiled, mesh, hardware: str) -> dict[str, Any]:
     stats = {k: {"count": int(v["count"]), "bytes": int(v["bytes"])}
              for k, v in est["collectives"].items()}
     return {"modeled_step_s": est["flop_s"] + est["comm_s"], "compute_s": est["flop_s"],
-            "comm_s": est["comm_s"], "roofline_step_s": est["total_s"],
+            "comm_s": est["comm_s"], "roofline_step_s": max(est["flop_s"], est["memory_s"]) + est["comm_s"],
             "hlo_comm_bytes": float(sum(v["bytes"] for v in stats.values())),
             "peak_memory_bytes": float(memory_stats(compiled).get("peak_bytes", 0)),
             "collectives": stats}

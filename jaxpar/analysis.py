@@ -298,10 +298,12 @@ def estimate_time(compiled: Any, mesh: Mesh | MeshInfo,
     """Seconds one run of a compiled program takes per device on `hardware`, read from its HLO.
 
     What it prices is what XLA compiled, not what a plan predicted:
-    - compute: a roofline over the whole program from XLA's per-device cost analysis,
-      max(flops / peak_flops, bytes accessed / memory_bandwidth). XLA's cost analysis counts
-      a while body once, so a program with loops gets its compute underestimated (a note says
-      so); the communication of loops is counted in full.
+    - compute: from XLA's per-device cost analysis, flops / peak_flops ("flop_s"), and with a
+      profile of `compute_time: roofline` the larger of that and bytes accessed /
+      memory_bandwidth ("memory_s", always reported; on CPU it is inflated: XLA's CPU backend
+      fuses less than a GPU or TPU one). The planner prices compute the same way. XLA's cost
+      analysis counts a while body once, so a program with loops gets its compute
+      underestimated (a note says so); the communication of loops is counted in full.
     - communication: every collective of `collective_ops`, each execution priced by
       `jaxpar.cost.comm.collective_time` (the alpha-beta model the planner uses) over the mesh
       axes its device groups span. Device (partition) id p sits at `np.unravel_index(p, sizes)`
@@ -347,12 +349,13 @@ def estimate_time(compiled: Any, mesh: Mesh | MeshInfo,
         notes.append(f"XLA's cost analysis counts a while body once: compute leaves out the "
                      f"repeated iterations of {loops} loop(s)")
     flop_s, memory_s = n_flops / profile.peak_flops, n_bytes / profile.memory_bandwidth
+    compute_s = profile.compute_seconds(n_flops, n_bytes)
     comm_s = sum(v["seconds"] for v in comm.values())
     return {"hardware": profile.name, "mesh": info.describe(), "flops": n_flops,
             "bytes_accessed": n_bytes, "flop_s": flop_s, "memory_s": memory_s,
-            "compute_s": max(flop_s, memory_s),
+            "compute_s": compute_s,
             "comm_bytes": float(sum(v["bytes"] for v in comm.values())), "comm_s": comm_s,
-            "total_s": max(flop_s, memory_s) + comm_s, "collectives": comm, "notes": notes}
+            "total_s": compute_s + comm_s, "collectives": comm, "notes": notes}
 
 
 def _comm_times(ops: list[CollectiveOp], mesh: MeshInfo,

@@ -5,6 +5,8 @@ counts and bytes are asserted exactly. The text tests pin the HLO forms CPU neve
 pairs, iota replica groups, sub-axes) with snippets in the syntax of XLA's own tests.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -434,6 +436,18 @@ def test_estimate_time_data_parallel_gradient():
     assert t["comm_bytes"] == w_bytes and t["notes"] == []
 
 
+def test_estimate_time_compute_follows_the_profiles_compute_time():
+    m = mesh((2, 4), ("a", "b"))
+    c = compiled(lambda x: jnp.tanh(x) * 2.0, P("a"), P("a"), (256, 512), m=m)
+    slow_memory = dataclasses.replace(PROFILE, memory_bandwidth=1e6)
+    by_flops = estimate_time(c, m, slow_memory)
+    assert by_flops["compute_s"] == pytest.approx(by_flops["flop_s"])
+    assert by_flops["memory_s"] > 100 * by_flops["flop_s"] > 0  # reported, not added
+    roofline = estimate_time(c, m, dataclasses.replace(slow_memory, compute_time="roofline"))
+    assert roofline["compute_s"] == pytest.approx(by_flops["memory_s"])
+    assert roofline["total_s"] == pytest.approx(roofline["compute_s"] + roofline["comm_s"])
+
+
 @pytest.mark.parametrize("axis,n,link", [("a", 2, SLOW), ("b", 4, FAST)])
 def test_estimate_time_prices_the_axis_a_group_spans(axis, n, link):
     m = mesh((2, 4), ("a", "b"))
@@ -449,7 +463,7 @@ def test_estimate_time_unsharded_program_has_no_communication():
     c = compiled(lambda x, w: x @ w, (P(), P()), P(), (16, 32), (32, 64))
     t = estimate_time(c, mesh(), "h100-nvlink")
     assert t["comm_s"] == 0 and t["collectives"] == {} and t["comm_bytes"] == 0
-    assert t["total_s"] == t["compute_s"] == max(t["flop_s"], t["memory_s"]) > 0
+    assert t["total_s"] == t["compute_s"] == t["flop_s"] > 0 and t["memory_s"] > 0
 
 
 def test_estimate_time_counts_loop_collectives_and_notes_loop_compute():

@@ -1,15 +1,18 @@
 """Cost model: hardware profiles, collective times, and resharding checked against compiled HLO."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding
 
 from jaxpar.analysis import collective_stats
-from jaxpar.cost import Collective, collective_time, load_profile, reshard
-from jaxpar.cost.hardware import available_profiles, profile_from_dict
+from jaxpar.cost import Collective, CostModel, collective_time, load_profile, reshard
+from jaxpar.cost.hardware import available_profiles, profile_from_dict, profile_to_dict
+from jaxpar.rules.registry import OpInfo
 from jaxpar.mesh import make_mesh
-from jaxpar.spec import MeshInfo, Spec
+from jaxpar.spec import MeshInfo, OpStrategy, Spec
 
 MESH = MeshInfo(("d0", "d1", "d2"), (2, 2, 2))
 
@@ -41,6 +44,31 @@ def test_bad_profiles_are_rejected(tmp_path):
     bad.write_text("name: x\npeak_flops: 1\n")
     with pytest.raises(ValueError, match="malformed"):
         load_profile(bad)
+
+
+def test_compute_time_flops_or_roofline(tmp_path):
+    flop_bound = load_profile("h100-nvlink")
+    assert flop_bound.compute_time == "flops"
+    assert flop_bound.compute_seconds(989e9, 3.35e12) == pytest.approx(1e-3)  # bytes ignored
+    roofline = profile_from_dict(profile_to_dict(flop_bound) | {"compute_time": "roofline"})
+    assert roofline.compute_seconds(989e9, 3.35e12) == pytest.approx(1.0)   # memory-bound
+    assert roofline.compute_seconds(989e12, 0.0) == pytest.approx(1.0)
+    assert "compute_time" not in profile_to_dict(flop_bound)                # the default
+    assert profile_from_dict(profile_to_dict(roofline)) == roofline
+    with pytest.raises(ValueError, match=r"compute_time='bytes'.*\['flops', 'roofline'\]"):
+        profile_from_dict(profile_to_dict(flop_bound) | {"compute_time": "bytes"})
+
+
+def test_roofline_prices_an_elementwise_op_by_its_bytes():
+    # An add of two 1 MB operands: no work by flops (1/4 M flops), 3 MB of traffic by bytes.
+    info = OpInfo(jax.lax.add_p, {}, ((512, 512), (512, 512)), ((512, 512),),
+                  (jnp.float32,) * 2, (jnp.float32,))
+    rep = OpStrategy((Spec(((), ())),) * 2, (Spec(((), ())),), ((),))
+    flops_only = load_profile("h100-nvlink")
+    roofline = dataclasses.replace(flops_only, compute_time="roofline")
+    assert CostModel(MESH, flops_only).op(info, rep).compute_s == pytest.approx(512 * 512 / 989e12)
+    assert CostModel(MESH, roofline).op(info, rep).compute_s == pytest.approx(
+        3 * 512 * 512 * 4 / 3.35e12)
 
 
 def test_collective_times_follow_alpha_beta():

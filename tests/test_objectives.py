@@ -1,6 +1,8 @@
 """What the automatic searches choose, measured on the compiled program: Alpa's MLP cases,
 `level`, `mem_coeff`, the logical mesh report, optimizer state following its parameter."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,9 +11,11 @@ import pytest
 
 import jaxpar
 from jaxpar.api import optimizer_followers
+from jaxpar.cost import load_profile
 from jaxpar.models.mlp import make_sgd_step
 
 AUTOMATIC = ["dynamic_programming"]
+ROOFLINE = dataclasses.replace(load_profile("cpu"), compute_time="roofline")
 
 
 _SGD = make_sgd_step(0.1, activation=None)
@@ -74,7 +78,7 @@ def test_latency_makes_small_megatron_lose_on_nvlink(mode):
 @pytest.mark.parametrize("mode", AUTOMATIC)
 def test_mem_coeff_trades_data_parallel_for_sharded_weights(mode):
     f_small, args, small = _planned(128, 128, mode, mem_coeff=0.1)
-    f_big, _, big = _planned(128, 128, mode, mem_coeff=1.0)
+    f_big, _, big = _planned(128, 128, mode, mem_coeff=3.0)
     assert (small.layout, big.layout) == ("dp4", "fsdp4")
     assert big.cost.peak_memory_bytes < 0.7 * small.cost.peak_memory_bytes
     assert "all-gather" not in jaxpar.collective_stats(f_small.lower(*args).compile())
@@ -83,11 +87,16 @@ def test_mem_coeff_trades_data_parallel_for_sharded_weights(mode):
 
 @pytest.mark.parametrize("mode", AUTOMATIC)
 def test_level_changes_the_plan(mode):
-    # level 0 weighs communication double (compute/communication ratio): data parallel;
-    # level 1 (memory) shards the weights; level 2 (speed) takes the sharded update, whose
-    # extra all-gathers cost less than the replicated optimizer arithmetic.
-    layouts = [_planned(128, 128, mode, level=level)[2].layout for level in (0, 1, 2)]
+    # With memory-bound work priced (a roofline profile): level 0 weighs communication double
+    # (compute/communication ratio): data parallel; level 1 (memory) shards the weights;
+    # level 2 (speed) takes the sharded update, whose extra all-gathers cost less than the
+    # replicated optimizer arithmetic.
+    layouts = [_planned(128, 128, mode, level=level, hardware=ROOFLINE)[2].layout
+               for level in (0, 1, 2)]
     assert layouts == ["dp4", "fsdp4", "fsdp4"]
+    # Priced by flops (the default), the replicated update is next to free: speed is data
+    # parallel too.
+    assert _planned(128, 128, mode, level=2)[2].layout == "dp4"
 
 
 def test_layout_names_the_logical_mesh_of_a_hand_written_plan():

@@ -1,6 +1,7 @@
 """recursive_programming (SAPP): what it chooses, measured on compiled programs; its decision
 log; mem_coeff and memory budgets; how close it comes to the exact search."""
 
+import dataclasses
 import logging
 
 import jax
@@ -142,12 +143,14 @@ def test_training_steps_with_carried_state_are_close_to_exact(name):
 
 
 def test_big_optimizer_state_is_cut_and_small_state_replicated():
-    # ZeRO's choice, made by the cost model: Adam's moments of the big matrices live cut
-    # (their update runs on a shard, the new parameter is gathered once); a bias's moments
-    # stay whole (a gather's latency would cost more than the update it saves).
+    # ZeRO's choice, made by the cost model when memory-bound work costs time (a roofline
+    # profile): Adam's moments of the big matrices live cut (their update runs on a shard,
+    # the new parameter is gathered once); a bias's moments stay whole (a gather's latency
+    # would cost more than the update it saves).
     step, args = abstract_train_step(GPTConfig(layers=1, d_model=512, heads=4, vocab=1024,
                                                seq=128), 16)
-    graph, model, ties = _tied(step, args, jaxpar.make_mesh(8))
+    roofline = dataclasses.replace(load_profile("h100-nvlink"), compute_time="roofline")
+    graph, model, ties = _tied(step, args, jaxpar.make_mesh(8), roofline)
     gp, _ = recursive_programming(graph, model, {}, {}, ties=ties)
     moments = {graph.values[v].name: (gp.specs[v], gp.specs[graph.outputs[pos]])
                for v, pos in ties if "/mu/" in graph.values[v].name}

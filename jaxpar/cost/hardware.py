@@ -18,6 +18,15 @@ Measured links. `axes: {name: link}` (what `jaxpar calibrate` writes) gives a me
 name its own link, whatever its position. A link may also carry per-collective figures
 (`collectives: {all-gather: {bandwidth, latency}, ...}`), read with `Link.figures(kind)`.
 
+Compute time. `compute_time: flops` (the default) prices an op's compute as its flops over
+`peak_flops`, Alpa's convention: XLA fuses elementwise chains into the matmuls and reductions
+around them, so what a plan's compute costs is its heavy ops, and an optimizer update computed
+on every device (data parallel) is next to free. This is also what `jaxpar.estimate_time` and
+the benchmarks read from a compiled program (its flops). `compute_time: roofline` prices the
+larger of that and the op's operand and result bytes over `memory_bandwidth`, for a machine
+where memory-bound work is what a step waits on: replicated elementwise work then costs time,
+and plans shard the optimizer update (ZeRO) to save it.
+
 Bandwidths follow the bus-bandwidth convention of `jaxpar.cost.comm`: a ring all-gather of b
 bytes per device over n devices takes (n-1)/n * b / bandwidth, an all-reduce twice that.
 """
@@ -34,6 +43,7 @@ from jaxpar.spec import MeshInfo
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
 TOPOLOGIES = ("switch", "ring")
+COMPUTE_TIMES = ("flops", "roofline")
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,20 @@ class HardwareProfile:
     nodes: int = 1            # without devices_per_node: the mesh splits evenly into these
     devices_per_node: int = 0  # > 0: a node is this many consecutive devices of the mesh
     axes: dict[str, Link] = field(default_factory=dict, hash=False)  # measured, by axis name
+    compute_time: str = "flops"  # "flops" or "roofline" (see the module doc)
+
+    def compute_seconds(self, flops: float, nbytes: float) -> float:
+        """Seconds of work of `flops` flops that read and write `nbytes` bytes (compute_time).
+
+        Example:
+          >>> p = load_profile("h100-nvlink")
+          >>> p.compute_seconds(989e12, 0.0), p.compute_seconds(0.0, 3.35e12)
+          (1.0, 0.0)
+        """
+        seconds = flops / self.peak_flops
+        if self.compute_time == "roofline":
+            seconds = max(seconds, nbytes / self.memory_bandwidth)
+        return seconds
 
     def devices_in_node(self, mesh: MeshInfo) -> int:
         """How many consecutive devices of `mesh` share one node."""
@@ -151,6 +175,11 @@ def profile_from_dict(data: dict, where: str = "profile") -> HardwareProfile:
             data[key] = _number(data[key], f"{where}: {key}")
         for key in ("nodes", "devices_per_node"):
             data[key] = _count(data.get(key, 1 if key == "nodes" else 0), f"{where}: {key}")
+        data["compute_time"] = data.get("compute_time", "flops")
+        if data["compute_time"] not in COMPUTE_TIMES:
+            raise ValueError(f"{where}: compute_time={data['compute_time']!r}; use one of "
+                             f"{list(COMPUTE_TIMES)} (flops: heavy ops' flops at peak; "
+                             "roofline: also memory-bound time).")
         return HardwareProfile(**data)
     except (KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"{where}: malformed hardware profile ({err}).") from None
@@ -194,7 +223,8 @@ def profile_to_dict(profile: HardwareProfile) -> dict:
       True
     """
     data = asdict(profile)
-    for key, empty in (("inter", None), ("axes", {}), ("devices_per_node", 0)):
+    for key, empty in (("inter", None), ("axes", {}), ("devices_per_node", 0),
+                       ("compute_time", "flops")):
         if data[key] == empty:
             del data[key]
     for link in [data["intra"], data.get("inter"), *data.get("axes", {}).values()]:

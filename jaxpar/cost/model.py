@@ -1,7 +1,9 @@
 """Per-op costs under one strategy, per-edge resharding costs, and the objective of each level.
 
-Compute time of an op is the larger of its flop time and its memory time (operand and result
-bytes over HBM bandwidth), divided by the number of pieces the strategy cuts its work into.
+Compute time of an op is its flop time at the profile's peak (with a profile of
+`compute_time: roofline`, the larger of that and its memory time: operand and result bytes over
+HBM bandwidth; see cost.hardware), divided by the number of pieces the strategy cuts its work
+into.
 The objective (`score`) follows MindSpore's `level`:
   0: maximise the compute/communication ratio: compute + 2 x communication (exposed
      communication is what lowers the ratio, so it weighs double);
@@ -180,7 +182,7 @@ class CostModel:
         if layout is None:
             layout = self._layouts[id(cands)] = _Layout(cands, self)
         io = _Io(info, self._itemsize)
-        work = max(io.flops / self.profile.peak_flops, io.total / self.profile.memory_bandwidth)
+        work = self.profile.compute_seconds(io.flops, io.total)
         out = []
         for n, s in enumerate(cands):
             memory = sum(b / k for b, k in zip(io.sizes, layout.shards[n], strict=True))
@@ -193,8 +195,7 @@ class CostModel:
 
     def _op(self, io: _Io, s: OpStrategy, share: float) -> OpCost:
         mesh = self.mesh
-        compute = max(io.flops / self.profile.peak_flops,
-                      io.total / self.profile.memory_bandwidth) / self.pieces(s)
+        compute = self.profile.compute_seconds(io.flops, io.total) / self.pieces(s)
         memory = sum(b / sp.shards(mesh) for b, sp in zip(io.sizes, s.ins + s.outs,
                                                            strict=True))
         cost = OpCost(compute_s=compute, memory_bytes=memory)
