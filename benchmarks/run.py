@@ -145,7 +145,8 @@ def price(compiled, mesh, hardware: str) -> dict[str, Any]:
     stats = {k: {"count": int(v["count"]), "bytes": int(v["bytes"])}
              for k, v in est["collectives"].items()}
     return {"modeled_step_s": est["flop_s"] + est["comm_s"], "compute_s": est["flop_s"],
-            "comm_s": est["comm_s"], "roofline_step_s": max(est["flop_s"], est["memory_s"]) + est["comm_s"],
+            "comm_s": est["comm_s"],
+            "roofline_step_s": max(est["flop_s"], est["memory_s"]) + est["comm_s"],
             "hlo_comm_bytes": float(sum(v["bytes"] for v in stats.values())),
             "peak_memory_bytes": float(memory_stats(compiled).get("peak_bytes", 0)),
             "collectives": stats}

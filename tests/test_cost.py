@@ -10,8 +10,8 @@ from jax.sharding import NamedSharding
 from jaxpar.analysis import collective_stats
 from jaxpar.cost import Collective, CostModel, collective_time, load_profile, reshard
 from jaxpar.cost.hardware import available_profiles, profile_from_dict, profile_to_dict
-from jaxpar.rules.registry import OpInfo
 from jaxpar.mesh import make_mesh
+from jaxpar.rules.registry import OpInfo
 from jaxpar.spec import MeshInfo, OpStrategy, Spec
 
 MESH = MeshInfo(("d0", "d1", "d2"), (2, 2, 2))
