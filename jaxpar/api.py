@@ -23,6 +23,7 @@ from jaxpar.ir.trace import arg_names
 from jaxpar.lower.jit import build_callable
 from jaxpar.mesh import make_mesh
 from jaxpar.plan import Plan, build_plan
+from jaxpar.search import paused_gc
 from jaxpar.search.exact import dynamic_programming
 from jaxpar.search.propagation import out_spec, propagate
 from jaxpar.spec import MeshInfo, Spec
@@ -191,7 +192,8 @@ class ShardedFunction:
         leaves, tree = jax.tree_util.tree_flatten(args)
         key = (tree, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
         if key not in self._cache:
-            self._cache[key] = self._build(args)
+            with paused_gc():
+                self._cache[key] = self._build(args)
         return self._cache[key]
 
     def _build(self, args: tuple) -> _Compiled:

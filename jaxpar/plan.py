@@ -50,11 +50,35 @@ class Row:
     note: str
 
 
+class _OnDemand:
+    """A Plan field that may be given as a zero-argument function, called on its first read.
+
+    The fingerprint hashes the printed jaxpr and the rows label every op: for a 48-layer GPT
+    step that is more time than the search, spent for a plan that is only run (nothing reads
+    them but save, explain and a pinned plan's check)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.slot = f"_{name}"
+
+    def __get__(self, obj, owner=None):
+        if obj is None:  # dataclass asks for a default: there is none
+            raise AttributeError(self.slot)
+        value = obj.__dict__[self.slot]
+        if callable(value):
+            value = obj.__dict__[self.slot] = value()
+        return value
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.slot] = value
+
+
 @dataclass
 class Plan:
-    """A sharding plan for one program on one mesh. See `jaxpar.shard`."""
+    """A sharding plan for one program on one mesh. See `jaxpar.shard`.
 
-    fingerprint: str
+    `fingerprint` and `rows` may be given as functions that make them (see _OnDemand)."""
+
+    fingerprint: str = _OnDemand()
     mesh: MeshInfo
     graph_plan: GraphPlan
     in_specs: list[Spec]
@@ -63,7 +87,7 @@ class Plan:
     out_paths: list[str]
     cost: PlanCost
     collectives: dict[str, dict[str, float]]
-    rows: list[Row] = field(default_factory=list)
+    rows: list[Row] = _OnDemand()
     search_mode: str = "sharding_propagation"
     hardware: str = "cpu"
     in_tree: object = None
@@ -254,9 +278,9 @@ def build_plan(graph, gp: GraphPlan, model, traced, in_specs: list[Spec], out_sp
     peak = peak_memory(graph, gp, model.mesh)
     cost = PlanCost(total.compute_s, total.comm_s, total.comm_bytes, peak,
                     total.compute_s + total.comm_s)
-    return Plan(traced.fingerprint, model.mesh, gp, in_specs, out_specs, list(traced.in_paths),
-                list(traced.out_paths), cost, _by_kind(total.collectives),
-                list(_rows(graph, gp, model)), search_mode, hardware, traced.in_tree,
+    return Plan(lambda: traced.fingerprint, model.mesh, gp, in_specs, out_specs,
+                list(traced.in_paths), list(traced.out_paths), cost, _by_kind(total.collectives),
+                lambda: list(_rows(graph, gp, model)), search_mode, hardware, traced.in_tree,
                 traced.out_tree, layout=describe_layout(graph, gp, model.mesh, weights))
 
 
@@ -339,24 +363,32 @@ def _rows(graph, gp: GraphPlan, model, prefix: str = ""):
 
 def peak_memory(graph, gp: GraphPlan, mesh: MeshInfo) -> float:
     """Peak per-device bytes of live values in program order (inputs live throughout)."""
-    def size(v) -> float:
-        info = graph.values[v]
-        return info.nbytes / gp.specs[v].shards(mesh) if v in gp.specs else info.nbytes
+    values, specs = graph.values, gp.specs
 
-    last = {}
+    def size(v) -> float:
+        spec = specs.get(v)
+        return values[v].nbytes / spec.shards(mesh) if spec is not None else values[v].nbytes
+
+    last = {}  # value -> the op that reads it last
     for op in graph.ops:
         for v in op.inputs:
-            if isinstance(v, int):
-                last[v] = op.index
-    keep = set(graph.inputs) | {v for v in graph.outputs if isinstance(v, int)}
+            if type(v) is int:
+                last[v] = op
+    keep = set(graph.inputs) | {v for v in graph.outputs if type(v) is int}
+    freed: dict[int, list[int]] = {}  # op index -> the values dead after it
+    for v, op in last.items():
+        if v not in keep:
+            freed.setdefault(op.index, []).append(v)
     live = sum(size(v) for v in graph.inputs) + sum(size(v) for v in graph.consts)
     peak = live
     for op in graph.ops:
-        choice = gp.choices[op.index]
-        inner = max((peak_memory(b, p, mesh) for b, p in zip(op.regions, choice.regions,
-                                                               strict=True)), default=0.0)
-        live += sum(size(v) for v in op.outputs)
+        inner = 0.0
+        if op.regions:
+            inner = max(peak_memory(b, p, mesh) for b, p in
+                        zip(op.regions, gp.choices[op.index].regions, strict=True))
+        for v in op.outputs:
+            live += size(v)
         peak = max(peak, live + inner)
-        live -= sum(size(v) for v in {v for v in op.inputs if isinstance(v, int)}
-                    if last.get(v) == op.index and v not in keep)
+        for v in freed.get(op.index, ()):
+            live -= size(v)
     return peak

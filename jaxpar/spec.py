@@ -153,9 +153,12 @@ class Spec:
         return P(*entries)
 
     def __str__(self) -> str:
-        body = ", ".join("+".join(d) if d else "-" for d in self.dims)
-        tail = f" partial({'+'.join(self.partial)})" if self.partial else ""
-        return f"[{body}]{tail}"
+        hit = self.__dict__.get("_text")  # plans print the same interned specs many times
+        if hit is None:
+            body = ", ".join("+".join(d) if d else "-" for d in self.dims)
+            tail = f" partial({'+'.join(self.partial)})" if self.partial else ""
+            hit = self.__dict__["_text"] = f"[{body}]{tail}"
+        return hit
 
     def to_json(self) -> list:
         tail = [{"partial": list(self.partial)}] if self.partial else []
@@ -197,5 +200,8 @@ class OpStrategy:
     def label(self) -> str:
         if self.name:
             return self.name
-        outs = " ".join(str(s) for s in self.outs)
-        return f"{' '.join(str(s) for s in self.ins)} -> {outs}"
+        hit = self.__dict__.get("_label")  # ops of one signature share their strategies
+        if hit is None:
+            outs = " ".join(str(s) for s in self.outs)
+            hit = self.__dict__["_label"] = f"{' '.join(str(s) for s in self.ins)} -> {outs}"
+        return hit

@@ -10,6 +10,8 @@ value of a step that returns only gradients, say), so the search never pays for 
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,9 +55,9 @@ class ValueInfo:
     dtype: np.dtype
     name: str
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * itemsize(self.dtype)
+        return math.prod(self.shape) * itemsize(self.dtype)
 
 
 @dataclass(frozen=True, eq=False)

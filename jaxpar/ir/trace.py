@@ -7,6 +7,7 @@ keys with '/', prefixed by the Python parameter name where the signature gives o
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ class Traced:
     in_paths: tuple[str, ...]
     out_paths: tuple[str, ...]
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
         """Stable hash of the program (structure, shapes, dtypes, params)."""
         return hashlib.sha256(str(self.closed_jaxpr).encode()).hexdigest()[:16]

@@ -4,8 +4,25 @@ sharding_propagation (propagation.py) plans outward from the fixed strategies, o
 dynamic_programming (exact.py over the solver in dynamic.py) finds the cost model's optimum.
 """
 
+import contextlib
+import gc
+
 from jaxpar.search.dynamic import Problem, Solution, brute_force, prune_dominated, solve
 from jaxpar.search.propagation import Choice, GraphPlan, propagate
 
-__all__ = ["Choice", "GraphPlan", "Problem", "Solution", "brute_force", "propagate",
+__all__ = ["Choice", "GraphPlan", "Problem", "Solution", "brute_force", "paused_gc", "propagate",
            "prune_dominated", "solve"]
+
+
+@contextlib.contextmanager
+def paused_gc():
+    """Python's cyclic garbage collector off for a search: a search makes many small objects
+    and frees few of them early, and with a big program's jaxpr, graph and caches alive each
+    full collection walks them all (a third of a 48-layer GPT's planning time)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
