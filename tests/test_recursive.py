@@ -227,10 +227,10 @@ def test_a_reduction_cheaper_whole_is_not_cut():
 
 
 def test_mem_coeff_turns_data_parallel_into_model_parallel():
-    f_small, args, small = planned(64, 64, layers=2, mem_coeff=0.1)
-    f_big, _, big = planned(64, 64, layers=2, mem_coeff=100.0)
+    f_small, args, small = planned(128, 64, layers=2, mem_coeff=0.1)
+    f_big, _, big = planned(128, 64, layers=2, mem_coeff=100.0)
     assert (small.layout, big.layout) == ("dp4", "tp4")
-    assert big.cost.peak_memory_bytes < 0.7 * small.cost.peak_memory_bytes
+    assert big.cost.peak_memory_bytes < 0.9 * small.cost.peak_memory_bytes
     assert any("mem_coeff=100" in line for line in big.decisions)
     assert_same_as_jit(mlp_step, f_big, args)
 

@@ -41,15 +41,18 @@ number of times, and the units of repeated layers are decided once per class.
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import Sequence
+
+import numpy as np
 
 from jaxpar.cost.comm import reshard as comm_reshard
 from jaxpar.cost.model import CostModel
 from jaxpar.ir.graph import Lit, Op, OpGraph
 from jaxpar.ir.repeat import op_classes
 from jaxpar.rules.registry import OpInfo
+from jaxpar.search import paused_gc
+from jaxpar.search.dynamic import Problem, solve
 from jaxpar.search.links import Link, Slot, Units, mapped
 from jaxpar.search.propagation import GraphIndex, GraphPlan, Refiner, propagate
 from jaxpar.spec import MeshInfo, OpStrategy, Spec
@@ -61,6 +64,8 @@ _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"
 _RETRIES = 6          # memory budget: searches again with mem_coeff x4, x16, ...
 _TIE = 1e-9           # relative: cuts this close in cost count as equal (the first one wins)
 _CLOSE = 1.05         # a first decision's runner-up this close is tried as a second start
+_EXACT_CLASSES = 64   # up to this many classes an axis's joint choice is solved exactly
+_SWEEPS = 50          # coordinate descent over classes: at most this many sweeps
 
 
 def recursive_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
@@ -86,13 +91,8 @@ def recursive_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, 
       >>> gp, decisions = recursive_programming(graph, model, {}, {})
       >>> [d for d in decisions if "Choose NOT to cut" in d]
     """
-    collecting = gc.isenabled()
-    gc.disable()  # the search makes many small objects and frees none of them early
-    try:
+    with paused_gc():
         return _search(graph, model, fixed_in, fixed_out, memory_budget, tuple(ties))
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def _search(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
@@ -406,15 +406,21 @@ class _Sapp:
             again = {c: self.prev[c] if any(u == self.prev[c] for u, _, _ in self.opts[c])
                      else u for c, u in runs[0][0].items()}
             runs.append((again, [], None))
+        joint = len(runs)
+        runs += [(chosen, [], None) for chosen in
+                 self._jointly(order, [chosen for chosen, _, _ in runs])]
         costs = [self._objective(chosen) for chosen, _, _ in runs]
         best = min(range(len(runs)), key=lambda n: (costs[n] * (1 + _TIE * n), n))
         chosen, lines, _ = runs[best]
         for line in runs[0][1] if not runs[best][1] else lines:
             _note(self.lines, line)
         if best:
-            how = (f"cutting every main op as on axis {self.mesh.names[k - 1]}"
-                   if not runs[best][1] else
-                   f"starting from the runner-up cut of op {self.members[order[0]][0]}")
+            if best >= joint:
+                how = "cutting classes together where that lowers the links' price"
+            elif not runs[best][1]:
+                how = f"cutting every main op as on axis {self.mesh.names[k - 1]}"
+            else:
+                how = f"starting from the runner-up cut of op {self.members[order[0]][0]}"
             _note(self.lines, f"axis {axis}: {how} costs {costs[best]:.6g} over the links, "
                               f"less than the greedy choices ({costs[0]:.6g}): taken instead")
         size = self.mesh.axis_size(axis)
@@ -445,6 +451,69 @@ class _Sapp:
                 if others and mine < others[0][0] <= _CLOSE * mine:
                     second = others[0][5]
         return {c: self.opts[c][n][0] for c, n in self.decided.items()}, lines, second
+
+    def _pairwise(self, order: list[int]) -> tuple[list[np.ndarray], dict]:
+        """`_objective` as unary and pairwise terms over the classes' cuts on this axis:
+        (per class of `order`, the cost of each of its options; {(i, j): table} between the
+        classes at positions i < j). A carried state's dearest reader is counted as all of
+        them (the one term that is not pairwise), so this prices such state a little high."""
+        at = {c: i for i, c in enumerate(order)}
+        n_ops, cost = len(self.g.ops), self._cost
+        unary = [np.array([(op_cost + start) * len(self.members[c]) for (_, op_cost, _), start
+                           in zip(self.opts[c], self.start[c], strict=True)]) for c in order]
+        pairs: dict[tuple[int, int], np.ndarray] = {}
+        for c in order:
+            carried = self.members[c][0] >= n_ops
+            for lk in self.op_links[c]:
+                if not carried and lk.other >= n_ops and lk.other_slot == (1, 0):
+                    continue  # priced at the state, as its reader
+                weight = len(self.members[c]) * (1.0 if carried and lk.slot == (1, 0) else 0.5)
+                d = self.classes[lk.other]
+                if d == c:
+                    unary[at[c]] += weight * np.asarray(self._diagonal(lk))
+                    continue
+                table = weight * np.array([[cost(lk, dx, dy) for dy in self.dys[lk.n]]
+                                           for dx in self.dxs[lk.n]])
+                key = (at[c], at[d])
+                if key[0] > key[1]:
+                    key, table = key[::-1], table.T
+                pairs[key] = pairs[key] + table if key in pairs else table
+        return unary, pairs
+
+    def _jointly(self, order: list[int], starts: list[dict[int, tuple]]) -> list[dict]:
+        """Cuts for every class that lower the links' price over the whole graph together
+        (greedy passes decide one class at a time, while a tensor parallel MLP inside data
+        parallel attention needs several classes to change their cut at once): each start
+        improved class by class until no class gains alone, and with few classes the exact
+        optimum (dynamic.solve; it takes milliseconds there)."""
+        unary, pairs = self._pairwise(order)
+        out = [self._descend(order, unary, pairs, start) for start in starts]
+        if len(order) <= _EXACT_CLASSES:
+            choice = solve(Problem(tuple(unary), tuple((i, j, t) for (i, j), t in
+                                                       pairs.items()))).choice
+            out.append({c: self.opts[c][int(choice[i])][0] for i, c in enumerate(order)})
+        return out
+
+    def _descend(self, order: list[int], unary: list[np.ndarray], pairs: dict,
+                 start: dict[int, tuple]) -> dict[int, tuple]:
+        """Coordinate descent from `start`: each class in turn takes its cheapest option
+        against its neighbours' current ones, until a sweep changes nothing."""
+        pick = [next(n for n, (u, _, _) in enumerate(self.opts[c]) if u == start[c])
+                for c in order]
+        near: list[list[tuple[int, np.ndarray]]] = [[] for _ in order]
+        for (i, j), table in pairs.items():
+            near[i].append((j, table))
+            near[j].append((i, table.T))
+        for _ in range(_SWEEPS):
+            moved = False
+            for i, terms in enumerate(near):
+                total = unary[i] + sum(t[:, pick[j]] for j, t in terms) if terms else unary[i]
+                best = int(np.argmin(total))
+                if total[best] < total[pick[i]] * (1 - _TIE) - 1e-18:
+                    pick[i], moved = best, True
+            if not moved:
+                break
+        return {c: self.opts[c][pick[i]][0] for i, c in enumerate(order)}
 
     def _objective(self, chosen: dict[int, tuple]) -> float:
         """Op-costs plus resharding over every link, each class counted once per op, when
