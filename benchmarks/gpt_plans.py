@@ -3,7 +3,9 @@
 The acceptance benchmark: a GPT training step (Adam; 2 layers, d_model 1024, 16 heads, vocab
 8192, batch 16, seq 512 by default) planned by each automatic search mode with no strategy given,
 and three hand-written layouts, every one compiled for 8 simulated CPU devices and priced from its
-compiled HLO by `jaxpar.analysis.estimate_time` under a hardware profile (h100-nvlink).
+compiled HLO by `jaxpar.analysis.estimate_time` under a hardware profile (h100-nvlink): its flops
+at the profile's peak plus the alpha-beta time of its collectives (the profile's `compute_time:
+flops`, as the planner prices compute).
 
 Hand-written layouts (params and both Adam moments share one spec per leaf; Adam's step count
 and the loss are replicated):
@@ -27,14 +29,15 @@ with in_strategy None on `make_mesh(8)`. Every plan donates params and optimizer
 Per plan: plan time, compile time, the compiled program's compute/communication/total time
 estimate, the plan's own modelled total, predicted (plan) vs measured (HLO) collective bytes,
 and peak memory per device (`compiled.memory_analysis()`). The CPU-compiled HLO is what gets
-priced: XLA's CPU backend fuses less than its GPU one, so "bytes accessed", and with it the
-memory-bound compute time, is larger than a GPU build would show; all plans are priced alike.
+priced: its flops and collectives are those a GPU build partitions to (its "bytes accessed",
+reported as memory time but not added, is larger: XLA's CPU backend fuses less).
 
 Exit status 1 when an automatic plan's estimated time exceeds the best baseline's, a plan's
 predicted collective bytes are more than 10% off the measured ones, or a mode fails; a mode this
 jaxpar does not have is reported as unavailable and skipped.
 
     python benchmarks/gpt_plans.py --modes dynamic_programming recursive_programming
+    python benchmarks/gpt_plans.py --level 2 --mem-coeff 0     # the fastest plan of each mode
     python benchmarks/gpt_plans.py --layers 1 --d-model 64 --heads 4 --vocab 128 --seq 16 \
         --batch 8 --modes sharding_propagation
 """
@@ -83,6 +86,8 @@ class Config:
     seq: int = 512
     batch: int = 16
     hardware: str = "h100-nvlink"
+    level: int = 0            # jaxpar's objective for the automatic plans (shard's level and
+    mem_coeff: float = 0.1    # mem_coeff; level 2 with mem_coeff 0 asks for the fastest step)
 
 
 # ---- hand-written layouts: (leaf path, shape) -> PartitionSpec --------------------------------
@@ -158,7 +163,7 @@ def _jaxpar_plan(step, args: tuple, cfg: Config, mode: str, layout: Layout | Non
     if layout is None:
         mesh = jaxpar.make_mesh(8)
         f = jaxpar.shard(step, mesh=mesh, search_mode=mode, hardware=cfg.hardware,
-                         donate_argnums=(0, 1))
+                         level=cfg.level, mem_coeff=cfg.mem_coeff, donate_argnums=(0, 1))
     else:
         mesh = jaxpar.make_mesh(layout.mesh_shape, layout.axis_names)
         specs = _leaf_specs(layout, args)
@@ -311,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
                           ("seq", 512), ("batch", 16)):
         parser.add_argument(f"--{flag}", type=int, default=default)
     parser.add_argument("--hardware", default="h100-nvlink")
+    parser.add_argument("--level", type=int, default=0, choices=(0, 1, 2),
+                        help="objective of the automatic plans (2: speed)")
+    parser.add_argument("--mem-coeff", type=float, default=0.1,
+                        help="memory weight of the automatic plans (0: time only)")
     parser.add_argument("--modes", nargs="*", default=list(DEFAULT_MODES),
                         help="automatic search modes to plan with (in_strategy None)")
     parser.add_argument("--baselines", nargs="*", default=list(BASELINES), choices=BASELINES)
@@ -318,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="how baselines are built: plain jax.jit and/or jaxpar.shard")
     parser.add_argument("--out", type=Path, default=Path("results"))
     a = parser.parse_args(argv)
-    cfg = Config(a.layers, a.d_model, a.heads, a.vocab, a.seq, a.batch, a.hardware)
+    cfg = Config(a.layers, a.d_model, a.heads, a.vocab, a.seq, a.batch, a.hardware, a.level,
+                 a.mem_coeff)
     result = run(cfg, a.modes, a.baselines, a.lowering, a.out)
     print(table(result))
     for f in result["failures"]:
