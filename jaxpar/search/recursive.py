@@ -22,10 +22,14 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    mem_coeff included) plus its rest-cost: its links to classes decided on this axis and to
    fixed specs (resharding over the axes decided so far, and the ops between), plus for each
    undecided neighbour the extra cost of its best answer to the cut. The cheapest cut wins and
-   every price goes to the log, in MindSpore's words. Two other ways to cut the axis are priced
+   every price goes to the log, in MindSpore's words. Other ways to cut the axis are priced
    over all links against the greedy one and taken when cheaper: a second greedy pass from the
-   first class's runner-up cut (when dearer by at most 5%), and every class cutting as on the
-   axis before (greedy passes trust their one-step look-ahead too much on long chains).
+   first class's runner-up cut (when dearer by at most 5%), every class cutting as on the
+   axis before (greedy passes trust their one-step look-ahead too much on long chains), and
+   joint moves: from each of those, classes change their cut one at a time while the links'
+   price drops (coordinate descent), and an axis of at most 64 classes is solved exactly
+   (dynamic.solve). Greedy passes decide one class at a time; a tensor parallel MLP needs
+   several classes to change together.
 4. With the main ops and the state that no main op reads (optimizer moments) fixed,
    sharding propagation plans every other op (per class) and the parameters, then
    propagation.Refiner improves the plan with the exact objective, one op at a time; carried
@@ -33,6 +37,9 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    all-reduced), where that lowers the total (small state: a gather's latency outweighs the
    work it saves). Carried outputs are priced against their input's spec throughout, so the
    plan holds for a step called in a loop (a ZeRO-style gather at the end of the step shows).
+   The axes are decided twice, with the joint moves and without them (the links price a cut
+   roughly, and the joint moves trust them most); when the two differ, both are planned in
+   full and the plan with the lower exact objective is kept.
 5. A plan over the memory budget is searched again with mem_coeff four times larger (more model
    parallel, less memory) a few times, then fails with a ValueError saying what it needs.
 The work is linear in the number of ops: every op is walked, propagated and refined a bounded
@@ -54,7 +61,7 @@ from jaxpar.rules.registry import OpInfo
 from jaxpar.search import paused_gc
 from jaxpar.search.dynamic import Problem, solve
 from jaxpar.search.links import Link, Slot, Units, mapped
-from jaxpar.search.propagation import GraphIndex, GraphPlan, Refiner, propagate
+from jaxpar.search.propagation import GraphIndex, GraphPlan, Refiner, graph_cost, propagate
 from jaxpar.spec import MeshInfo, OpStrategy, Spec
 
 log = logging.getLogger("jaxpar.search.recursive")
@@ -251,9 +258,34 @@ class _Sapp:
                           f"{len(g.ops)} and {len(self.units.carried)} carried states "
                           f"({len(order)} classes), mesh {self.mesh.describe()}, "
                           f"mem_coeff={model.mem_coeff:g}; costs in modeled seconds")
-        for k, axis in enumerate(self.mesh.names):
-            self._axis(k, axis, order)
-        fixed, fixed_in, fixed_out = self._decided()
+        # Two passes over the axes: with the joint moves, and with greedy passes alone. The
+        # links price a cut roughly; where the passes decide differently both are planned in
+        # full and the plan with the lower exact objective is kept (joint moves can mislead).
+        alive, outer, done = {c: list(a) for c, a in self.alive.items()}, self.lines, []
+        for joint in (True, False):
+            self.joint = joint
+            self.alive = {c: list(a) for c, a in alive.items()}
+            self.factor, self.lines = {}, []
+            for k, axis in enumerate(self.mesh.names):
+                self._axis(k, axis, order)
+            decided = self._decided()
+            if done and decided == done[0][0]:
+                break
+            plan = self._complete(*decided)
+            done.append((decided, plan, self._score(plan, decided[2]), self.lines))
+        best = min(done, key=lambda d: d[2])
+        for line in best[3]:
+            _note(outer, line)
+        if len(done) > 1:
+            how = "with" if best is done[0] else "without"
+            _note(outer, f"kept the plan {how} joint moves: it scores {best[2]:.6g}, the "
+                         f"other {max(d[2] for d in done):.6g}")
+        self.lines = outer
+        return best[1]
+
+    def _complete(self, fixed: dict, fixed_in: dict, fixed_out: dict) -> GraphPlan:
+        """The whole plan from the main ops' decisions: propagation, then refinement."""
+        g, model = self.g, self.model
         ties = tuple((v, pos) for v, pos, _ in self.units.carried if v not in fixed_in)
         classes = self.classes[:len(g.ops)]
         gp = propagate(g, model, fixed_in, fixed_out, fixed, classes, ties, self.index)
@@ -263,6 +295,11 @@ class _Sapp:
         for x in self.mains:  # as propagate() reports them: with the runner-up
             refiner.plan.choices[x] = refiner.report(x)
         return refiner.plan
+
+    def _score(self, plan: GraphPlan, fixed_out: dict) -> float:
+        """The plan's exact objective, carried outputs back in their input's spec."""
+        back = dict(fixed_out) | {pos: plan.specs[v] for v, pos, _ in self.units.carried}
+        return self.model.score(graph_cost(self.g, plan, self.model, back))
 
     def _decided(self) -> tuple[dict, dict, dict]:
         """(main op -> strategy, fixed inputs, fixed outputs): the main ops' decisions, and
@@ -407,13 +444,13 @@ class _Sapp:
                      else u for c, u in runs[0][0].items()}
             runs.append((again, [], None))
         joint = len(runs)
-        runs += [(chosen, [], None) for chosen in
-                 self._jointly(order, [chosen for chosen, _, _ in runs])]
+        if self.joint:
+            runs += [(chosen, [], None) for chosen in
+                     self._jointly(order, [chosen for chosen, _, _ in runs])]
         costs = [self._objective(chosen) for chosen, _, _ in runs]
         best = min(range(len(runs)), key=lambda n: (costs[n] * (1 + _TIE * n), n))
         chosen, lines, _ = runs[best]
-        for line in runs[0][1] if not runs[best][1] else lines:
-            _note(self.lines, line)
+        self.lines.extend(runs[0][1] if not runs[best][1] else lines)  # logged if kept
         if best:
             if best >= joint:
                 how = "cutting classes together where that lowers the links' price"
@@ -421,7 +458,7 @@ class _Sapp:
                 how = f"cutting every main op as on axis {self.mesh.names[k - 1]}"
             else:
                 how = f"starting from the runner-up cut of op {self.members[order[0]][0]}"
-            _note(self.lines, f"axis {axis}: {how} costs {costs[best]:.6g} over the links, "
+            self.lines.append(f"axis {axis}: {how} costs {costs[best]:.6g} over the links, "
                               f"less than the greedy choices ({costs[0]:.6g}): taken instead")
         size = self.mesh.axis_size(axis)
         for c, u in chosen.items():  # links that carry a cut: the ops between run cut
