@@ -147,3 +147,41 @@ def test_memory_budget_holds_with_tied_layers(budget, proven):
         assert sol.optimal and sol.cost == pytest.approx(free.cost, rel=1e-9)
     else:
         assert sol.optimal or sol.gap > 0
+
+
+def test_tail_reductions_over_several_groups_are_searched_again(monkeypatch):
+    # A top-2 MoE step on a 4 x 2 mesh: the first optimum reduces the tail's gradients over
+    # two device groups, each priced at a share of one latency. The search runs again with
+    # one group per kind and keeps whichever costs less with one whole latency per group.
+    from jaxpar.models import moe
+
+    step, args = moe.abstract_train_step(
+        moe.MoEConfig(d_model=256, d_ff=1024, experts=8, group_size=64), 16)
+    mesh = jaxpar.make_mesh((4, 2), ("d0", "d1"))
+    solutions = []
+    real_solve = exact.solve
+
+    def solve(problem, time_limit=30.0):
+        solutions.append((problem, real_solve(problem, time_limit)))
+        return solutions[-1][1]
+
+    seen = {}
+    real_groups = exact.grouped_objective
+
+    def grouped(graph, model, t, problem, choice):
+        seen["args"] = (graph, model, t)
+        return real_groups(graph, model, t, problem, choice)
+
+    monkeypatch.setattr(exact, "solve", solve)
+    monkeypatch.setattr(exact, "grouped_objective", grouped)
+    f = jaxpar.shard(step, mesh=mesh, search_mode="dynamic_programming", hardware="h100-nvlink",
+                     level=2, mem_coeff=0.0)
+    plan = f.plan(*args)
+    assert len(solutions) == 2
+    graph, model, t = seen["args"]
+    (problem, first), (_, second) = solutions
+    assert len({g for g in exact._tail_groups(graph, t, first.choice)}) > 1
+    scores = [real_groups(graph, model, t, problem, s.choice) for s in (first, second)]
+    kept = first if scores[0] <= scores[1] else second
+    chosen = {op: plan.graph_plan.choices[op].strategy for op in t.op_nodes}
+    assert all(chosen[op] == t.cands[node][kept.choice[node]] for op, node in t.op_nodes.items())

@@ -12,17 +12,25 @@ one strategy, and so are the free inputs they read in the same way (a layer's we
 optimizer state). The answer is then exact over the plans in which repeated layers agree, which
 is what a deep model is planned as by hand; the search costs about as much for 48 layers as for
 2. tie_repeats=False searches every op on its own.
+
+A step's tail (gradient reductions, the optimizer) prices each reduction at a share of one
+latency, as if XLA combined them all; it combines those of one kind over one device group.
+A plan whose tail reduces over several groups is searched again with each kind kept to its
+most used group, and whichever of the two is cheaper with one latency per group is kept.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from jaxpar.cost.model import CostModel
+from jaxpar.cost.comm import Collective
+from jaxpar.cost.model import CostModel, OpCost
 from jaxpar.ir.graph import OpGraph
 from jaxpar.ir.repeat import op_classes
 from jaxpar.rules.registry import has_rule
-from jaxpar.search.dynamic import Problem, Solution, solve
+from jaxpar.search.dynamic import Problem, Solution, objective, solve
 from jaxpar.search.propagation import Choice, GraphPlan
 from jaxpar.search.tables import Tables, build_tables
 from jaxpar.spec import Spec
@@ -55,10 +63,78 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
                       live_ranges(graph, t) if budget is not None else None)
     try:
         solution = solve(problem, time_limit)
+        solution = _one_latency_per_group(graph, model, t, problem, solution, time_limit)
     except ValueError as err:  # no assignment fits: say it in the user's terms
         raise ValueError(f"memory_budget={memory_budget:.0f} bytes per device cannot be met "
                          f"once the fixed inputs are placed: {err}") from None
     return _to_plan(graph, t, solution.choice, fixed_in), solution
+
+
+def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem: Problem,
+                           solution: Solution, time_limit: float) -> Solution:
+    """The reductions of a step's tail (gradients) pay a share of one latency each in the
+    tables, as if XLA combined them all into one collective; it combines only those of one
+    kind over one device group. When the plan reduces over several groups, the search runs
+    again with the tail's reductions kept to the most used group of each kind, and the plan
+    whose objective is lower once each group pays one whole latency is kept."""
+    groups = _tail_groups(graph, t, solution.choice)
+    kinds = {kind for kind, _ in groups}
+    if len(groups) <= len(kinds):
+        return solution
+    keep = {kind: max((g for g in groups if g[0] == kind), key=lambda g: (groups[g], g))
+            for kind in kinds}
+    penalty = 1.0 + 10.0 * float(np.max([c.max() for c in problem.node_cost]))
+    costs = [c.copy() for c in problem.node_cost]
+    for node in _tail_nodes(graph, t):
+        for k, s in enumerate(t.cands[node]):
+            if any(keep.get(kind, (kind, axes)) != (kind, axes) for kind, axes in _reductions(s)):
+                costs[node][k] += penalty
+    again = solve(dataclasses.replace(problem, node_cost=tuple(costs)), time_limit)
+    if grouped_objective(graph, model, t, problem, again.choice) < \
+            grouped_objective(graph, model, t, problem, solution.choice):
+        return dataclasses.replace(again, cost=objective(problem, again.choice),
+                                   seconds=solution.seconds + again.seconds)
+    return dataclasses.replace(solution, seconds=solution.seconds + again.seconds)
+
+
+def grouped_objective(graph: OpGraph, model: CostModel, t: Tables, problem: Problem,
+                      choice: np.ndarray) -> float:
+    """`objective` with the tail's reductions paying one latency per (kind, device group)
+    instead of a share each (what XLA's combiners make of them)."""
+    used = _tail_groups(graph, t, choice)
+    if not used:
+        return objective(problem, choice)
+    share = graph.latency_share(next(iter(graph.tail_values())))
+    latency = {g: model.collectives_cost([Collective(g[0], g[1], 0.0)]).comm_s for g in used}
+    paid = sum(n * share * latency[g] for g, n in used.items())
+    return objective(problem, choice) + model.score(OpCost(comm_s=sum(latency.values()) - paid))
+
+
+def _tail_nodes(graph: OpGraph, t: Tables) -> list[int]:
+    """The nodes of the ops whose results lie in the step's tail (region ops aside)."""
+    tail = graph.tail_values()
+    return [t.op_nodes[op.index] for op in graph.ops
+            if not op.regions and any(v in tail for v in op.outputs)]
+
+
+def _tail_groups(graph: OpGraph, t: Tables, choice: np.ndarray) -> dict[tuple, int]:
+    """{(kind, axes): how many} of the reductions the tail's ops make under `choice`."""
+    out: dict[tuple, int] = {}
+    for node in _tail_nodes(graph, t):
+        for key in _reductions(t.cands[node][int(choice[node])]):
+            out[key] = out.get(key, 0) + 1
+    return out
+
+
+def _reductions(s) -> list[tuple[str, tuple[str, ...]]]:
+    """(kind, axes) of an op strategy's own reductions: each partial result becomes an
+    all-reduce, or a reduce-scatter when its spec cuts a dimension on a partial axis."""
+    keys = []
+    for out, partial in zip(s.outs, s.partial, strict=True):
+        if partial:
+            kind = "reduce-scatter" if set(partial) & set(out.axes()) else "all-reduce"
+            keys.append((kind, tuple(sorted(partial))))
+    return keys
 
 
 def _budget_left(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
