@@ -19,13 +19,14 @@ name its own link, whatever its position. A link may also carry per-collective f
 (`collectives: {all-gather: {bandwidth, latency}, ...}`), read with `Link.figures(kind)`.
 
 Compute time. `compute_time: flops` (the default) prices an op's compute as its flops over
-`peak_flops`, Alpa's convention: XLA fuses elementwise chains into the matmuls and reductions
-around them, so what a plan's compute costs is its heavy ops, and an optimizer update computed
-on every device (data parallel) is next to free. This is also what `jaxpar.estimate_time` and
-the benchmarks read from a compiled program (its flops). `compute_time: roofline` prices the
-larger of that and the op's operand and result bytes over `memory_bandwidth`, for a machine
-where memory-bound work is what a step waits on: replicated elementwise work then costs time,
-and plans shard the optimizer update (ZeRO) to save it.
+`peak_flops`, Alpa's convention: what sets plans apart is then their communication and their
+heavy ops (matmuls, convolutions), and memory-bound elementwise work, such as an optimizer
+update computed on every device under data parallel, costs next to nothing. It is what
+`jaxpar.estimate_time` and the benchmarks read from a compiled program (its flops).
+`compute_time: roofline` prices the larger of that and the op's operand and result bytes over
+`memory_bandwidth`, each op on its own (no fusion), for a machine where memory-bound work is
+what a step waits on: replicated elementwise work then costs time, and plans shard the
+optimizer update (ZeRO) to save it.
 
 Bandwidths follow the bus-bandwidth convention of `jaxpar.cost.comm`: a ring all-gather of b
 bytes per device over n devices takes (n-1)/n * b / bandwidth, an all-reduce twice that.

@@ -198,6 +198,7 @@ class _Sapp:
         self.linker, self.is_carried = self.units.linker, self.units.is_carried
         self.scores_cache: dict = {}
         self.usage_cache: dict = {}
+        self.joint = True  # whether _axis also tries joint moves (run() decides both ways)
         self.shares = index.shares
         self.classes = self._main_classes(classes)
 
