@@ -4,7 +4,8 @@ Before: an OpGraph, the specs the user fixed (inputs and outputs), a CostModel. 
 GraphPlan giving every value a spec and every op a chosen strategy (with its runner-up).
 
 Ops are planned one at a time, outward from what is already known: the next op is the unplanned
-neighbour of planned values joined to them by the largest tensor (big tensors decide first). Each
+neighbour of planned values joined to them by the largest tensor (big tensors decide first),
+the readers of replicated values last (a replicated value does not say how to cut). Each
 candidate strategy is priced as its op cost plus the resharding from the known specs of its
 operands and into the specs its already-planned consumers (or fixed outputs) require; the
 cheapest wins. When nothing is known yet, the most expensive unplanned op starts a new front.
@@ -343,9 +344,10 @@ class _Propagation:
         producer = self.b.producer.get(v)
         if producer is not None:
             self._push(producer, weight)
-        # With decided ops to start from, a replicated value says nothing about how its
-        # consumers should cut (any cut of it is free): they wait for better-informed fronts.
-        later = bool(self.fixed_ops) and not self.plan.specs[v].axes()
+        # A replicated value says nothing about how its consumers should cut (any cut of it
+        # is free): they wait for better-informed fronts. (A replicated embedding table, the
+        # largest input, would otherwise decide first and cut its gather on the features.)
+        later = not self.plan.specs[v].axes()
         for x, _ in self.b.readers.get(v, ()):
             self._push(x, weight, later)
 
