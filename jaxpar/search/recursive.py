@@ -496,7 +496,7 @@ class _Sapp:
         classes at positions i < j). A carried state's dearest reader is counted as all of
         them (the one term that is not pairwise), so this prices such state a little high."""
         at = {c: i for i, c in enumerate(order)}
-        n_ops, cost = len(self.g.ops), self._cost
+        n_ops = len(self.g.ops)
         unary = [np.array([(op_cost + start) * len(self.members[c]) for (_, op_cost, _), start
                            in zip(self.opts[c], self.start[c], strict=True)]) for c in order]
         pairs: dict[tuple[int, int], np.ndarray] = {}
@@ -510,8 +510,7 @@ class _Sapp:
                 if d == c:
                     unary[at[c]] += weight * np.asarray(self._diagonal(lk))
                     continue
-                table = weight * np.array([[cost(lk, dx, dy) for dy in self.dys[lk.n]]
-                                           for dx in self.dxs[lk.n]])
+                table = weight * np.array([self._answers(lk, dx) for dx in self.dxs[lk.n]])
                 key = (at[c], at[d])
                 if key[0] > key[1]:
                     key, table = key[::-1], table.T
