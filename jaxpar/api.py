@@ -55,6 +55,7 @@ class _Compiled:
     plan: Plan
     build: Any
     _jitted: Any = None
+    shardings: tuple | None = None  # the inputs' NamedShardings, made on the first call
 
     @property
     def jitted(self):
@@ -163,9 +164,11 @@ class ShardedFunction:
 
     def __call__(self, *args):
         self._check_concrete("call")
-        c = self._compiled(args)
-        flat = [_placed(x, NamedSharding(self.mesh, s.to_pspec()))
-                for x, s in zip(jax.tree_util.tree_leaves(args), c.plan.in_specs, strict=True)]
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        c = self._compiled(args, leaves, tree)
+        if c.shardings is None:
+            c.shardings = tuple(NamedSharding(self.mesh, s.to_pspec()) for s in c.plan.in_specs)
+        flat = [_placed(x, s) for x, s in zip(leaves, c.shardings, strict=True)]
         out = c.jitted(*flat)
         return jax.tree_util.tree_unflatten(c.plan.out_tree, list(out))
 
@@ -188,9 +191,10 @@ class ShardedFunction:
             raise TypeError(f"with_plan(plan={plan!r}): pass a jaxpar.Plan (Plan.load(path)).")
         return ShardedFunction(self.fn, self.opts, plan)
 
-    def _compiled(self, args: tuple) -> _Compiled:
-        leaves, tree = jax.tree_util.tree_flatten(args)
-        key = (tree, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
+    def _compiled(self, args: tuple, leaves: list | None = None, tree=None) -> _Compiled:
+        if leaves is None:
+            leaves, tree = jax.tree_util.tree_flatten(args)
+        key = (tree, tuple((tuple(x.shape), x.dtype) for x in leaves))
         if key not in self._cache:
             with paused_gc():
                 self._cache[key] = self._build(args)
@@ -349,7 +353,9 @@ def _placed(x, sharding: NamedSharding):
     host value (numpy, scalars) is the global value, the same in every process: each process
     fills its own devices' pieces of it (jit takes no host values for sharded inputs there)."""
     if isinstance(x, jax.Array):
-        return x if x.sharding.is_equivalent_to(sharding, x.ndim) else jax.device_put(x, sharding)
+        if x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim):
+            return x  # equality first: a step's own outputs pass without the longer check
+        return jax.device_put(x, sharding)
     if jax.process_count() > 1:
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
