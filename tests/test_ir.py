@@ -6,6 +6,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.ir import Lit, build_graph, trace
+from jaxpar.ir.graph import scan_counts
 
 
 def names(graph):
@@ -57,6 +58,20 @@ def test_regions_keep_their_bodies_once():
     assert len(regions["cond"].regions) == 2 and len(regions["while"].regions) == 2
     paths = [p for p, _ in graph.walk()]
     assert any(len(p) == 3 for p in paths)  # (region op, region, op) paths reach the bodies
+
+
+def test_scan_counts_read_both_jax_conventions():
+    # jax 0.10 names a scan's leading inputs in params; jax 0.11 keeps a flat tree of the
+    # inputs (consts, carries, xs) whose groups count their leaves with len().
+    class Group(tuple):
+        def unpack(self):
+            return tuple(self)
+    assert scan_counts({"num_consts": 2, "num_carry": 3}) == (2, 3)
+    assert scan_counts({"ft_in": Group(((None, None), (None,) * 3, (None,)))}) == (2, 3)
+    # and on the installed jax, whichever convention it has:
+    f = lambda c, xs: jax.lax.scan(lambda c, x: (c + x, c), c, xs)  # noqa: E731
+    graph = build_graph(trace(f, (jnp.ones(3), jnp.ones((5, 3)))).closed_jaxpr)
+    assert scan_counts(graph.ops[-1].params) == (0, 1)
 
 
 def test_parameter_paths_name_pytree_leaves():

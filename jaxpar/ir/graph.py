@@ -32,6 +32,16 @@ _HEAVY = frozenset({"dot_general", "conv_general_dilated"})
 REGION_PARAMS = {"scan": ("jaxpr",), "while": ("cond_jaxpr", "body_jaxpr"), "cond": ("branches",)}
 
 
+def scan_counts(params: dict) -> tuple[int, int]:
+    """(constants, carries) leading a scan body's inputs. jax 0.10 names them num_consts and
+    num_carry; jax 0.11 keeps a flat tree of the inputs, ft_in, that unpacks into (consts,
+    carries, xs) groups whose len() counts their leaves."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
 def as_dtype(dtype) -> Any:
     """numpy dtype of an array, or JAX's own dtype object for extended types (PRNG keys)."""
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
@@ -253,4 +263,5 @@ def _region_bodies(eqn) -> list:
     for key in REGION_PARAMS[eqn.primitive.name]:
         val = eqn.params[key]
         bodies.extend(val if isinstance(val, tuple | list) else [val])
-    return bodies
+    # jax 0.11 keeps loop bodies as plain Jaxprs (their constants are loop inputs)
+    return [jcore.ClosedJaxpr(b, ()) if isinstance(b, jcore.Jaxpr) else b for b in bodies]

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from jaxpar.ir.graph import Lit, Op, OpGraph
+from jaxpar.ir.graph import Lit, Op, OpGraph, scan_counts
 from jaxpar.search.propagation import GraphPlan
 from jaxpar.spec import Spec
 
@@ -93,7 +93,7 @@ def _region(op: Op, plans: tuple[GraphPlan, ...], ins: list, mesh: Mesh, fp32: b
 
 
 def _scan(op: Op, plans, ins, mesh, fp32) -> list:
-    nc, ncar = op.params["num_consts"], op.params["num_carry"]
+    nc, ncar = scan_counts(op.params)
     consts, init, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
     body, plan = op.regions[0], plans[0]
 

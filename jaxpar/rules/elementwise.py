@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from jax import lax
 from jax._src import ad_util
+from jax._src.lax import lax as lax_internal
 
 from jaxpar.rules.registry import RULES, Loop, OpInfo, loop_strategies
 from jaxpar.spec import MeshInfo, OpStrategy
@@ -30,12 +31,14 @@ convert_element_type copy cos cosh digamma div eq erf erf_inv erfc exp exp2 expm
 gt igamma igammac imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg
 nextafter not or population_count pow real reduce_precision rem round rsqrt select_n
 shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient
-sub tan tanh xor clz
+sub tan tanh xor clz one_minus_square log2
 """
 
 
 def _primitive(name: str):
-    return getattr(lax, f"{name}_p", None)
+    # lax exports most primitives; some (one_minus_square, jax 0.11's tanh derivative) only
+    # live in jax._src.lax.lax
+    return getattr(lax, f"{name}_p", None) or getattr(lax_internal, f"{name}_p", None)
 
 
 def _register() -> None:

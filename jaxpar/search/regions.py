@@ -11,7 +11,7 @@ carries free, then again with every carry fixed, in and out, to the spec the fir
 from __future__ import annotations
 
 from jaxpar.cost.model import CostModel, OpCost
-from jaxpar.ir.graph import Op, OpGraph
+from jaxpar.ir.graph import Op, OpGraph, scan_counts
 from jaxpar.rules.registry import OpInfo
 from jaxpar.search.propagation import GraphPlan, graph_cost, out_spec, propagate
 from jaxpar.spec import OpStrategy, Spec
@@ -42,7 +42,7 @@ def _stacked(spec: Spec) -> Spec:
 
 
 def _scan(op: Op, info: OpInfo, known, model: CostModel):
-    nc, ncar, length = op.params["num_consts"], op.params["num_carry"], op.params["length"]
+    (nc, ncar), length = scan_counts(op.params), op.params["length"]
     body = op.regions[0]
     per_iter = [k if (k is None or i < nc + ncar) else Spec(k.dims[1:])
                 for i, k in enumerate(known)]
