@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.analysis import collective_stats
 from jaxpar.cost import Collective, CostModel, collective_time, load_profile, reshard
@@ -123,3 +124,27 @@ def test_reshard_predicts_compiled_collectives(src, dst, expected):
 def test_reduce_scatter_when_destination_cuts_the_partial_axis():
     cs = reshard(S(None, None, partial=("d0",)), S("d0", None), 1024, MESH)
     assert [(c.kind, c.bytes) for c in cs] == [("reduce-scatter", 1024)]
+
+
+K = ("d0", "d1", "d2")
+
+
+@pytest.mark.parametrize("out", [(K, None), (("d1", "d2"), "d0"), ("d0", ("d1", "d2")),
+                                 ("d1", "d0"), (None, ("d0", "d1")), ("d0", None)],
+                         ids=str)
+def test_partial_sum_onto_several_dims_matches_compiled(out):
+    # x @ w with the contraction cut on every axis: the product is a partial sum over all
+    # three. XLA reduce-scatters onto one dim (the first the result cuts) and all-reduces
+    # the rest: what reshard predicts must be what it compiles, kind by kind.
+    mesh = make_mesh((2, 2, 2), K)
+    f = jax.jit(lambda x, w: jax.lax.with_sharding_constraint(
+        x @ w, NamedSharding(mesh, P(*out))),
+        in_shardings=(NamedSharding(mesh, P(None, K)), NamedSharding(mesh, P(K, None))))
+    compiled = f.lower(jax.ShapeDtypeStruct((64, 32), jnp.float32),
+                       jax.ShapeDtypeStruct((32, 128), jnp.float32)).compile()
+    measured = {k: v["bytes"] for k, v in collective_stats(compiled).items()}
+    predicted = {}
+    for c in reshard(Spec(((), ()), K), S(*out), 64 * 128 * 4, MeshInfo.of(mesh)):
+        predicted[c.kind] = predicted.get(c.kind, 0) + c.bytes
+    assert predicted == measured
+

@@ -63,7 +63,9 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
 
     When both specs cut every dimension into as many pieces, one collective-permute moves the
     pieces. Otherwise, in order: slices first (free, they shrink the pieces); partial sums
-    reduced (a reduce-scatter where `dst` cuts the axis, else one all-reduce); axes moving
+    reduced (a reduce-scatter onto the first dimension `dst` cuts with partial axes, an
+    all-reduce before it, at full size, of those `dst` cuts on later dimensions, and one
+    after it of those `dst` does not cut); axes moving
     between dimensions (an all-to-all); one collective-permute when a dimension keeps an axis
     but the axes outside it change (the pieces are renumbered); then one all-gather per
     dimension that loses axes, last dimension first.
@@ -80,9 +82,18 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
     out: list[Collective] = []
     scatter = tuple(a for a in src.partial if dst.dim_of(a) is not None)
     reduce = tuple(a for a in src.partial if a not in scatter)
+    # XLA reduce-scatters onto one dimension, the first that `dst` cuts with partial axes;
+    # the partial axes `dst` puts on later dimensions are all-reduced first, at full size,
+    # and then sliced.
+    first = min((dst.dim_of(a) for a in scatter), default=None)
+    early = tuple(a for a in scatter if dst.dim_of(a) != first)
+    if early:
+        out.append(Collective("all-reduce", early, local))
+        scatter = tuple(a for a in scatter if a not in early)
     if scatter:
         out.append(Collective("reduce-scatter", scatter, local))
         local /= mesh.group_size(scatter)
+    local /= mesh.group_size(early)
     if reduce:
         out.append(Collective("all-reduce", reduce, local))
     moved = tuple(a for d, axes in enumerate(src.dims) for a in axes
