@@ -57,6 +57,19 @@ def shape_bytes(text: str) -> int:
     return total
 
 
+def shape_dims(type_text: str) -> tuple[int, ...]:
+    """Dimensions of the first array shape written in `type_text` (() when there is none).
+
+    Example:
+      >>> shape_dims("(f32[8192,3072]{1,0}, s8[33554432]{0})")
+      (8192, 3072)
+    """
+    m = _SHAPE.search(type_text)
+    if not m or not m.group(2):
+        return ()
+    return tuple(int(d.removeprefix("<=")) for d in m.group(2).split(","))
+
+
 def split_top(text: str, sep: str = ",") -> list[str]:
     """`text` cut at every `sep` outside brackets, braces and parentheses, pieces stripped."""
     pieces, depth, start = [], 0, 0
