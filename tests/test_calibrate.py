@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jaxpar
-from jaxpar.calibrate import KINDS, fit_link, main
+from jaxpar.calibrate import KINDS, calibrate, fit_link, main
 from jaxpar.cost.comm import Collective, collective_time
 from jaxpar.cost.hardware import (
     Link,
@@ -61,6 +61,16 @@ def test_calibrate_writes_a_profile_that_loads(calibrated, capsys):
     assert p.intra in p.axes.values() and p.inter is None  # one process: no inter link
     assert p.axis_links(MeshInfo(("node", "gpu"), (2, 4))) == p.axes
     assert "Measured by `jaxpar calibrate` on 8 cpu" in path.read_text()
+    assert "peak_flops: float32 matmuls" in path.read_text()
+
+
+def test_peak_flops_in_the_programs_matmul_dtype():
+    # One device: no links, only the matmul and the memory copy are timed.
+    one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    cal = calibrate(one, quick=True, matmul_dtype="bfloat16")
+    assert cal.profile.peak_flops > 0 and any("bfloat16 matmuls" in n for n in cal.notes)
+    with pytest.raises(ValueError, match="matmul_dtype='int8'"):
+        calibrate(one, matmul_dtype="int8")
 
 
 def test_calibrated_profile_drives_shard(calibrated):
