@@ -21,8 +21,10 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    before. A cut costs its op-cost (the cheapest of the op's strategies that cut so;
    mem_coeff included) plus its rest-cost: its links to classes decided on this axis and to
    fixed specs (resharding over the axes decided so far, and the ops between), plus for each
-   undecided neighbour the extra cost of its best answer to the cut. The cheapest cut wins and
-   every price goes to the log, in MindSpore's words. Other ways to cut the axis are priced
+   undecided neighbour the extra cost of its best answer to the cut. The cheapest cut wins (cuts
+   within 0.1% of it count as equal and the first listed, the lower dim, wins: neighbours then
+   agree on batch rather than mix batch and sequence) and every price goes to the log, in
+   MindSpore's words. Other ways to cut the axis are priced
    over all links against the greedy one and taken when cheaper: a second greedy pass from the
    first class's runner-up cut (when dearer by at most 5%), every class cutting as on the
    axis before (greedy passes trust their one-step look-ahead too much on long chains), and
@@ -69,7 +71,9 @@ log = logging.getLogger("jaxpar.search.recursive")
 _ALWAYS_MAIN = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter-add"})
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
 _RETRIES = 6          # memory budget: searches again with mem_coeff x4, x16, ...
-_TIE = 1e-9           # relative: cuts this close in cost count as equal (the first one wins)
+_TIE = 1e-9           # relative: costs this close count as equal (the first one wins)
+_NEAR = 1e-3          # relative: a class's cuts this close count as equal, the first listed
+                      # (the lower dim) wins, so that classes agree (batch, not sequence)
 _CLOSE = 1.05         # a first decision's runner-up this close is tried as a second start
 _EXACT_CLASSES = 64   # up to this many classes an axis's joint choice is solved exactly
 _SWEEPS = 50          # coordinate descent over classes: at most this many sweeps
@@ -613,7 +617,7 @@ class _Sapp:
         for n, (u, op_cost, _) in enumerate(self.opts[c]):
             rows.append((op_cost + rest[n], _uncut(u), n, op_cost, rest[n], u))
         low = min(r[0] for r in rows)
-        best = min((r for r in rows if r[0] <= low + _TIE * abs(low)), key=lambda r: r[1:3])
+        best = min((r for r in rows if r[0] <= low + _NEAR * abs(low)), key=lambda r: r[1:3])
         pick = best[2] if forced is None else \
             next(n for n, (u, _, _) in enumerate(self.opts[c]) if u == forced)
         self.decided[c] = pick
