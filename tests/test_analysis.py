@@ -21,8 +21,8 @@ from jaxpar.analysis import (
     collective_ops,
     collective_stats,
     estimate_time,
-    library_gemm_flops,
     flops,
+    library_gemm_flops,
     memory_stats,
 )
 from jaxpar.cost.hardware import HardwareProfile, Link

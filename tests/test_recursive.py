@@ -17,8 +17,9 @@ from jaxpar.models.gpt import GPTConfig, abstract_train_step
 from jaxpar.models.mlp import make_sgd_step
 from jaxpar.models.programs import PROGRAMS
 from jaxpar.search.exact import dynamic_programming
-from jaxpar.search.propagation import graph_cost, propagate, refine
+from jaxpar.search.propagation import graph_cost, propagate
 from jaxpar.search.recursive import main_ops, recursive_programming
+from jaxpar.search.refine import refine
 from jaxpar.spec import MeshInfo
 from jaxpar.strategy import parse_in_strategy
 

@@ -34,7 +34,7 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    several classes to change together.
 4. With the main ops and the state that no main op reads (optimizer moments) fixed,
    sharding propagation plans every other op (per class) and the parameters, then
-   propagation.Refiner improves the plan with the exact objective, one op at a time; carried
+   refine.Refiner improves the plan with the exact objective, one op at a time; carried
    state kept cut is then tried replicated, its update planned again (gradients may be
    all-reduced), where that lowers the total (small state: a gather's latency outweighs the
    work it saves). Carried outputs are priced against their input's spec throughout, so the
@@ -63,7 +63,8 @@ from jaxpar.rules.registry import OpInfo
 from jaxpar.search import paused_gc
 from jaxpar.search.dynamic import Problem, solve
 from jaxpar.search.links import Link, Slot, Units, mapped
-from jaxpar.search.propagation import GraphIndex, GraphPlan, Refiner, graph_cost, propagate
+from jaxpar.search.propagation import GraphIndex, GraphPlan, graph_cost, propagate
+from jaxpar.search.refine import Refiner
 from jaxpar.spec import MeshInfo, OpStrategy, Spec
 
 log = logging.getLogger("jaxpar.search.recursive")

@@ -1,0 +1,255 @@
+"""Refinement: a plan improved one op at a time with the exact objective.
+
+Before: an OpGraph, a complete GraphPlan (from propagation, or a search's completion), the
+fixed inputs and outputs, carried-state ties. After: a plan whose total (graph_cost) is no
+higher; `Refiner` also keeps its state for more moves (`replan`: a region planned again with
+some inputs and outputs in other specs, kept only if the total drops).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from jaxpar.cost.model import CostModel
+from jaxpar.ir.graph import Op, OpGraph
+from jaxpar.search.propagation import Choice, GraphIndex, GraphPlan, _Graph
+from jaxpar.spec import Spec
+
+
+def refine(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict[int, Spec],
+           fixed_out: dict[int, Spec], classes: list[int] | None = None,
+           ties: tuple[tuple[int, int], ...] = (), index: GraphIndex | None = None
+           ) -> GraphPlan:
+    """`plan` improved one op at a time with the exact objective (iterated conditional modes).
+
+    Every op without regions is visited (in program order, then again whenever something
+    around it changed) and takes the strategy whose own cost plus resharding from its
+    operands' specs and into what its consumers, fixed outputs and carried state need is least,
+    everything else held; a free input takes the spec its readers (and, carried, the output
+    replacing it) need at least cost. No step raises the plan's total (graph_cost), so a greedy
+    front's mistake, such as an optimizer chain computed replicated because its consumer asked
+    for that first and then gathered, is undone wherever moving one op at a time shows it. Ops
+    of one class (ir.repeat.op_classes) in the same surroundings share one evaluation. ties:
+    (input value, output position) pairs whose output comes back in the input's spec;
+    index: the graph's GraphIndex, when the caller has one.
+
+    Example:
+      >>> better = refine(graph, model, propagate(graph, model), {}, {})
+    """
+    return Refiner(graph, model, plan, fixed_in, fixed_out, classes, ties, index).run()
+
+
+class Refiner:
+    """refine()'s state, kept for more moves: `run()` visits ops until no single change
+    lowers the total; `replan(region, ...)` plans a set of ops again from scratch (what their
+    consumers need first, then what their operands give), with some inputs and outputs kept
+    in other specs, and keeps the result only when the plan's total drops."""
+
+    def __init__(self, graph: OpGraph, model: CostModel, plan: GraphPlan,
+                 fixed_in: dict[int, Spec], fixed_out: dict[int, Spec],
+                 classes: list[int] | None = None, ties: tuple[tuple[int, int], ...] = (),
+                 index: GraphIndex | None = None):
+        base = _Graph(graph, model, classes, index)
+        self.b, self.g = base, base.g
+        self.plan = GraphPlan(dict(plan.specs), dict(plan.choices))
+        self.fixed_in = dict(fixed_in)
+        self.out_needs: dict[int, list[Spec]] = {}
+        for pos, spec in fixed_out.items():
+            if isinstance(self.g.outputs[pos], int):
+                self.out_needs.setdefault(self.g.outputs[pos], []).append(spec)
+        self.tied_in: dict[int, int] = {}   # carried input -> the output replacing it
+        self.tied_out: dict[int, list[int]] = {}
+        for v, pos in ties:
+            w = self.g.outputs[pos]
+            if isinstance(w, int) and pos not in fixed_out and v not in fixed_in:
+                self.tied_in[v] = w
+                self.tied_out.setdefault(w, []).append(v)
+        self.memo: dict = {}
+
+    def run(self) -> GraphPlan:
+        """Program order first, then whatever changed around; a budget of visits bounds it."""
+        ops, readers, producer = self.g.ops, self.b.readers, self.b.producer
+        queue = deque(op.index for op in ops if not op.regions)
+        queued = set(queue)
+        free = [v for v in self.g.inputs if v not in self.fixed_in and v in readers]
+        budget = 8 * len(queue) + 64
+
+        def push(x: int) -> None:
+            if x not in queued and not ops[x].regions:
+                queued.add(x)
+                queue.append(x)
+        while queue and budget > 0:
+            while queue and budget > 0:
+                x = queue.popleft()
+                queued.discard(x)
+                budget -= 1
+                if self._visit(ops[x]):
+                    for v in ops[x].inputs:
+                        if isinstance(v, int) and v in producer:
+                            push(producer[v])
+                    for v in ops[x].outputs:
+                        for r, _ in readers.get(v, ()):
+                            push(r)
+            for v in free:
+                if self._place(v):
+                    for r, _ in readers[v]:
+                        push(r)
+                    if v in self.tied_in and self.tied_in[v] in producer:
+                        push(producer[self.tied_in[v]])
+        return self.plan
+
+    def _demands(self, v: int) -> tuple:
+        choices = self.plan.choices
+        needs = [choices[x].strategy.ins[i] for x, i in self.b.readers.get(v, ())]
+        extra = self.out_needs.get(v)
+        if extra:
+            needs += extra
+        tied = self.tied_out.get(v)
+        if tied:
+            needs += [self.plan.specs[u] for u in tied]
+        return tuple(needs)
+
+    def _visit(self, op: Op) -> bool:
+        specs, o = self.plan.specs, self.b.opts(op)
+        ins = tuple(specs.get(v) if isinstance(v, int) else None for v in op.inputs)
+        needs = tuple(self._demands(v) for v in op.outputs)
+        key = (o.key, ins, needs)
+        hit = self.memo.get(key)
+        if hit is None:
+            totals = self.b.priced(op, o, ins, needs)
+            hit = self.memo[key] = (self.b.choice(o, totals), totals)
+        best, totals = hit
+        current = self.plan.choices[op.index].strategy
+        k = o.index.get(current)
+        if k is not None and best.score >= totals[k] - 1e-9 * abs(totals[k]):
+            return False
+        self.plan.choices[op.index] = best
+        for v, spec in zip(op.outputs, best.strategy.outs, strict=True):
+            specs[v] = spec
+        return True
+
+    def _place(self, v: int) -> bool:
+        """A free input takes the spec, among those its readers need and the replicated one,
+        that costs least to reshard into all of them (and, carried, to get back into)."""
+        needs = self._demands(v)
+        w = self.tied_in.get(v)
+        made = (self.plan.specs[w],) if w is not None else ()
+        price = self.b.price
+
+        def cost(src: Spec) -> float:
+            return sum(price(v, src, need) for need in needs) + \
+                sum(price(w, m, src) for m in made)
+        rank = len(self.g.values[v].shape)
+        options = dict.fromkeys([n.resolved() for n in needs + made] + [Spec.replicated(rank)])
+        best = min(options, key=cost)
+        now = self.plan.specs.get(v)
+        if now is not None and cost(best) >= cost(now) - 1e-9 * abs(cost(now)):
+            return False
+        self.plan.specs[v] = best
+        return True
+
+    def replan(self, region: list[int], inputs: dict[int, Spec], outputs: dict[int, Spec],
+               keep: set[int]) -> bool:
+        """Plan the ops of `region` again with carried inputs `inputs` (value -> spec) and
+        the outputs replacing them `outputs` (value -> spec) fixed anew; ops in `keep` only
+        choose where their results land (their operands and reductions stay). Kept when the
+        total drops (True); else everything goes back."""
+        g, plan, b = self.g, self.plan, self.b
+        ops, inside = g.ops, set(region)
+        values = {v for x in region for v in ops[x].outputs}
+        touched = inside | {r for v in values | set(inputs) for r, _ in b.readers.get(v, ())}
+        tied = [v for x in region for v in ops[x].inputs
+                if isinstance(v, int) and v in self.tied_in]
+        touched |= {r for v in tied for r, _ in b.readers.get(v, ())}
+        saved = ({x: plan.choices[x] for x in touched},
+                 {v: plan.specs.get(v) for v in values | set(inputs) | set(tied)},
+                 {w: self.out_needs.get(w) for w in outputs})
+        before = self._local(touched, values)
+        for v, spec in inputs.items():
+            plan.specs[v] = spec
+        for w, spec in outputs.items():
+            self.out_needs[w] = [spec]
+        for x in sorted(region, reverse=True):  # what consumers need, operands unknown
+            self._take(ops[x], keep, {v for v in values if b.producer.get(v, -1) < x})
+        for _ in range(3):  # then with the operands known
+            if not sum(self._take(ops[x], keep, ()) for x in sorted(region)):
+                break
+        for v in tied:
+            self._place(v)
+        if self._local(touched, values) < before * (1 - 1e-9):
+            return True
+        plan.choices.update(saved[0])
+        for v, spec in saved[1].items():
+            if spec is None:
+                plan.specs.pop(v, None)
+            else:
+                plan.specs[v] = spec
+        for w, needs in saved[2].items():
+            if needs is None:
+                self.out_needs.pop(w, None)
+            else:
+                self.out_needs[w] = needs
+        return False
+
+    def report(self, x: int) -> Choice:
+        """Op x's strategy in the plan as a Choice: its score and its runner-up's, each its
+        own cost plus resharding from the operands' specs and into what consumers need."""
+        op, specs = self.g.ops[x], self.plan.specs
+        o, current = self.b.opts(op), self.plan.choices[x].strategy
+        ins = tuple(specs.get(v) if isinstance(v, int) else None for v in op.inputs)
+        needs = tuple(self._demands(v) for v in op.outputs)
+        key = (o.key, ins, needs, current, "report")
+        hit = self.memo.get(key)
+        if hit is None:
+            totals = self.b.priced(op, o, ins, needs)
+            k = o.index[current]
+            others = sorted((t, i) for i, t in enumerate(totals) if i != k)
+            runner = others[0] if others else None
+            hit = self.memo[key] = Choice(current, o.costs[k], totals[k],
+                                          o.cands[runner[1]] if runner else None,
+                                          runner[0] if runner else None, len(o.cands), o.rule)
+        return hit
+
+    def _take(self, op: Op, keep: set[int], unknown) -> bool:
+        """op takes its cheapest strategy given the operand specs (those in `unknown` not
+        counted) and what its consumers need; an op in `keep` only moves its results."""
+        specs, o = self.plan.specs, self.b.opts(op)
+        ins = tuple(specs.get(v) if isinstance(v, int) and v not in unknown else None
+                    for v in op.inputs)
+        needs = tuple(self._demands(v) for v in op.outputs)
+        current = self.plan.choices[op.index].strategy
+        only = (current.ins, current.partial) if op.index in keep else None
+        key = (o.key, ins, needs, only)
+        best = self.memo.get(key)
+        if best is None:
+            totals = self.b.priced(op, o, ins, needs)
+            if only is not None:
+                totals = [t if (s.ins, s.partial) == only else math.inf
+                          for s, t in zip(o.cands, totals, strict=True)]
+            best = self.memo[key] = self.b.choice(o, totals)
+        if best.strategy == current:
+            return False
+        self.plan.choices[op.index] = best
+        for v, spec in zip(op.outputs, best.strategy.outs, strict=True):
+            specs[v] = spec
+        return True
+
+    def _local(self, ops: set[int], values: set[int]) -> float:
+        """The plan's total over some ops (own cost and resharding of their operands) and
+        the fixed and carried outputs among `values`."""
+        plan, b, total = self.plan, self.b, 0.0
+        for x in ops:
+            op, s = self.g.ops[x], plan.choices[x].strategy
+            o = b.opts(op)
+            k = o.index.get(s)
+            total += o.scores[k] if k is not None else self.b.model.score(plan.choices[x].cost)
+            for v, need in zip(op.inputs, s.ins, strict=True):
+                if isinstance(v, int):
+                    total += b.price(v, plan.specs[v], need)
+        for w in values:
+            for need in self.out_needs.get(w, ()):
+                total += b.price(w, plan.specs[w], need)
+            for u in self.tied_out.get(w, ()):
+                total += b.price(w, plan.specs[w], plan.specs[u])
+        return total
