@@ -7,6 +7,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jaxpar
@@ -14,7 +15,7 @@ from jaxpar.api import carried_pairs
 from jaxpar.cost import CostModel, load_profile
 from jaxpar.ir import build_graph, trace
 from jaxpar.models.gpt import GPTConfig, abstract_train_step
-from jaxpar.models.mlp import make_sgd_step
+from jaxpar.models.mlp import init_mlp, make_sgd_step, make_train_step
 from jaxpar.models.programs import PROGRAMS
 from jaxpar.search.exact import dynamic_programming
 from jaxpar.search.propagation import graph_cost, propagate
@@ -155,6 +156,25 @@ def test_near_ties_keep_the_batch_cut():
     cost = graph_cost(graph, gp, model, {pos: gp.specs[v] for v, pos in ties})
     kinds = {c.kind for c in cost.collectives}
     assert "all-reduce" in kinds and "all-to-all" not in kinds, kinds
+
+
+def test_chains_sliced_into_a_gather_are_planned_again():
+    # 2-D tensor parallel MLP across two nodes: each matmul's partial sum lands wherever is
+    # locally cheapest, the bias-add and relu after it follow one op at a time into a layout
+    # the next matmul must gather. Refiner.unchain plans such chains again from the
+    # consumer's need (the matmul at their head choosing where its result lands): modeled
+    # step 0.567 -> 0.400 ms here, against the exact search's 0.319.
+    sizes = [1024, 4096] * 4 + [1024]
+    tx = optax.adam(1e-3)
+    params = jax.eval_shape(lambda: init_mlp(jax.random.key(0), sizes))
+    x = jax.ShapeDtypeStruct((256, 1024), jnp.float32)
+    args = (params, jax.eval_shape(tx.init, params), x, x)
+    mesh = jaxpar.make_mesh((4, 2), ("d0", "d1"))
+    cost = {mode: jaxpar.shard(make_train_step(tx), mesh=mesh, search_mode=mode,
+                               hardware="h100-2node-ib", level=2, mem_coeff=0.0)
+            .plan(*args).cost.total_s for mode in ("recursive_programming",
+                                                   "dynamic_programming")}
+    assert cost["recursive_programming"] < 1.3 * cost["dynamic_programming"], cost
 
 
 def test_big_optimizer_state_is_cut_and_small_state_replicated():

@@ -34,7 +34,9 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    several classes to change together.
 4. With the main ops and the state that no main op reads (optimizer moments) fixed,
    sharding propagation plans every other op (per class) and the parameters, then
-   refine.Refiner improves the plan with the exact objective, one op at a time; carried
+   refine.Refiner improves the plan with the exact objective, one op at a time, and plans
+   again the chains of ops that one-at-a-time moves leave in a layout their consumer must
+   gather (Refiner.unchain: a bias-add and relu between two tensor-parallel matmuls); carried
    state kept cut is then tried replicated, its update planned again (gradients may be
    all-reduced), where that lowers the total (small state: a gather's latency outweighs the
    work it saves). Carried outputs are priced against their input's spec throughout, so the
@@ -297,6 +299,8 @@ class _Sapp:
         gp = propagate(g, model, fixed_in, fixed_out, fixed, classes, ties, self.index)
         refiner = Refiner(g, model, gp, fixed_in, fixed_out, classes, ties, self.index)
         refiner.run()
+        if refiner.unchain(set(self.mains)):
+            refiner.run()
         self._replicate_state(refiner)
         for x in self.mains:  # as propagate() reports them: with the runner-up
             refiner.plan.choices[x] = refiner.report(x)

@@ -192,6 +192,44 @@ class Refiner:
                 self.out_needs[w] = needs
         return False
 
+    def unchain(self, fixed: set[int], longest: int = 8) -> int:
+        """Chains of ops planned one at a time into a layout their consumer must gather: for
+        each operand resharded with communication, the ops that make it (walked up through
+        ops not in `fixed`, at most `longest`) are planned again from the consumer's need
+        backwards (replan) and kept where the total drops. Returns how many were kept."""
+        g, plan, b = self.g, self.plan, self.b
+        kept, seen = 0, set()
+        for op in g.ops:
+            s = plan.choices[op.index].strategy
+            for v, need in zip(op.inputs, s.ins, strict=True):
+                if not isinstance(v, int) or v not in b.producer or b.price(
+                        v, plan.specs[v], need) <= 0.0:
+                    continue
+                region, keep = self._chain(b.producer[v], fixed, longest)
+                key = tuple(region)
+                if region and key not in seen:
+                    seen.add(key)
+                    kept += self.replan(region, {}, {}, keep)
+        return kept
+
+    def _chain(self, x: int, fixed: set[int], longest: int) -> tuple[list[int], set[int]]:
+        """Op x and the ops above it whose results only it reads, without regions, at most
+        `longest`; a fixed op ends the walk and only chooses where its results land."""
+        g, b, region, keep, stack = self.g, self.b, [], set(), [x]
+        while stack and len(region) < longest:
+            y = stack.pop()
+            if g.ops[y].regions or y in region:
+                continue
+            region.append(y)
+            if y in fixed:
+                keep.add(y)
+                continue
+            for v in g.ops[y].inputs:
+                p = b.producer.get(v) if isinstance(v, int) else None
+                if p is not None and len(b.readers.get(v, ())) == 1:
+                    stack.append(p)
+        return sorted(region), keep
+
     def report(self, x: int) -> Choice:
         """Op x's strategy in the plan as a Choice: its score and its runner-up's, each its
         own cost plus resharding from the operands' specs and into what consumers need."""
