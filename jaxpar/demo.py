@@ -64,11 +64,19 @@ QUICK = DemoSize(layers=1, d_model=32, heads=2, vocab=64, seq=8, batch=16, steps
 
 
 def ensure_devices(n: int = 8) -> None:
-    """Ask XLA for n simulated CPU devices; must run before JAX initialises its backends."""
+    """Ask XLA for n simulated CPU devices; must run before JAX initialises its backends.
+    The demo then builds its meshes from `jax.devices("cpu")`, whatever the default backend."""
     flag = f"--xla_force_host_platform_device_count={n}"
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # The CPU platform must be among JAX's (JAX_PLATFORMS=cuda on a GPU machine leaves it
+    # out); JAX read the variable when it was imported, so its config is set too.
+    platforms = os.environ.get("JAX_PLATFORMS")
+    wanted = "cpu" if platforms is None else \
+        platforms if not platforms or "cpu" in platforms.split(",") else f"{platforms},cpu"
+    if wanted != platforms:
+        os.environ["JAX_PLATFORMS"] = wanted
+        jax.config.update("jax_platforms", wanted)
 
 
 def dense_relu(x, weight, bias):
@@ -124,8 +132,9 @@ class _Demo:
     """The demo's state: the model, its data, the planned network and the printed sections."""
 
     def __init__(self, size: DemoSize, hardware: str, mode: str, console):
-        if len(jax.devices()) < DEVICES:
-            raise ValueError(f"the demo needs {DEVICES} devices; JAX has {len(jax.devices())}. "
+        cpus = len(jax.devices("cpu"))
+        if cpus < DEVICES:
+            raise ValueError(f"the demo needs {DEVICES} CPU devices; JAX has {cpus}. "
                              "Run it in a fresh process (`jaxpar demo`), which asks XLA for 8 "
                              "simulated CPU devices before JAX starts.")
         self.size, self.hardware, self.mode, self.console = size, hardware, mode, console
@@ -155,11 +164,11 @@ class _Demo:
     def plan(self):
         c, s = self.console, self.size
         c.rule("[bold]jaxpar demo")
-        c.print(f"{len(jax.devices())} simulated {jax.devices()[0].platform} devices; GPT with "
+        c.print(f"{len(jax.devices('cpu'))} simulated CPU devices; GPT with "
                 f"{s.layers} layer(s), d_model {s.d_model}, {s.heads} heads, vocab {s.vocab}, "
                 f"seq {s.seq}; batch {s.batch}; AdamW. Priced for {self.hardware}.",
                 highlight=False)
-        net = jaxpar.AutoParallel(self.step, self.mode, mesh=jaxpar.make_mesh(8),
+        net = jaxpar.AutoParallel(self.step, self.mode, mesh=jaxpar.make_mesh(8, device="CPU"),
                                   hardware=self.hardware)
         t = time.perf_counter()
         plan = net.plan(*self.args)
@@ -223,10 +232,10 @@ class _Demo:
         """(name, layout, mesh, {leaf path: PartitionSpec}) of the hand-written baselines."""
         paths = self.paths
         follows = optimizer_followers(paths, self.shapes)
-        dp_mesh = jaxpar.make_mesh(8)
+        dp_mesh = jaxpar.make_mesh(8, device="CPU")
         every = tuple(dp_mesh.axis_names)
         data = {p: P(every) if p in ("tokens", "targets") else P() for p in paths}
-        tp_mesh = jaxpar.make_mesh((4, 2), ("dp", "tp"))
+        tp_mesh = jaxpar.make_mesh((4, 2), ("dp", "tp"), device="CPU")
         tp = tensor_parallel_specs("gpt", [p for p in paths if p.startswith("params/")], "tp")
         tp |= {"tokens": P("dp"), "targets": P("dp")}
         tp |= {paths[i]: tp[paths[j]] for i, j in follows.items()}  # Adam moments follow
@@ -245,7 +254,7 @@ class _Demo:
     def train(self, net, steps: int) -> bool:
         self.console.rule(f"4. {steps} training steps: jaxpar beside single-device jax.jit")
         reference = jax.jit(self.step)
-        ref_args = jax.device_put(self.args, jax.devices()[0])
+        ref_args = jax.device_put(self.args, jax.devices("cpu")[0])
         params, opt_state, *batch = self.args
         ref_params, ref_opt, *ref_batch = ref_args
         got, want = [], []

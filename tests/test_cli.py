@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,24 @@ def test_demo_quick_trains_like_one_device(capsys):
     assert "data parallel" in out and "Megatron" in out and "dp4 x tp2" in out
     assert "PASS: sharded training loss matches single-device jax.jit" in out
     assert "FAIL" not in out
+
+
+@pytest.mark.parametrize("given,want", [(None, "cpu"), ("cuda", "cuda,cpu"),
+                                         ("cuda,cpu", "cuda,cpu"), ("", "")])
+def test_demo_keeps_the_cpu_platform_on_an_accelerator_machine(monkeypatch, given, want):
+    # The demo runs on simulated CPU devices; on a GPU machine whose environment names its
+    # platform (JAX_PLATFORMS=cuda) it adds the CPU rather than fail for want of 8 devices.
+    if given is None:
+        monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    else:
+        monkeypatch.setenv("JAX_PLATFORMS", given)
+    monkeypatch.setenv("XLA_FLAGS", "")
+    updates = []
+    monkeypatch.setattr(demo.jax.config, "update", lambda *a: updates.append(a))
+    demo.ensure_devices(8)
+    assert os.environ["JAX_PLATFORMS"] == want
+    assert updates == ([] if want == given else [("jax_platforms", want)])
+    assert "--xla_force_host_platform_device_count=8" in os.environ["XLA_FLAGS"]
 
 
 def test_demo_refuses_bad_arguments(capsys):
