@@ -50,8 +50,7 @@ def shape_bytes(text: str) -> int:
         bits = _DTYPE_BITS.get(dtype)
         if bits is None:
             continue
-        sizes = [d.removeprefix("<=") for d in dims.split(",")]  # `<=8`: a bounded dynamic dim
-        n = math.prod(int(d) for d in sizes if d.isdigit())
+        n = math.prod(int(d) for d in _dims(dims) if d.isdigit())
         packed = _PACKED.search(layout)
         total += -(-n * int(packed.group(1)) // 8) if packed else n * max(bits // 8, 1)
     return total
@@ -65,9 +64,12 @@ def shape_dims(type_text: str) -> tuple[int, ...]:
       (8192, 3072)
     """
     m = _SHAPE.search(type_text)
-    if not m or not m.group(2):
-        return ()
-    return tuple(int(d.removeprefix("<=")) for d in m.group(2).split(","))
+    return tuple(int(d) for d in _dims(m.group(2))) if m and m.group(2) else ()
+
+
+def _dims(text: str) -> list[str]:
+    """The sizes written between a shape's brackets; `<=8` (a bounded dynamic dim) is 8."""
+    return [d.removeprefix("<=") for d in text.split(",")]
 
 
 def split_top(text: str, sep: str = ",") -> list[str]:
