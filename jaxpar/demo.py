@@ -72,11 +72,14 @@ def ensure_devices(n: int = 8) -> None:
     # The CPU platform must be among JAX's (JAX_PLATFORMS=cuda on a GPU machine leaves it
     # out); JAX read the variable when it was imported, so its config is set too.
     platforms = os.environ.get("JAX_PLATFORMS")
-    wanted = "cpu" if platforms is None else \
-        platforms if not platforms or "cpu" in platforms.split(",") else f"{platforms},cpu"
-    if wanted != platforms:
-        os.environ["JAX_PLATFORMS"] = wanted
-        jax.config.update("jax_platforms", wanted)
+    if platforms is None:
+        wanted = "cpu"
+    elif platforms and "cpu" not in platforms.split(","):  # "" means every platform
+        wanted = f"{platforms},cpu"
+    else:
+        return
+    os.environ["JAX_PLATFORMS"] = wanted
+    jax.config.update("jax_platforms", wanted)
 
 
 def dense_relu(x, weight, bias):
