@@ -36,10 +36,13 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    sharding propagation plans every other op (per class) and the parameters, then
    refine.Refiner improves the plan with the exact objective, one op at a time, and plans
    again the chains of ops that one-at-a-time moves leave in a layout their consumer must
-   gather (Refiner.unchain: a bias-add and relu between two tensor-parallel matmuls); carried
-   state kept cut is then tried replicated, its update planned again (gradients may be
-   all-reduced), where that lowers the total (small state: a gather's latency outweighs the
-   work it saves). Carried outputs are priced against their input's spec throughout, so the
+   gather (Refiner.unchain: a bias-add and relu between two tensor-parallel matmuls), and
+   the ops downstream of a gather forwards from the cut operand (Refiner.push: an MoE
+   router's masks, gathered by each reader); carried state is then tried replicated, its
+   update planned again (gradients may be all-reduced; small state: a gather's latency
+   outweighs the work it saves), and in the spec its update makes it in (Adam's moments,
+   cut further than their parameter's unit: not gathered back each step), each kept where
+   it lowers the total. Carried outputs are priced against their input's spec throughout, so the
    plan holds for a step called in a loop (a ZeRO-style gather at the end of the step shows).
    The axes are decided twice, with the joint moves and without them (the links price a cut
    roughly, and the joint moves trust them most); when the two differ, both are planned in
@@ -299,9 +302,10 @@ class _Sapp:
         gp = propagate(g, model, fixed_in, fixed_out, fixed, classes, ties, self.index)
         refiner = Refiner(g, model, gp, fixed_in, fixed_out, classes, ties, self.index)
         refiner.run()
-        if refiner.unchain(set(self.mains)):
+        mains = set(self.mains)
+        if refiner.unchain(mains) + refiner.push(mains):
             refiner.run()
-        self._replicate_state(refiner)
+        self._place_state(refiner)
         for x in self.mains:  # as propagate() reports them: with the runner-up
             refiner.plan.choices[x] = refiner.report(x)
         return refiner.plan
@@ -332,25 +336,42 @@ class _Sapp:
                         fixed_in[v] = fixed_out[pos] = best.ins[0]
         return fixed, fixed_in, fixed_out
 
-    def _replicate_state(self, refiner: Refiner) -> None:
-        """The exact check of a decision the links price roughly: carried state kept cut is
-        tried replicated, its update planned again (gradient reductions may all-reduce), and
-        kept where the plan's total drops (small state, where a gather's latency outweighs
-        the work it saves). A class is tried on its first unit; if that gains, on the rest."""
+    def _place_state(self, refiner: Refiner) -> None:
+        """The exact check of a decision the links price roughly: carried state kept in one
+        spec is tried in two others, its update planned again, and moved where the plan's
+        total drops: replicated (gradient reductions may all-reduce; small state, where a
+        gather's latency outweighs the work it saves), and in the spec its update computes
+        it in (state that no main op reads, Adam's moments, follows its parameter's unit;
+        when the update cuts it further, keeping it so saves gathering it back each step and
+        memory). A class is tried on its first unit; if that gains, on the rest."""
         n, units = len(self.g.ops), self.units
         for xs in self.members.values():
             if xs[0] < n:
                 continue
-            for x in xs:
-                state = [(v, w) for v, _, w in units.state(x)
-                         if v not in self.fixed_in and v in refiner.fixed_in]
-                if not state or not any(refiner.plan.specs[v].axes() for v, _ in state):
-                    break
-                region, keep = units.update_region(x)
-                whole = {v: Spec.replicated(len(self.g.values[v].shape)) for v, _ in state}
-                if not refiner.replan(region, whole, {w: whole[v] for v, w in state}, keep):
-                    break
-                refiner.fixed_in.update(whole)
+            for how in ("replicated", "as updated"):
+                for x in xs:
+                    if not self._restate(refiner, x, how):
+                        break
+
+    def _restate(self, refiner: Refiner, x: int, how: str) -> bool:
+        """Carried unit x's free state in another spec (see _place_state); True if kept."""
+        g, specs = self.g, refiner.plan.specs
+        state = [(v, w) for v, _, w in self.units.state(x)
+                 if v not in self.fixed_in and v in refiner.fixed_in]
+        if how == "replicated":
+            state = state if any(specs[v].axes() for v, _ in state) else []
+            new = {v: Spec.replicated(len(g.values[v].shape)) for v, _ in state}
+        else:
+            state = [(v, w) for v, w in state if specs[w].resolved() != specs[v]]
+            new = {v: specs[w].resolved() for v, w in state}
+        if not state:
+            return False
+        region, keep = self.units.update_region(x)
+        if not refiner.replan(region, new, {w: new[v] for v, w in state}, keep,
+                              "needs" if how == "replicated" else "current"):
+            return False
+        refiner.fixed_in.update(new)
+        return True
 
     def _rank(self, c: int) -> tuple:
         """The order classes decide in, most expensive first within three tiers: main ops,

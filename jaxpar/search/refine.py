@@ -150,11 +150,15 @@ class Refiner:
         return True
 
     def replan(self, region: list[int], inputs: dict[int, Spec], outputs: dict[int, Spec],
-               keep: set[int]) -> bool:
+               keep: set[int], start: str = "needs") -> bool:
         """Plan the ops of `region` again with carried inputs `inputs` (value -> spec) and
         the outputs replacing them `outputs` (value -> spec) fixed anew; ops in `keep` only
-        choose where their results land (their operands and reductions stay). Kept when the
-        total drops (True); else everything goes back."""
+        choose where their results land (their operands and reductions stay). start: where
+        the new plan begins: "needs", from what consumers need (last op first, operands made
+        in the region unknown); "operands", from what operands give (first op first, what
+        consumers need unknown); "current", from the plan as it is. Then each op takes its
+        best strategy with both known, in program order, until nothing moves (three passes
+        at most). Kept when the total drops (True); else everything goes back."""
         g, plan, b = self.g, self.plan, self.b
         ops, inside = g.ops, set(region)
         values = {v for x in region for v in ops[x].outputs}
@@ -170,9 +174,13 @@ class Refiner:
             plan.specs[v] = spec
         for w, spec in outputs.items():
             self.out_needs[w] = [spec]
-        for x in sorted(region, reverse=True):  # what consumers need, operands unknown
-            self._take(ops[x], keep, {v for v in values if b.producer.get(v, -1) < x})
-        for _ in range(3):  # then with the operands known
+        if start == "needs":
+            for x in sorted(region, reverse=True):
+                self._take(ops[x], keep, {v for v in values if b.producer.get(v, -1) < x})
+        elif start == "operands":
+            for x in sorted(region):
+                self._take(ops[x], keep, (), blind=True)
+        for _ in range(3):
             if not sum(self._take(ops[x], keep, ()) for x in sorted(region)):
                 break
         for v in tied:
@@ -212,6 +220,40 @@ class Refiner:
                     kept += self.replan(region, {}, {}, keep)
         return kept
 
+    def push(self, fixed: set[int], longest: int = 256) -> int:
+        """The other way round from unchain: ops planned one at a time that gather, each on
+        its own, what a producer made cut (the one-hot masks of an MoE router, read by a few
+        ops each: a gather's latency each time). For each op (not in `fixed`) reading an
+        operand resharded with communication, it and the ops downstream of it (walked down
+        through ops not in `fixed`, at most `longest`) are planned again from what their
+        operands give forwards (replan from "operands") and kept where the total drops.
+        Returns how many were kept."""
+        g, plan, b = self.g, self.plan, self.b
+        kept, seen = 0, set()
+        for op in g.ops:
+            if op.index in fixed or op.regions or op.index in seen:
+                continue
+            s = plan.choices[op.index].strategy
+            if any(isinstance(v, int) and b.price(v, plan.specs[v], need) > 0.0
+                   for v, need in zip(op.inputs, s.ins, strict=True)):
+                region = self._downstream(op.index, fixed, longest)
+                seen.update(region)
+                kept += self.replan(region, {}, {}, set(), "operands")
+        return kept
+
+    def _downstream(self, x: int, fixed: set[int], longest: int) -> list[int]:
+        """Op x and the ops reading its results, theirs and so on (breadth first), without
+        regions and not in `fixed`, at most `longest`."""
+        g, readers, region, queue = self.g, self.b.readers, {x}, deque([x])
+        while queue and len(region) < longest:
+            for v in g.ops[queue.popleft()].outputs:
+                for r, _ in readers.get(v, ()):
+                    if r not in region and r not in fixed and not g.ops[r].regions \
+                            and len(region) < longest:
+                        region.add(r)
+                        queue.append(r)
+        return sorted(region)
+
     def _chain(self, x: int, fixed: set[int], longest: int) -> tuple[list[int], set[int]]:
         """Op x and the ops above it whose results only it reads, without regions, at most
         `longest`; a fixed op ends the walk and only chooses where its results land."""
@@ -249,13 +291,14 @@ class Refiner:
                                           runner[0] if runner else None, len(o.cands), o.rule)
         return hit
 
-    def _take(self, op: Op, keep: set[int], unknown) -> bool:
+    def _take(self, op: Op, keep: set[int], unknown, blind: bool = False) -> bool:
         """op takes its cheapest strategy given the operand specs (those in `unknown` not
-        counted) and what its consumers need; an op in `keep` only moves its results."""
+        counted) and, unless `blind`, what its consumers need; an op in `keep` only moves
+        its results."""
         specs, o = self.plan.specs, self.b.opts(op)
         ins = tuple(specs.get(v) if isinstance(v, int) and v not in unknown else None
                     for v in op.inputs)
-        needs = tuple(self._demands(v) for v in op.outputs)
+        needs = tuple(() if blind else self._demands(v) for v in op.outputs)
         current = self.plan.choices[op.index].strategy
         only = (current.ins, current.partial) if op.index in keep else None
         key = (o.key, ins, needs, only)
