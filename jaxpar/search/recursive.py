@@ -344,7 +344,7 @@ class _Sapp:
         it in (state that no main op reads, Adam's moments, follows its parameter's unit;
         when the update cuts it further, keeping it so saves gathering it back each step and
         memory). A class is tried on its first unit; if that gains, on the rest."""
-        n, units = len(self.g.ops), self.units
+        n = len(self.g.ops)
         for xs in self.members.values():
             if xs[0] < n:
                 continue
