@@ -44,9 +44,11 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    cut further than their parameter's unit: not gathered back each step), each kept where
    it lowers the total. Carried outputs are priced against their input's spec throughout, so the
    plan holds for a step called in a loop (a ZeRO-style gather at the end of the step shows).
-   The axes are decided twice, with the joint moves and without them (the links price a cut
-   roughly, and the joint moves trust them most); when the two differ, both are planned in
-   full and the plan with the lower exact objective is kept.
+   The axes are decided twice: with the joint moves, and without them with the links of a
+   value read by several main ops sharing its resharding (one move serves readers that need
+   one spec; readers that need others each pay theirs, as the first pass prices them). The
+   links price a cut roughly and the joint moves trust them most; when the two passes
+   differ, both are planned in full and the plan with the lower exact objective is kept.
 5. A plan over the memory budget is searched again with mem_coeff four times larger (more model
    parallel, less memory) a few times, then fails with a ValueError saying what it needs.
 The work is linear in the number of ops: every op is walked, propagated and refined a bounded
@@ -264,17 +266,20 @@ class _Sapp:
                     rev.setdefault(self.classes[lk.other], []).append((c, lk))
         self.rev = rev
         self._path_costs(links)
+        self._shared_reads(links)
         order = sorted(self.members, key=self._rank)
         _note(self.lines, f"recursive_programming: {len(self.mains)} main ops of "
                           f"{len(g.ops)} and {len(self.units.carried)} carried states "
                           f"({len(order)} classes), mesh {self.mesh.describe()}, "
                           f"mem_coeff={model.mem_coeff:g}; costs in modeled seconds")
-        # Two passes over the axes: with the joint moves, and with greedy passes alone. The
-        # links price a cut roughly; where the passes decide differently both are planned in
-        # full and the plan with the lower exact objective is kept (joint moves can mislead).
+        # Two passes over the axes: with the joint moves and links priced whole, and with
+        # greedy passes alone and a value's main readers sharing its resharding. The links
+        # price a cut roughly; where the passes decide differently both are planned in full
+        # and the plan with the lower exact objective is kept (joint moves can mislead).
         alive, outer, done = {c: list(a) for c, a in self.alive.items()}, self.lines, []
         for joint in (True, False):
             self.joint = joint
+            self.share = self.alone if joint else self.readers
             self.alive = {c: list(a) for c, a in alive.items()}
             self.factor, self.lines = {}, []
             for k, axis in enumerate(self.mesh.names):
@@ -449,6 +454,28 @@ class _Sapp:
         self.path = {lk.n: sum(weight[self.classes[q]] for q in lk.path)
                      for lks in links.values() for lk in lks}
         self.factor: dict[int, int] = {}
+
+    def _shared_reads(self, links: dict[int, list[Link]]) -> None:
+        """How many main ops read the value each link between two main ops delivers
+        (`self.readers`, by link number). One resharding of it serves all of them when they
+        need one spec, so each such link may be priced at that share of it (a transposed
+        activation read by three weight-gradient matmuls is moved once, not three times):
+        run() decides the axes once with links priced so (`self.share`) and once with each
+        priced whole (`self.alone`: readers that need other specs each pay theirs)."""
+        g, n_ops, mains = self.g, len(self.g.ops), set(self.mains)
+        readers = self.index.readers
+        self.readers: dict[int, int] = {}
+        for lks in links.values():
+            for lk in lks:
+                k = 1
+                if 0 <= lk.other < n_ops and lk.owner < n_ops:
+                    x, slot = (lk.owner, lk.slot) if lk.into else (lk.other, lk.other_slot)
+                    if slot[0] == 0:
+                        w = g.ops[x].inputs[slot[1]]
+                        k = max(1, len({r for r, _ in readers.get(w, ()) if r in mains})) \
+                            if isinstance(w, int) else 1
+                self.readers[lk.n] = k
+        self.alone = dict.fromkeys(self.readers, 1)
 
     # -- one axis ------------------------------------------------------------------------
     def _axis(self, k: int, axis: str, order: list[int]) -> None:
@@ -756,7 +783,8 @@ class _Sapp:
             path = self.path[lk.n] / self.factor.get(lk.n, 1)
             if _carries(lk, dx, lk.fixed.dim_of(self.axis) if lk.other < 0 else dy):
                 path /= self.mesh.axis_size(self.axis)
-            hit = self.tab[key] = (self._geometry(shape, dx, dy) + path) * lk.count
+            hit = self.tab[key] = (self._geometry(shape, dx, dy) / self.share[lk.n]
+                                   + path) * lk.count
         return hit
 
     def _geometry(self, shape: tuple[int, tuple], dx: int | None, dy: int | None) -> float:
