@@ -44,11 +44,12 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    cut further than their parameter's unit: not gathered back each step), each kept where
    it lowers the total. Carried outputs are priced against their input's spec throughout, so the
    plan holds for a step called in a loop (a ZeRO-style gather at the end of the step shows).
-   The axes are decided twice: with the joint moves, and without them with the links of a
-   value read by several main ops sharing its resharding (one move serves readers that need
-   one spec; readers that need others each pay theirs, as the first pass prices them). The
-   links price a cut roughly and the joint moves trust them most; when the two passes
-   differ, both are planned in full and the plan with the lower exact objective is kept.
+   The axes are decided three times: with the joint moves, without them, and without them
+   with the links of a value read by several main ops sharing its resharding (one move
+   serves readers that need one spec; readers that need others each pay theirs, as the
+   other passes price them). The links price a cut roughly and the joint moves trust them
+   most; the passes that decide differently are each planned in full and the plan with the
+   lower exact objective is kept.
 5. A plan over the memory budget is searched again with mem_coeff four times larger (more model
    parallel, less memory) a few times, then fails with a ValueError saying what it needs.
 The work is linear in the number of ops: every op is walked, propagated and refined a bounded
@@ -211,6 +212,7 @@ class _Sapp:
         self.scores_cache: dict = {}
         self.usage_cache: dict = {}
         self.joint = True  # whether _axis also tries joint moves (run() decides both ways)
+        self.divisor: dict[int, int] = {}  # link number -> what its resharding is divided by
         self.shares = index.shares
         self.classes = self._main_classes(classes)
 
@@ -272,30 +274,30 @@ class _Sapp:
                           f"{len(g.ops)} and {len(self.units.carried)} carried states "
                           f"({len(order)} classes), mesh {self.mesh.describe()}, "
                           f"mem_coeff={model.mem_coeff:g}; costs in modeled seconds")
-        # Two passes over the axes: with the joint moves and links priced whole, and with
-        # greedy passes alone and a value's main readers sharing its resharding. The links
-        # price a cut roughly; where the passes decide differently both are planned in full
+        # Three passes over the axes: with the joint moves, with greedy passes alone, and
+        # with greedy passes and a value's main readers sharing its resharding. The links
+        # price a cut roughly; the passes that decide differently are each planned in full
         # and the plan with the lower exact objective is kept (joint moves can mislead).
+        passes = {"with joint moves": (True, self.alone),
+                  "without joint moves": (False, self.alone),
+                  "with shared reads": (False, self.readers)}
         alive, outer, done = {c: list(a) for c, a in self.alive.items()}, self.lines, []
-        for joint in (True, False):
-            self.joint = joint
-            self.share = self.alone if joint else self.readers
+        for how, (self.joint, self.divisor) in passes.items():
             self.alive = {c: list(a) for c, a in alive.items()}
             self.factor, self.lines = {}, []
             for k, axis in enumerate(self.mesh.names):
                 self._axis(k, axis, order)
             decided = self._decided()
-            if done and decided == done[0][0]:
-                break
+            if any(decided == d[0] for d in done):
+                continue
             plan = self._complete(*decided)
-            done.append((decided, plan, self._score(plan, decided[2]), self.lines))
+            done.append((decided, plan, self._score(plan, decided[2]), self.lines, how))
         best = min(done, key=lambda d: d[2])
         for line in best[3]:
             _note(outer, line)
         if len(done) > 1:
-            how = "with" if best is done[0] else "without"
-            _note(outer, f"kept the plan {how} joint moves: it scores {best[2]:.6g}, the "
-                         f"other {max(d[2] for d in done):.6g}")
+            others = ", ".join(f"{d[4]} {d[2]:.6g}" for d in done if d is not best)
+            _note(outer, f"kept the plan {best[4]}: it scores {best[2]:.6g} ({others})")
         self.lines = outer
         return best[1]
 
@@ -460,8 +462,8 @@ class _Sapp:
         (`self.readers`, by link number). One resharding of it serves all of them when they
         need one spec, so each such link may be priced at that share of it (a transposed
         activation read by three weight-gradient matmuls is moved once, not three times):
-        run() decides the axes once with links priced so (`self.share`) and once with each
-        priced whole (`self.alone`: readers that need other specs each pay theirs)."""
+        run() decides the axes with links priced so (`self.readers`) and with each priced
+        whole (`self.alone`: readers that need other specs each pay theirs)."""
         g, n_ops, mains = self.g, len(self.g.ops), set(self.mains)
         readers = self.index.readers
         self.readers: dict[int, int] = {}
@@ -783,7 +785,7 @@ class _Sapp:
             path = self.path[lk.n] / self.factor.get(lk.n, 1)
             if _carries(lk, dx, lk.fixed.dim_of(self.axis) if lk.other < 0 else dy):
                 path /= self.mesh.axis_size(self.axis)
-            hit = self.tab[key] = (self._geometry(shape, dx, dy) / self.share[lk.n]
+            hit = self.tab[key] = (self._geometry(shape, dx, dy) / self.divisor[lk.n]
                                    + path) * lk.count
         return hit
 
