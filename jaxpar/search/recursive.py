@@ -38,11 +38,12 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    again the chains of ops that one-at-a-time moves leave in a layout their consumer must
    gather (Refiner.unchain: a bias-add and relu between two tensor-parallel matmuls), and
    the ops downstream of a gather forwards from the cut operand (Refiner.push: an MoE
-   router's masks, gathered by each reader); carried state is then tried replicated, its
-   update planned again (gradients may be all-reduced; small state: a gather's latency
-   outweighs the work it saves), and in the spec its update makes it in (Adam's moments,
-   cut further than their parameter's unit: not gathered back each step), each kept where
-   it lowers the total. Carried outputs are priced against their input's spec throughout, so the
+   router's masks, gathered by each reader). In the plan kept (see below) carried state
+   is then tried replicated, its update planned again (gradients may be all-reduced; small
+   state: a gather's latency outweighs the work it saves), in the spec its update makes it
+   in (Adam's moments, cut further than their parameter's unit: not gathered back each
+   step), and cut over every axis on each dim in turn (ZeRO), each kept where it lowers the
+   total. Carried outputs are priced against their input's spec throughout, so the
    plan holds for a step called in a loop (a ZeRO-style gather at the end of the step shows).
    The axes are decided three times: with the joint moves, without them, and without them
    with the links of a value read by several main ops sharing its resharding (one move
@@ -290,8 +291,9 @@ class _Sapp:
             decided = self._decided()
             if any(decided == d[0] for d in done):
                 continue
-            plan = self._complete(*decided)
-            done.append((decided, plan, self._score(plan, decided[2]), self.lines, how))
+            refiner = self._complete(*decided)
+            done.append((decided, refiner, self._score(refiner.plan, decided[2]), self.lines,
+                         how))
         best = min(done, key=lambda d: d[2])
         for line in best[3]:
             _note(outer, line)
@@ -299,10 +301,15 @@ class _Sapp:
             others = ", ".join(f"{d[4]} {d[2]:.6g}" for d in done if d is not best)
             _note(outer, f"kept the plan {best[4]}: it scores {best[2]:.6g} ({others})")
         self.lines = outer
-        return best[1]
+        refiner = best[1]
+        self._place_state(refiner)
+        for x in self.mains:  # as propagate() reports them: with the runner-up
+            refiner.plan.choices[x] = refiner.report(x)
+        return refiner.plan
 
-    def _complete(self, fixed: dict, fixed_in: dict, fixed_out: dict) -> GraphPlan:
-        """The whole plan from the main ops' decisions: propagation, then refinement."""
+    def _complete(self, fixed: dict, fixed_in: dict, fixed_out: dict) -> Refiner:
+        """The whole plan from the main ops' decisions: propagation, then refinement (the
+        Refiner holding it: run() moves the carried state of the plan it keeps)."""
         g, model = self.g, self.model
         ties = tuple((v, pos) for v, pos, _ in self.units.carried if v not in fixed_in)
         classes = self.classes[:len(g.ops)]
@@ -312,10 +319,7 @@ class _Sapp:
         mains = set(self.mains)
         if refiner.unchain(mains) + refiner.push(mains):
             refiner.run()
-        self._place_state(refiner)
-        for x in self.mains:  # as propagate() reports them: with the runner-up
-            refiner.plan.choices[x] = refiner.report(x)
-        return refiner.plan
+        return refiner
 
     def _score(self, plan: GraphPlan, fixed_out: dict) -> float:
         """The plan's exact objective, carried outputs back in their input's spec."""
@@ -344,38 +348,48 @@ class _Sapp:
         return fixed, fixed_in, fixed_out
 
     def _place_state(self, refiner: Refiner) -> None:
-        """The exact check of a decision the links price roughly: carried state kept in one
-        spec is tried in two others, its update planned again, and moved where the plan's
-        total drops: replicated (gradient reductions may all-reduce; small state, where a
-        gather's latency outweighs the work it saves), and in the spec its update computes
-        it in (state that no main op reads, Adam's moments, follows its parameter's unit;
-        when the update cuts it further, keeping it so saves gathering it back each step and
-        memory). A class is tried on its first unit; if that gains, on the rest."""
+        """The exact check of a decision the links price roughly: carried state is tried in
+        other specs, its update planned again, and moved where the plan's total drops:
+        replicated (gradient reductions may all-reduce; small state, where a gather's
+        latency outweighs the work it saves); in the spec its update computes it in (state
+        that no main op reads, Adam's moments, follows its parameter's unit; when the update
+        cuts it further, keeping it so saves gathering it back each step, and memory); and
+        cut over every axis on one dim, each dim in turn (ZeRO: the
+        gradient reduce-scattered, the update run on a shard, the new parameter gathered
+        once; its link to the parameter's readers priced it roughly). A class is tried on
+        its first unit; if that gains, on the rest."""
         n = len(self.g.ops)
         for xs in self.members.values():
             if xs[0] < n:
                 continue
-            for how in ("replicated", "as updated"):
+            rank = len(self.g.values[self.units.state(xs[0])[0][0]].shape)
+            for how in ("replicated", "as updated", *range(rank)):
                 for x in xs:
                     if not self._restate(refiner, x, how):
                         break
 
-    def _restate(self, refiner: Refiner, x: int, how: str) -> bool:
-        """Carried unit x's free state in another spec (see _place_state); True if kept."""
-        g, specs = self.g, refiner.plan.specs
+    def _restate(self, refiner: Refiner, x: int, how: str | int) -> bool:
+        """Carried unit x's free state in another spec (see _place_state): "replicated",
+        "as updated", or cut over every axis on dim `how`. True if kept."""
+        g, specs, mesh = self.g, refiner.plan.specs, self.mesh
         state = [(v, w) for v, _, w in self.units.state(x)
                  if v not in self.fixed_in and v in refiner.fixed_in]
         if how == "replicated":
             state = state if any(specs[v].axes() for v, _ in state) else []
             new = {v: Spec.replicated(len(g.values[v].shape)) for v, _ in state}
-        else:
+        elif how == "as updated":
             state = [(v, w) for v, w in state if specs[w].resolved() != specs[v]]
             new = {v: specs[w].resolved() for v, w in state}
+        else:
+            new = {v: Spec(tuple(tuple(mesh.names) if d == how else ()
+                                 for d in range(len(g.values[v].shape)))) for v, _ in state
+                   if len(g.values[v].shape) > how and g.values[v].shape[how] % mesh.size == 0}
+            state = [(v, w) for v, w in state if v in new and new[v] != specs[v]]
         if not state:
             return False
         region, keep = self.units.update_region(x)
-        if not refiner.replan(region, new, {w: new[v] for v, w in state}, keep,
-                              "needs" if how == "replicated" else "current"):
+        start = {"replicated": "needs", "as updated": "current"}.get(how, "operands")
+        if not refiner.replan(region, new, {w: new[v] for v, w in state}, keep, start):
             return False
         refiner.fixed_in.update(new)
         return True
