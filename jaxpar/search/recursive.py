@@ -42,7 +42,7 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    is then tried replicated, its update planned again (gradients may be all-reduced; small
    state: a gather's latency outweighs the work it saves), in the spec its update makes it
    in (Adam's moments, cut further than their parameter's unit: not gathered back each
-   step), and cut over every axis on each dim in turn (ZeRO), each kept where it lowers the
+   step), and cut on one dim over some axes, each in turn (ZeRO), each kept where it lowers the
    total. Carried outputs are priced against their input's spec throughout, so the
    plan holds for a step called in a loop (a ZeRO-style gather at the end of the step shows).
    The axes are decided three times: with the joint moves, without them, and without them
@@ -59,7 +59,9 @@ number of times, and the units of repeated layers are decided once per class.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -354,7 +356,7 @@ class _Sapp:
         latency outweighs the work it saves); in the spec its update computes it in (state
         that no main op reads, Adam's moments, follows its parameter's unit; when the update
         cuts it further, keeping it so saves gathering it back each step, and memory); and
-        cut over every axis on one dim, each dim in turn (ZeRO: the
+        cut on one dim over some of the axes, each dim and set of axes in turn (ZeRO: the
         gradient reduce-scattered, the update run on a shard, the new parameter gathered
         once; its link to the parameter's readers priced it roughly). A class is tried on
         its first unit; if that gains, on the rest."""
@@ -363,14 +365,18 @@ class _Sapp:
             if xs[0] < n:
                 continue
             rank = len(self.g.values[self.units.state(xs[0])[0][0]].shape)
-            for how in ("replicated", "as updated", *range(rank)):
+            names = self.mesh.names
+            cuts = [(d, axes) for d in range(rank) for k in range(len(names), 0, -1)
+                    for axes in itertools.combinations(names, k)]
+            for how in ("replicated", "as updated", *cuts):
                 for x in xs:
                     if not self._restate(refiner, x, how):
                         break
 
-    def _restate(self, refiner: Refiner, x: int, how: str | int) -> bool:
+    def _restate(self, refiner: Refiner, x: int, how: str | tuple[int, tuple[str, ...]]
+                 ) -> bool:
         """Carried unit x's free state in another spec (see _place_state): "replicated",
-        "as updated", or cut over every axis on dim `how`. True if kept."""
+        "as updated", or (dim, axes): cut over those axes on that dim. True if kept."""
         g, specs, mesh = self.g, refiner.plan.specs, self.mesh
         state = [(v, w) for v, _, w in self.units.state(x)
                  if v not in self.fixed_in and v in refiner.fixed_in]
@@ -381,9 +387,11 @@ class _Sapp:
             state = [(v, w) for v, w in state if specs[w].resolved() != specs[v]]
             new = {v: specs[w].resolved() for v, w in state}
         else:
-            new = {v: Spec(tuple(tuple(mesh.names) if d == how else ()
-                                 for d in range(len(g.values[v].shape)))) for v, _ in state
-                   if len(g.values[v].shape) > how and g.values[v].shape[how] % mesh.size == 0}
+            dim, axes = how
+            pieces = math.prod(mesh.axis_size(a) for a in axes)
+            new = {v: Spec(tuple(axes if d == dim else () for d in range(len(g.values[v].shape))))
+                   for v, _ in state if len(g.values[v].shape) > dim
+                   and g.values[v].shape[dim] % pieces == 0}
             state = [(v, w) for v, w in state if v in new and new[v] != specs[v]]
         if not state:
             return False
