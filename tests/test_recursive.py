@@ -20,7 +20,7 @@ from jaxpar.models.programs import PROGRAMS
 from jaxpar.search.exact import dynamic_programming
 from jaxpar.search.propagation import graph_cost, propagate
 from jaxpar.search.recursive import main_ops, recursive_programming
-from jaxpar.search.refine import refine
+from jaxpar.search.refine import Refiner, refine
 from jaxpar.spec import MeshInfo
 from jaxpar.strategy import parse_in_strategy
 
@@ -281,6 +281,21 @@ def test_refine_never_raises_the_total():
         before, after = (model.score(graph_cost(graph, p, model)) for p in (greedy, better))
         assert after <= before * (1 + 1e-12)
         assert set(better.choices) == set(greedy.choices)
+
+
+def test_refiner_moves_never_raise_the_total():
+    # unchain and push plan regions again and keep them only where the total drops; a
+    # replan told to start from an unknown place is an error, not a silent no-op.
+    fn, args, in_strategy = PROGRAMS["moe_top2"]()
+    graph, model, fixed_in = _graph(fn, args, in_strategy, jaxpar.make_mesh(8))
+    refiner = Refiner(graph, model, propagate(graph, model, fixed_in, {}), fixed_in, {})
+    before = model.score(graph_cost(graph, refiner.run(), model))
+    mains = set(main_ops(graph))
+    refiner.unchain(mains)
+    refiner.push(mains)
+    assert model.score(graph_cost(graph, refiner.plan, model)) <= before * (1 + 1e-12)
+    with pytest.raises(ValueError, match="start='forwards'"):
+        refiner.replan([0], {}, {}, set(), "forwards")
 
 
 def test_a_training_step_is_searched_once():

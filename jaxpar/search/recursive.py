@@ -271,7 +271,8 @@ class _Sapp:
                     rev.setdefault(self.classes[lk.other], []).append((c, lk))
         self.rev = rev
         self._path_costs(links)
-        self._shared_reads(links)
+        self.readers = self._shared_reads(links)
+        self.alone = dict.fromkeys(self.readers, 1)
         order = sorted(self.members, key=self._rank)
         _note(self.lines, f"recursive_programming: {len(self.mains)} main ops of "
                           f"{len(g.ops)} and {len(self.units.carried)} carried states "
@@ -479,16 +480,15 @@ class _Sapp:
                      for lks in links.values() for lk in lks}
         self.factor: dict[int, int] = {}
 
-    def _shared_reads(self, links: dict[int, list[Link]]) -> None:
-        """How many main ops read the value each link between two main ops delivers
-        (`self.readers`, by link number). One resharding of it serves all of them when they
-        need one spec, so each such link may be priced at that share of it (a transposed
-        activation read by three weight-gradient matmuls is moved once, not three times):
-        run() decides the axes with links priced so (`self.readers`) and with each priced
-        whole (`self.alone`: readers that need other specs each pay theirs)."""
+    def _shared_reads(self, links: dict[int, list[Link]]) -> dict[int, int]:
+        """How many main ops read the value each link between two main ops delivers, by
+        link number. One resharding of it serves all of them when they need one spec, so
+        each such link may be priced at that share of it (a transposed activation read by
+        three weight-gradient matmuls is moved once, not three times): run() decides the
+        axes with links priced so and with each priced whole (readers that need other specs
+        each pay theirs)."""
         g, n_ops, mains = self.g, len(self.g.ops), set(self.mains)
-        readers = self.index.readers
-        self.readers: dict[int, int] = {}
+        readers, out = self.index.readers, {}
         for lks in links.values():
             for lk in lks:
                 k = 1
@@ -498,8 +498,8 @@ class _Sapp:
                         w = g.ops[x].inputs[slot[1]]
                         k = max(1, len({r for r, _ in readers.get(w, ()) if r in mains})) \
                             if isinstance(w, int) else 1
-                self.readers[lk.n] = k
-        self.alone = dict.fromkeys(self.readers, 1)
+                out[lk.n] = k
+        return out
 
     # -- one axis ------------------------------------------------------------------------
     def _axis(self, k: int, axis: str, order: list[int]) -> None:

@@ -42,9 +42,10 @@ def refine(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict[int
 
 class Refiner:
     """refine()'s state, kept for more moves: `run()` visits ops until no single change
-    lowers the total; `replan(region, ...)` plans a set of ops again from scratch (what their
-    consumers need first, then what their operands give), with some inputs and outputs kept
-    in other specs, and keeps the result only when the plan's total drops."""
+    lowers the total; `replan(region, ...)` plans a set of ops again (from what their
+    consumers need, from what their operands give, or from the plan as it is), with some
+    inputs and outputs kept in other specs, and keeps the result only when the plan's total
+    drops; `unchain`, `push` and the caller's moves are made of replans."""
 
     def __init__(self, graph: OpGraph, model: CostModel, plan: GraphPlan,
                  fixed_in: dict[int, Spec], fixed_out: dict[int, Spec],
@@ -159,6 +160,8 @@ class Refiner:
         consumers need unknown); "current", from the plan as it is. Then each op takes its
         best strategy with both known, in program order, until nothing moves (three passes
         at most). Kept when the total drops (True); else everything goes back."""
+        if start not in ("needs", "operands", "current"):
+            raise ValueError(f"replan(start={start!r}): use 'needs', 'operands' or 'current'.")
         g, plan, b = self.g, self.plan, self.b
         ops, inside = g.ops, set(region)
         values = {v for x in region for v in ops[x].outputs}
