@@ -25,7 +25,8 @@ def _load(name):
     return module
 
 
-gpt_plans, search_time = _load("gpt_plans"), _load("search_time")
+gpt_plans, search_time, search_gap = (_load("gpt_plans"), _load("search_time"),
+                                       _load("search_gap"))
 TINY = {"d_model": 32, "heads": 4, "vocab": 64, "seq": 8, "batch": 8}
 
 
@@ -132,3 +133,18 @@ def test_search_time_records_timeouts_and_skips_larger_programs():
 ])
 def test_search_time_reads_optimality_notes(notes, want):
     assert search_time._optimality(notes) == want
+
+
+def test_search_gap_tiny(tmp_path):
+    result = search_gap.run(["mlp"], "tiny", ["8"], ["h100-nvlink"], ["default", "speed"],
+                            tmp_path)
+    saved = json.loads((tmp_path / "search_gap.json").read_text())
+    assert saved == json.loads(json.dumps(result))
+    assert [r["objective"] for r in saved["rows"]] == ["default", "speed"]
+    for row in saved["rows"]:
+        # the exact search's plan is optimal under the objective both are scored with
+        assert row["recursive_programming"] >= row["dynamic_programming"] * (1 - 1e-9) > 0
+        assert row["ratio"] == row["recursive_programming"] / row["dynamic_programming"]
+    assert saved["summary"]["cases"] == 2
+    table = (tmp_path / "search_gap.md").read_text()
+    assert "| model | mesh |" in table and "within 5%:" in table
