@@ -39,12 +39,10 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    gather (Refiner.unchain: a bias-add and relu between two tensor-parallel matmuls), and
    the ops downstream of a gather forwards from the cut operand (Refiner.push: an MoE
    router's masks, gathered by each reader). In the plan kept (see below) carried state
-   is then tried replicated, its update planned again (gradients may be all-reduced; small
-   state: a gather's latency outweighs the work it saves), in the spec its update makes it
-   in (Adam's moments, cut further than their parameter's unit: not gathered back each
-   step), and cut on one dim over some axes, each in turn (ZeRO), each kept where it lowers the
-   total. Carried outputs are priced against their input's spec throughout, so the
-   plan holds for a step called in a loop (a ZeRO-style gather at the end of the step shows).
+   is then moved where that lowers the total (state.place_state: replicated, in the spec
+   its update makes it in, or cut ZeRO-style). Carried outputs are priced against their
+   input's spec throughout, so the plan holds for a step called in a loop (a ZeRO-style
+   gather at the end of the step shows).
    The axes are decided three times: with the joint moves, without them, and without them
    with the links of a value read by several main ops sharing its resharding (one move
    serves readers that need one spec; readers that need others each pay theirs, as the
@@ -59,9 +57,7 @@ number of times, and the units of repeated layers are decided once per class.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -76,6 +72,7 @@ from jaxpar.search.dynamic import Problem, solve
 from jaxpar.search.links import Link, Slot, Units, mapped
 from jaxpar.search.propagation import GraphIndex, GraphPlan, graph_cost, propagate
 from jaxpar.search.refine import Refiner
+from jaxpar.search.state import place_state
 from jaxpar.spec import MeshInfo, OpStrategy, Spec
 
 log = logging.getLogger("jaxpar.search.recursive")
@@ -305,7 +302,7 @@ class _Sapp:
             _note(outer, f"kept the plan {best[4]}: it scores {best[2]:.6g} ({others})")
         self.lines = outer
         refiner = best[1]
-        self._place_state(refiner)
+        place_state(refiner, self.units, self.members.values(), self.fixed_in, self.mesh)
         for x in self.mains:  # as propagate() reports them: with the runner-up
             refiner.plan.choices[x] = refiner.report(x)
         return refiner.plan
@@ -349,59 +346,6 @@ class _Sapp:
                     if not r:
                         fixed_in[v] = fixed_out[pos] = best.ins[0]
         return fixed, fixed_in, fixed_out
-
-    def _place_state(self, refiner: Refiner) -> None:
-        """The exact check of a decision the links price roughly: carried state is tried in
-        other specs, its update planned again, and moved where the plan's total drops:
-        replicated (gradient reductions may all-reduce; small state, where a gather's
-        latency outweighs the work it saves); in the spec its update computes it in (state
-        that no main op reads, Adam's moments, follows its parameter's unit; when the update
-        cuts it further, keeping it so saves gathering it back each step, and memory); and
-        cut on one dim over some of the axes, each dim and set of axes in turn (ZeRO: the
-        gradient reduce-scattered, the update run on a shard, the new parameter gathered
-        once; its link to the parameter's readers priced it roughly). A class is tried on
-        its first unit; if that gains, on the rest."""
-        n = len(self.g.ops)
-        for xs in self.members.values():
-            if xs[0] < n:
-                continue
-            rank = len(self.g.values[self.units.state(xs[0])[0][0]].shape)
-            names = self.mesh.names
-            cuts = [(d, axes) for d in range(rank) for k in range(len(names), 0, -1)
-                    for axes in itertools.combinations(names, k)]
-            for how in ("replicated", "as updated", *cuts):
-                for x in xs:
-                    if not self._restate(refiner, x, how):
-                        break
-
-    def _restate(self, refiner: Refiner, x: int, how: str | tuple[int, tuple[str, ...]]
-                 ) -> bool:
-        """Carried unit x's free state in another spec (see _place_state): "replicated",
-        "as updated", or (dim, axes): cut over those axes on that dim. True if kept."""
-        g, specs, mesh = self.g, refiner.plan.specs, self.mesh
-        state = [(v, w) for v, _, w in self.units.state(x)
-                 if v not in self.fixed_in and v in refiner.fixed_in]
-        if how == "replicated":
-            state = state if any(specs[v].axes() for v, _ in state) else []
-            new = {v: Spec.replicated(len(g.values[v].shape)) for v, _ in state}
-        elif how == "as updated":
-            state = [(v, w) for v, w in state if specs[w].resolved() != specs[v]]
-            new = {v: specs[w].resolved() for v, w in state}
-        else:
-            dim, axes = how
-            pieces = math.prod(mesh.axis_size(a) for a in axes)
-            new = {v: Spec(tuple(axes if d == dim else () for d in range(len(g.values[v].shape))))
-                   for v, _ in state if len(g.values[v].shape) > dim
-                   and g.values[v].shape[dim] % pieces == 0}
-            state = [(v, w) for v, w in state if v in new and new[v] != specs[v]]
-        if not state:
-            return False
-        region, keep = self.units.update_region(x)
-        start = {"replicated": "needs", "as updated": "current"}.get(how, "operands")
-        if not refiner.replan(region, new, {w: new[v] for v, w in state}, keep, start):
-            return False
-        refiner.fixed_in.update(new)
-        return True
 
     def _rank(self, c: int) -> tuple:
         """The order classes decide in, most expensive first within three tiers: main ops,
