@@ -194,16 +194,21 @@ def test_optimizer_moments_stay_in_the_spec_their_update_makes():
         assert gp.specs[graph.outputs[pos]].resolved() == gp.specs[v], graph.values[v].name
 
 
+def _moe_at_speed(hardware):
+    """The quick benchmark's MoE Adam step on 8 devices in one axis, at level 2, mem_coeff 0."""
+    from jaxpar.models import moe
+    cfg = moe.MoEConfig(d_model=1024, d_ff=4096, experts=8, group_size=256)
+    step, args = moe.abstract_train_step(cfg, 16)
+    graph, model, ties = _tied(step, args, jaxpar.make_mesh((8,), ("d0",)), hardware)
+    return graph, CostModel(model.mesh, model.profile, 2, 0.0, recompute_heavy=False), ties
+
+
 def test_a_router_mask_is_not_gathered_by_each_reader():
     # An MoE router's one-hot masks (argmax, then eq against an iota) read by a few ops each:
     # planned one op at a time, each reader gathered the cut mask itself (four gathers of a
     # few KB, a latency each). Refiner.push plans the ops downstream of such a gather again
     # forwards from the cut operand: the routing runs cut, with no gather.
-    from jaxpar.models import moe
-    cfg = moe.MoEConfig(d_model=1024, d_ff=4096, experts=8, group_size=256)
-    step, args = moe.abstract_train_step(cfg, 16)
-    graph, model, ties = _tied(step, args, jaxpar.make_mesh((8,), ("d0",)))
-    model = CostModel(model.mesh, model.profile, 2, 0.0, recompute_heavy=False)
+    graph, model, ties = _moe_at_speed("h100-nvlink")
     gp, _ = recursive_programming(graph, model, {}, {}, ties=ties)
     first = next(op.index for op in graph.ops if op.name == "dot_general" and op.index > 0)
     producer = {v: op.index for op in graph.ops for v in op.outputs}
@@ -221,13 +226,9 @@ def test_a_value_read_by_several_matmuls_is_moved_once():
     # MoE on 8 devices, TPU links: the gradient into the expert weights, made by one matmul
     # and read (transposed) by three, was priced as three all-to-alls, so that matmul kept
     # its batch whole and the loss's 16 MB gradient was gathered for it. A value's main
-    # readers share its resharding in one of the two passes: modeled 0.708 -> 0.558 ms
-    # (the exact search: 0.551).
-    from jaxpar.models import moe
-    cfg = moe.MoEConfig(d_model=1024, d_ff=4096, experts=8, group_size=256)
-    step, args = moe.abstract_train_step(cfg, 16)
-    graph, model, ties = _tied(step, args, jaxpar.make_mesh((8,), ("d0",)), "tpu-v5e")
-    model = CostModel(model.mesh, model.profile, 2, 0.0, recompute_heavy=False)
+    # readers share its resharding in one of the passes: modeled 0.708 -> 0.558 ms (the
+    # exact search: 0.551).
+    graph, model, ties = _moe_at_speed("tpu-v5e")
     gp, _ = recursive_programming(graph, model, {}, {}, ties=ties)
     cost = graph_cost(graph, gp, model, {pos: gp.specs[v] for v, pos in ties})
     gathered = max((c.bytes for c in cost.collectives if c.kind == "all-gather"), default=0)
