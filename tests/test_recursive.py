@@ -147,7 +147,7 @@ def test_training_steps_with_carried_state_are_close_to_exact(name):
 def test_near_ties_keep_the_batch_cut():
     # A GPT step's matmuls may cut batch or sequence for nearly the same link price; taken
     # class by class by a hair, they mixed, and all-to-alls moved the activations between
-    # them (8 of them, 38 MB, here). Cuts within 0.1% count as equal and the lower dim wins.
+    # them (8 of them, 38 MB, here). Cuts within 2% count as equal and the lower dim wins.
     step, args = abstract_train_step(GPTConfig(layers=2, d_model=1024, heads=16, vocab=8192,
                                                seq=512), 16)
     graph, model, ties = _tied(step, args, jaxpar.make_mesh(8))
@@ -156,6 +156,21 @@ def test_near_ties_keep_the_batch_cut():
     cost = graph_cost(graph, gp, model, {pos: gp.specs[v] for v, pos in ties})
     kinds = {c.kind for c in cost.collectives}
     assert "all-reduce" in kinds and "all-to-all" not in kinds, kinds
+
+
+def test_a_first_cut_ahead_by_two_percent_does_not_split_batch_and_sequence():
+    # GPT (2 layers, d 512, seq 256) on 8 TPU v5e chips at the default objective: the first
+    # matmul class took the sequence cut for a link price 1.7% under the batch cut, the
+    # classes linked to it followed, others took the batch, and 7 all-to-alls moved the
+    # activations between them (objective 5.04 ms against the exact search's 4.39).
+    step, args = abstract_train_step(GPTConfig(layers=2, d_model=512, heads=8, vocab=8192,
+                                               seq=256), 16)
+    graph, model, ties = _tied(step, args, jaxpar.make_mesh((8,), ("d0",)), "tpu-v5e")
+    gp, _ = recursive_programming(graph, model, {}, {}, ties=ties)
+    cost = graph_cost(graph, gp, model, {pos: gp.specs[v] for v, pos in ties})
+    moved = [c for c in cost.collectives if c.kind == "all-to-all"]
+    assert len(moved) <= 1, moved  # the tied embedding's gradient may change its cut once
+    assert model.score(cost) < 4.5e-3
 
 
 def test_chains_sliced_into_a_gather_are_planned_again():

@@ -22,7 +22,7 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    mem_coeff included) plus its rest-cost: its links to classes decided on this axis and to
    fixed specs (resharding over the axes decided so far, and the ops between), plus for each
    undecided neighbour the extra cost of its best answer to the cut. The cheapest cut wins (cuts
-   within 0.1% of it count as equal and the first listed, the lower dim, wins: neighbours then
+   within 2% of it count as equal and the first listed, the lower dim, wins: neighbours then
    agree on batch rather than mix batch and sequence) and every price goes to the log, in
    MindSpore's words. Other ways to cut the axis are priced
    over all links against the greedy one and taken when cheaper: a second greedy pass from the
@@ -81,7 +81,7 @@ _ALWAYS_MAIN = frozenset({"dot_general", "conv_general_dilated", "gather", "scat
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
 _RETRIES = 6          # memory budget: searches again with mem_coeff x4, x16, ...
 _TIE = 1e-9           # relative: costs this close count as equal (the first one wins)
-_NEAR = 1e-3          # relative: a class's cuts this close count as equal, the first listed
+_NEAR = 2e-2          # relative: a class's cuts this close count as equal, the first listed
                       # (the lower dim) wins, so that classes agree (batch, not sequence)
 _CLOSE = 1.05         # a first decision's runner-up this close is tried as a second start
 _EXACT_CLASSES = 64   # up to this many classes an axis's joint choice is solved exactly
