@@ -22,9 +22,9 @@ how its consumers should cut; planned after them, an op sees what they need). Op
 
 `refine.refine` (a `refine.Refiner`) then improves any complete plan with the exact
 objective: each op in turn takes the strategy cheapest against everything around it, until none
-moves; `replan` plans a region again from scratch and keeps it only if the total drops. Neither
-raises the plan's total (graph_cost). A `GraphIndex` (producers, readers, sizes) can be shared
-by both.
+moves; `replan` plans a region again (from what consumers need, from what operands give, or
+from the plan as it is) and keeps it only if the total drops. Neither raises the plan's total
+(graph_cost). A `GraphIndex` (producers, readers, sizes) can be shared by both.
 """
 
 from __future__ import annotations

@@ -213,6 +213,7 @@ class _Sapp:
         self.usage_cache: dict = {}
         self.joint = True  # whether _axis also tries joint moves (run() decides both ways)
         self.divisor: dict[int, int] = {}  # link number -> what its resharding is divided by
+                                           # (absent: 1)
         self.shares = index.shares
         self.classes = self._main_classes(classes)
 
@@ -268,8 +269,7 @@ class _Sapp:
                     rev.setdefault(self.classes[lk.other], []).append((c, lk))
         self.rev = rev
         self._path_costs(links)
-        self.readers = self._shared_reads(links)
-        self.alone = dict.fromkeys(self.readers, 1)
+        shared = self._shared_reads(links)
         order = sorted(self.members, key=self._rank)
         _note(self.lines, f"recursive_programming: {len(self.mains)} main ops of "
                           f"{len(g.ops)} and {len(self.units.carried)} carried states "
@@ -279,9 +279,8 @@ class _Sapp:
         # with greedy passes and a value's main readers sharing its resharding. The links
         # price a cut roughly; the passes that decide differently are each planned in full
         # and the plan with the lower exact objective is kept (joint moves can mislead).
-        passes = {"with joint moves": (True, self.alone),
-                  "without joint moves": (False, self.alone),
-                  "with shared reads": (False, self.readers)}
+        passes = {"with joint moves": (True, {}), "without joint moves": (False, {}),
+                  "with shared reads": (False, shared)}
         alive, outer, done = {c: list(a) for c, a in self.alive.items()}, self.lines, []
         for how, (self.joint, self.divisor) in passes.items():
             self.alive = {c: list(a) for c, a in alive.items()}
@@ -316,7 +315,7 @@ class _Sapp:
         gp = propagate(g, model, fixed_in, fixed_out, fixed, classes, ties, self.index)
         refiner = Refiner(g, model, gp, fixed_in, fixed_out, classes, ties, self.index)
         refiner.run()
-        mains = set(self.mains)
+        mains = self.units.mains
         if refiner.unchain(mains) + refiner.push(mains):
             refiner.run()
         return refiner
@@ -426,23 +425,23 @@ class _Sapp:
 
     def _shared_reads(self, links: dict[int, list[Link]]) -> dict[int, int]:
         """How many main ops read the value each link between two main ops delivers, by
-        link number. One resharding of it serves all of them when they need one spec, so
-        each such link may be priced at that share of it (a transposed activation read by
-        three weight-gradient matmuls is moved once, not three times): run() decides the
-        axes with links priced so and with each priced whole (readers that need other specs
-        each pay theirs)."""
-        g, n_ops, mains = self.g, len(self.g.ops), set(self.mains)
+        link number, where more than one does. One resharding of it serves all of them when
+        they need one spec, so each such link may be priced at that share of it (a
+        transposed activation read by three weight-gradient matmuls is moved once, not three
+        times): run() decides the axes with links priced so and with each priced whole
+        (readers that need other specs each pay theirs)."""
+        g, n_ops, mains = self.g, len(self.g.ops), self.units.mains
         readers, out = self.index.readers, {}
         for lks in links.values():
             for lk in lks:
-                k = 1
-                if 0 <= lk.other < n_ops and lk.owner < n_ops:
-                    x, slot = (lk.owner, lk.slot) if lk.into else (lk.other, lk.other_slot)
-                    if slot[0] == 0:
-                        w = g.ops[x].inputs[slot[1]]
-                        k = max(1, len({r for r, _ in readers.get(w, ()) if r in mains})) \
-                            if isinstance(w, int) else 1
-                out[lk.n] = k
+                if not (0 <= lk.other < n_ops and lk.owner < n_ops):
+                    continue  # a fixed spec or carried state at an end
+                x, slot = (lk.owner, lk.slot) if lk.into else (lk.other, lk.other_slot)
+                w = g.ops[x].inputs[slot[1]] if slot[0] == 0 else None
+                if isinstance(w, int):
+                    k = len({r for r, _ in readers.get(w, ()) if r in mains})
+                    if k > 1:
+                        out[lk.n] = k
         return out
 
     # -- one axis ------------------------------------------------------------------------
@@ -751,7 +750,7 @@ class _Sapp:
             path = self.path[lk.n] / self.factor.get(lk.n, 1)
             if _carries(lk, dx, lk.fixed.dim_of(self.axis) if lk.other < 0 else dy):
                 path /= self.mesh.axis_size(self.axis)
-            hit = self.tab[key] = (self._geometry(shape, dx, dy) / self.divisor[lk.n]
+            hit = self.tab[key] = (self._geometry(shape, dx, dy) / self.divisor.get(lk.n, 1)
                                    + path) * lk.count
         return hit
 

@@ -76,7 +76,7 @@ class Refiner:
         free = [v for v in self.g.inputs if v not in self.fixed_in and v in readers]
         budget = 8 * len(queue) + 64
 
-        def push(x: int) -> None:
+        def enqueue(x: int) -> None:
             if x not in queued and not ops[x].regions:
                 queued.add(x)
                 queue.append(x)
@@ -88,16 +88,16 @@ class Refiner:
                 if self._visit(ops[x]):
                     for v in ops[x].inputs:
                         if isinstance(v, int) and v in producer:
-                            push(producer[v])
+                            enqueue(producer[v])
                     for v in ops[x].outputs:
                         for r, _ in readers.get(v, ()):
-                            push(r)
+                            enqueue(r)
             for v in free:
                 if self._place(v):
                     for r, _ in readers[v]:
-                        push(r)
+                        enqueue(r)
                     if v in self.tied_in and self.tied_in[v] in producer:
-                        push(producer[self.tied_in[v]])
+                        enqueue(producer[self.tied_in[v]])
         return self.plan
 
     def _demands(self, v: int) -> tuple:
@@ -208,15 +208,13 @@ class Refiner:
         each operand resharded with communication, the ops that make it (walked up through
         ops not in `fixed`, at most `longest`) are planned again from the consumer's need
         backwards (replan) and kept where the total drops. Returns how many were kept."""
-        g, plan, b = self.g, self.plan, self.b
+        producer = self.b.producer
         kept, seen = 0, set()
-        for op in g.ops:
-            s = plan.choices[op.index].strategy
-            for v, need in zip(op.inputs, s.ins, strict=True):
-                if not isinstance(v, int) or v not in b.producer or b.price(
-                        v, plan.specs[v], need) <= 0.0:
+        for op in self.g.ops:
+            for v in self._moved_operands(op):
+                if v not in producer:
                     continue
-                region, keep = self._chain(b.producer[v], fixed, longest)
+                region, keep = self._chain(producer[v], fixed, longest)
                 key = tuple(region)
                 if region and key not in seen:
                     seen.add(key)
@@ -231,18 +229,21 @@ class Refiner:
         through ops not in `fixed`, at most `longest`) are planned again from what their
         operands give forwards (replan from "operands") and kept where the total drops.
         Returns how many were kept."""
-        g, plan, b = self.g, self.plan, self.b
         kept, seen = 0, set()
-        for op in g.ops:
+        for op in self.g.ops:
             if op.index in fixed or op.regions or op.index in seen:
                 continue
-            s = plan.choices[op.index].strategy
-            if any(isinstance(v, int) and b.price(v, plan.specs[v], need) > 0.0
-                   for v, need in zip(op.inputs, s.ins, strict=True)):
+            if self._moved_operands(op):
                 region = self._downstream(op.index, fixed, longest)
                 seen.update(region)
                 kept += self.replan(region, {}, {}, set(), "operands")
         return kept
+
+    def _moved_operands(self, op: Op) -> list[int]:
+        """op's operands resharded with communication into the spec it reads them in."""
+        plan, price = self.plan, self.b.price
+        return [v for v, need in zip(op.inputs, plan.choices[op.index].strategy.ins, strict=True)
+                if isinstance(v, int) and price(v, plan.specs[v], need) > 0.0]
 
     def _downstream(self, x: int, fixed: set[int], longest: int) -> list[int]:
         """Op x and the ops reading its results, theirs and so on (breadth first), without
