@@ -36,7 +36,8 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    sharding propagation plans every other op (per class) and the parameters, then
    refine.Refiner improves the plan with the exact objective, one op at a time, and plans
    again the chains of ops that one-at-a-time moves leave in a layout their consumer must
-   gather (Refiner.unchain: a bias-add and relu between two tensor-parallel matmuls), and
+   gather (Refiner.unchain: a bias-add and relu between two tensor-parallel matmuls, a loss
+   whose difference two ops read), and
    the ops downstream of a gather forwards from the cut operand (Refiner.push: an MoE
    router's masks, gathered by each reader). In the plan kept (see below) carried state
    is then moved where that lowers the total (state.place_state: replicated, in the spec

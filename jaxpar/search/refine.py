@@ -159,36 +159,39 @@ class Refiner:
         in the region unknown); "operands", from what operands give (first op first, what
         consumers need unknown); "current", from the plan as it is. Then each op takes its
         best strategy with both known, in program order, until nothing moves (three passes
-        at most). Kept when the total drops (True); else everything goes back."""
+        at most). The free inputs the region reads are placed anew with it (unknown to a
+        start from "needs"). Kept when the total drops (True); else everything goes back."""
         if start not in ("needs", "operands", "current"):
             raise ValueError(f"replan(start={start!r}): use 'needs', 'operands' or 'current'.")
         g, plan, b = self.g, self.plan, self.b
         ops, inside = g.ops, set(region)
         values = {v for x in region for v in ops[x].outputs}
         touched = inside | {r for v in values | set(inputs) for r, _ in b.readers.get(v, ())}
-        tied = [v for x in region for v in ops[x].inputs
-                if isinstance(v, int) and v in self.tied_in]
-        touched |= {r for v in tied for r, _ in b.readers.get(v, ())}
+        free = {v for x in region for v in ops[x].inputs if isinstance(v, int)
+                and v not in b.producer and v not in self.fixed_in and v not in inputs}
+        touched |= {r for v in free for r, _ in b.readers.get(v, ())}
         saved = ({x: plan.choices[x] for x in touched},
-                 {v: plan.specs.get(v) for v in values | set(inputs) | set(tied)},
+                 {v: plan.specs.get(v) for v in values | set(inputs) | free},
                  {w: self.out_needs.get(w) for w in outputs})
-        before = self._local(touched, values)
+        priced = values | {self.tied_in[v] for v in free if v in self.tied_in}
+        before = self._local(touched, priced)
         for v, spec in inputs.items():
             plan.specs[v] = spec
         for w, spec in outputs.items():
             self.out_needs[w] = [spec]
-        if start == "needs":
+        if start == "needs":  # free inputs are placed for the new plan afterwards
             for x in sorted(region, reverse=True):
-                self._take(ops[x], keep, {v for v in values if b.producer.get(v, -1) < x})
+                self._take(ops[x], keep,
+                           free | {v for v in values if b.producer.get(v, -1) < x})
         elif start == "operands":
             for x in sorted(region):
                 self._take(ops[x], keep, (), blind=True)
         for _ in range(3):
+            for v in free:
+                self._place(v)
             if not sum(self._take(ops[x], keep, ()) for x in sorted(region)):
                 break
-        for v in tied:
-            self._place(v)
-        if self._local(touched, values) < before * (1 - 1e-9):
+        if self._local(touched, priced) < before * (1 - 1e-9):
             return True
         plan.choices.update(saved[0])
         for v, spec in saved[1].items():
@@ -259,21 +262,33 @@ class Refiner:
         return sorted(region)
 
     def _chain(self, x: int, fixed: set[int], longest: int) -> tuple[list[int], set[int]]:
-        """Op x and the ops above it whose results only it reads, without regions, at most
-        `longest`; a fixed op ends the walk and only chooses where its results land."""
-        g, b, region, keep, stack = self.g, self.b, [], set(), [x]
-        while stack and len(region) < longest:
-            y = stack.pop()
-            if g.ops[y].regions or y in region:
-                continue
-            region.append(y)
+        """Op x and the ops above it, without regions, at most `longest`: the walk goes up
+        to an operand's producer and takes the operand's other readers along (they read it
+        in whatever spec it gets: a loss's difference squared by one op and doubled for the
+        gradient by another); a fixed op ends the walk and only chooses where its results
+        land, and a reader is not walked further up."""
+        g, b, region, keep, stack = self.g, self.b, set(), set(), [x]
+
+        def add(y: int) -> bool:
+            if g.ops[y].regions or y in region or len(region) >= longest:
+                return False
+            region.add(y)
             if y in fixed:
                 keep.add(y)
+                return False
+            return True
+        while stack:
+            y = stack.pop()
+            if not add(y):
                 continue
             for v in g.ops[y].inputs:
                 p = b.producer.get(v) if isinstance(v, int) else None
-                if p is not None and len(b.readers.get(v, ())) == 1:
-                    stack.append(p)
+                if p is None:
+                    continue
+                for r, _ in b.readers[v]:
+                    if r not in fixed:
+                        add(r)
+                stack.append(p)
         return sorted(region), keep
 
     def report(self, x: int) -> Choice:
