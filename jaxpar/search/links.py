@@ -347,22 +347,21 @@ class Units:
                     stack.extend((w, depth + 1) for w in ops[y].outputs)
         return out
 
-    def update_region(self, x: int) -> tuple[list[int], set[int]]:
+    def update_region(self, x: int) -> list[int]:
         """The ops that make carried unit x's outputs from the gradients (walked up from
-        them through ops on arrays no larger than the state; not the scalars every update
-        shares, a step count), and the main ops among them."""
+        them through ops on arrays no larger than the state, as far as the main ops making
+        the gradients; not the scalars every update shares, a step count)."""
         ops, producer, size = self.g.ops, self.index.producer, self.index.nbytes
         outs = [w for _, _, w in self.state(x)]
         most = max(size(w) for w in outs)
-        region, keep, stack = set(), set(), list(outs)
+        region, stack = set(), list(outs)
         while stack:
             y = producer.get(stack.pop())
             if y is None or y in region or ops[y].regions:
                 continue
             region.add(y)
             if y in self.mains:
-                keep.add(y)
                 continue
             stack.extend(v for v in ops[y].inputs if isinstance(v, int)
                          and self.g.values[v].shape and size(v) <= most)
-        return sorted(region), keep
+        return sorted(region)

@@ -15,7 +15,9 @@ A unit's state is tried, in turn:
 - cut on one dim over some mesh axes, each dim and set of axes in turn (ZeRO: the gradient
   reduce-scattered, the update run on a shard, the new parameter gathered once; planned again
   forwards from the gradient).
-A class is tried on its first unit; if a move gains there, on the rest.
+The main ops making the gradients are planned again with the update (a bias gradient's
+reduction then lands where the moved state wants it, not where the search cut it). A class is
+tried on its first unit; if a move gains there, on the rest.
 """
 
 from __future__ import annotations
@@ -79,9 +81,9 @@ def _move(refiner: Refiner, units: Units, user_fixed: dict[int, Spec], mesh: Mes
         state = [(v, w) for v, w in state if v in new and new[v] != specs[v]]
     if not state:
         return False
-    region, keep = units.update_region(x)
     start = {"replicated": "needs", "as updated": "current"}.get(how, "operands")
-    if not refiner.replan(region, new, {w: new[v] for v, w in state}, keep, start):
+    if not refiner.replan(units.update_region(x), new, {w: new[v] for v, w in state}, set(),
+                          start):
         return False
     refiner.fixed_in.update(new)
     return True
