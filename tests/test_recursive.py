@@ -226,6 +226,29 @@ def test_a_loss_read_by_two_ops_is_planned_again_with_its_targets():
     assert all(price(v, gp.specs[v], need) == 0.0 for v, need in reads), reads
 
 
+def test_a_zero_move_is_also_planned_from_what_the_state_needs():
+    # The same MLP at speed: the first-layer biases' gradients were reduce-scattered over
+    # both axes (the cheapest landing for the matmul's sum, planned forwards from it), then
+    # gathered back over d1 at the end of each step into the biases' spec (four 5 us
+    # gathers). A ZeRO move is also planned backwards from the state's spec: the sum is
+    # reduced straight into it. Modeled step 339.7 -> 319.7 us; the exact search: 319.2.
+    sizes = [1024, 4096] * 4 + [1024]
+    tx = optax.adam(1e-3)
+    params = jax.eval_shape(lambda: init_mlp(jax.random.key(0), sizes))
+    x = jax.ShapeDtypeStruct((256, 1024), jnp.float32)
+    args = (params, jax.eval_shape(tx.init, params), x, x)
+    graph, model, ties = _tied(make_train_step(tx), args, jaxpar.make_mesh((4, 2), ("d0", "d1")),
+                               "h100-2node-ib")
+    model = CostModel(model.mesh, model.profile, 2, 0.0, recompute_heavy=False)
+    gp, _ = recursive_programming(graph, model, {}, {}, ties=ties)
+    back = [graph.values[v].name for v, pos in ties if model.score(model.reshard(
+        gp.specs[graph.outputs[pos]], gp.specs[v], graph.values[v].shape,
+        graph.values[v].dtype)) > 0]
+    assert not back, back
+    exact, _ = dynamic_programming(graph, model, {}, {}, ties=ties)
+    assert _tied_cost(graph, model, gp, ties) < 1.02 * _tied_cost(graph, model, exact, ties)
+
+
 def test_optimizer_moments_stay_in_the_spec_their_update_makes():
     # Adam's moments follow their parameter's unit, cut 4 ways here, while the gradient is
     # reduce-scattered 8 ways and the update runs on that shard: the moments were gathered

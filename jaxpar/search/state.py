@@ -14,7 +14,8 @@ A unit's state is tried, in turn:
   step, and memory);
 - cut on one dim over some mesh axes, each dim and set of axes in turn (ZeRO: the gradient
   reduce-scattered, the update run on a shard, the new parameter gathered once; planned again
-  forwards from the gradient).
+  forwards from the gradient, and where that does not pay, backwards from the state's spec:
+  the gradient's sum then lands in it rather than where it is cheapest to reduce).
 The main ops making the gradients are planned again with the update (a bias gradient's
 reduction then lands where the moved state wants it, not where the search cut it). A class is
 tried on its first unit; if a move gains there, on the rest.
@@ -81,9 +82,10 @@ def _move(refiner: Refiner, units: Units, user_fixed: dict[int, Spec], mesh: Mes
         state = [(v, w) for v, w in state if v in new and new[v] != specs[v]]
     if not state:
         return False
-    start = {"replicated": "needs", "as updated": "current"}.get(how, "operands")
-    if not refiner.replan(units.update_region(x), new, {w: new[v] for v, w in state}, set(),
-                          start):
+    starts = {"replicated": ("needs",), "as updated": ("current",)}.get(how,
+                                                                       ("operands", "needs"))
+    region, outputs = units.update_region(x), {w: new[v] for v, w in state}
+    if not any(refiner.replan(region, new, outputs, set(), start) for start in starts):
         return False
     refiner.fixed_in.update(new)
     return True
