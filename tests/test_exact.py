@@ -185,3 +185,35 @@ def test_tail_reductions_over_several_groups_are_searched_again(monkeypatch):
     kept = first if scores[0] <= scores[1] else second
     chosen = {op: plan.graph_plan.choices[op].strategy for op in t.op_nodes}
     assert all(chosen[op] == t.cands[node][kept.choice[node]] for op, node in t.op_nodes.items())
+
+
+class _Only:
+    """tables.Allow that keeps one plan's strategy and input specs only."""
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def op(self, x, cands):
+        return tuple(i for i, s in enumerate(cands) if s == self.plan.choices[x].strategy)
+
+    def specs(self, v, specs):
+        return (self.plan.specs[v].resolved(),)
+
+
+def test_allow_restricts_the_exact_search_to_the_candidates_it_keeps():
+    # Kept to propagation's strategies alone, the exact search can only hand that plan back
+    # (it would find a cheaper one otherwise: test_exact_beats_propagation...).
+    fn, args, in_strategy = PROGRAMS["moe_top2"]()
+    mesh = jaxpar.make_mesh(8)
+    fixed = parse_in_strategy(in_strategy, args, mesh)
+    traced = trace(fn, args)
+    graph = build_graph(traced.closed_jaxpr, traced.in_paths)
+    model = CostModel(MeshInfo.of(mesh), load_profile("h100-nvlink"), recompute_heavy=False)
+    fixed_in = {graph.inputs[i]: s for i, s in enumerate(fixed) if s}
+    greedy = propagate(graph, model, fixed_in, {})
+    pinned, _ = dynamic_programming(graph, model, fixed_in, {}, allow=_Only(greedy))
+    assert all(pinned.choices[op.index].strategy == greedy.choices[op.index].strategy
+               for op in graph.ops if not op.regions)
+    free, _ = dynamic_programming(graph, model, fixed_in, {})
+    assert model.score(graph_cost(graph, free, model)) < \
+        model.score(graph_cost(graph, pinned, model))

@@ -93,3 +93,12 @@ def test_numbered_in_order_of_first_appearance():
 def test_empty_graph_has_no_classes():
     graph = build_graph(jax.make_jaxpr(lambda x: x)(jnp.ones(3)))
     assert op_classes(graph) == []
+
+
+def test_classes_are_remembered_per_graph_and_handed_out_as_copies():
+    graph = _mlp(4)
+    first = op_classes(graph)
+    first[0] = -1  # a caller's edit does not reach the next caller
+    again = op_classes(graph)
+    assert again[0] != -1 and again == op_classes(graph, 8)
+    assert op_classes(graph, 0) == _reference(graph, 0)

@@ -120,7 +120,14 @@ def _refine(colour: np.ndarray, e: _Edges) -> np.ndarray:
 
 def op_classes(graph: OpGraph, rounds: int = 8) -> list[int]:
     """Class number of each op (by op index), numbered in order of first appearance; see the
-    module docstring."""
+    module docstring. Remembered on the graph (the searches ask more than once)."""
+    memo = graph.__dict__.setdefault("_op_classes", {})
+    if rounds not in memo:
+        memo[rounds] = _op_classes(graph, rounds)
+    return list(memo[rounds])
+
+
+def _op_classes(graph: OpGraph, rounds: int) -> list[int]:
     if not graph.ops:
         return []
     signatures: dict = {}

@@ -32,14 +32,15 @@ from jaxpar.ir.repeat import op_classes
 from jaxpar.rules.registry import has_rule
 from jaxpar.search.dynamic import Problem, Solution, objective, solve
 from jaxpar.search.propagation import Choice, GraphPlan
-from jaxpar.search.tables import Tables, build_tables
+from jaxpar.search.tables import Allow, Tables, build_tables
 from jaxpar.spec import Spec
 
 
 def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
                         fixed_out: dict[int, Spec], memory_budget: float | None = None,
                         time_limit: float = 30.0, ties: tuple[tuple[int, int], ...] = (),
-                        tie_repeats: bool = True) -> tuple[GraphPlan, Solution]:
+                        tie_repeats: bool = True, allow: Allow | None = None,
+                        group_tail: bool = True) -> tuple[GraphPlan, Solution]:
     """The cheapest plan of `graph` under `model` (see the module docstring).
 
     Args:
@@ -50,11 +51,16 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
         ties: (input value, output position) pairs whose output must come back in the input's
             spec (the caller fixes those outputs to the planned input specs).
         tie_repeats: give the ops of repeated layers one shared strategy (see above).
+        allow: the candidates each op and free input may take (tables.Allow; None: all):
+            the optimum over the plans made of those.
+        group_tail: price the tail's reductions one latency per device group as XLA
+            combines them (see below); False keeps the tables' price, a share of one latency
+            each (graph_cost's: what recursive_programming compares plans with).
 
     Returns:
         (GraphPlan, Solution): the plan and how it was found (optimal, gap, method, seconds).
     """
-    t = build_tables(graph, model, fixed_in, fixed_out, tuple(ties))
+    t = build_tables(graph, model, fixed_in, fixed_out, tuple(ties), allow)
     budget = _budget_left(graph, model, fixed_in, memory_budget)
     problem = Problem(tuple(t.node_cost),
                       tuple((e.u, e.v, e.cost, e.row, e.col) for e in t.edges),
@@ -63,7 +69,8 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
                       live_ranges(graph, t) if budget is not None else None)
     try:
         solution = solve(problem, time_limit)
-        solution = _one_latency_per_group(graph, model, t, problem, solution, time_limit)
+        if group_tail:
+            solution = _one_latency_per_group(graph, model, t, problem, solution, time_limit)
     except ValueError as err:  # no assignment fits: say it in the user's terms
         raise ValueError(f"memory_budget={memory_budget:.0f} bytes per device cannot be met "
                          f"once the fixed inputs are placed: {err}") from None

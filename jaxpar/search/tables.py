@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -42,6 +43,17 @@ class Edge:
     port: int = -1
 
 
+class Allow(Protocol):
+    """Which candidates a search may use (build_tables' `allow`): the optimum is then over
+    the plans made of those only (recursive_programming solves one mesh axis again so)."""
+
+    def op(self, x: int, cands: list) -> tuple[int, ...]:
+        """The indices in `cands`, op x's candidate list, of the strategies it may take."""
+
+    def specs(self, v: int, specs: tuple[Spec, ...]) -> tuple[Spec, ...]:
+        """The specs free input v may take, from `specs` (those its first reader reads)."""
+
+
 @dataclass
 class Tables:
     """Everything the exact search needs, and how to read its answer back."""
@@ -57,11 +69,13 @@ class Tables:
 
 
 def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
-                 fixed_out: dict[int, Spec], ties: tuple[tuple[int, int], ...] = ()) -> Tables:
+                 fixed_out: dict[int, Spec], ties: tuple[tuple[int, int], ...] = (),
+                 allow: Allow | None = None) -> Tables:
     """ties: (free input value, output position) pairs of carried state: the output is handed
     back in the input's spec, so the resharding from its producer into that spec is an edge
-    between the producer and the input node, priced with everything else."""
-    b = _Builder(graph, model)
+    between the producer and the input node, priced with everything else. allow: only the
+    candidates it keeps become choices (None: all)."""
+    b = _Builder(graph, model, allow)
     for op in graph.ops:
         b.t.op_nodes[op.index] = b.op_node(op)
     producer = {v: (op, j) for op in graph.ops for j, v in enumerate(op.outputs)}
@@ -105,8 +119,10 @@ class _Builder:
     """Builds Tables, pricing each distinct candidate list, spec class list and resharding
     matrix once (caches keyed by object identity hold the object, so its id stays valid)."""
 
-    def __init__(self, graph: OpGraph, model: CostModel):
-        self.graph, self.model, self.t = graph, model, Tables()
+    def __init__(self, graph: OpGraph, model: CostModel, allow: Allow | None = None):
+        self.graph, self.model, self.t, self.allow = graph, model, Tables(), allow
+        self._kept: dict[tuple, tuple] = {}    # (id(list), indices kept) -> (list, costs)
+        self._kept_specs: dict[tuple, tuple] = {}  # an input's allowed specs, one object each
         self.share = latency_shares(graph)
         self._nodes: dict[int, tuple] = {}     # id(candidate list) -> (list, cost, mem)
         self._ports: dict[tuple, tuple] = {}   # (id(list), side, i) -> (list, classes)
@@ -133,6 +149,8 @@ class _Builder:
             return self._add_node([s], [cost], np.array([model.score(cost)]),
                                   np.array([float(cost.memory_bytes)]))
         cands, own = model.options(info, share)
+        if self.allow is not None:
+            cands, own = self._subset(cands, own, self.allow.op(op.index, cands))
         hit = self._nodes.get(id(cands))
         if hit is None:
             # Memory a node holds: its results, per device (operands belong to their producers).
@@ -142,8 +160,22 @@ class _Builder:
                                             np.array(mem, dtype=float))
         return self._add_node(cands, own, hit[1], hit[2])
 
+    def _subset(self, cands: list, own: list, kept: tuple[int, ...]) -> tuple[list, list]:
+        """The candidates at `kept` as a list of their own, one per (list, indices): ops alike
+        keeping alike share it (and so its costs and resharding matrices)."""
+        if len(kept) == len(cands):
+            return cands, own
+        key = (id(cands), kept)
+        hit = self._kept.get(key)
+        if hit is None:
+            hit = self._kept[key] = ([cands[i] for i in kept], [own[i] for i in kept], cands)
+        return hit[0], hit[1]
+
     def _input_node(self, v: int, specs: tuple[Spec, ...]) -> int:
         """A free input (or constant) that takes any of `specs`."""
+        if self.allow is not None:  # one object per distinct tuple: inputs alike stay alike
+            specs = self.allow.specs(v, specs)
+            specs = self._kept_specs.setdefault(specs, specs)
         size = self.graph.values[v].nbytes
         mem = np.array([size / s.shards(self.model.mesh) for s in specs], dtype=float)
         return self._add_node(specs, None, np.zeros(len(specs)), mem)

@@ -1,0 +1,88 @@
+"""One mesh axis of a complete plan solved again exactly, every other axis held.
+
+Before: an OpGraph, a complete GraphPlan of it (recursive_programming's), the specs the user
+fixed, carried-state ties, a CostModel, one mesh axis. After: the cheapest plan in which every
+op keeps how its strategy uses the other axes (the dims each operand and result is cut on over
+them, the reductions over them) and every free input keeps its cut on them; only the use of
+`axis` changes. It is dynamic_programming over those candidates (a handful per op where the
+full lists hold hundreds), so it is exact over them, and repeated layers are solved once.
+
+recursive_programming decides the axes one at a time with a model of its units' links, which
+prices roughly a layout that cuts one block one way and its neighbour another (a tensor
+parallel MLP inside data parallel attention). Solved again so, the last axis takes the layout
+the exact objective prefers given the others: a GPT step (2 layers, d 1024) on 2 x 2 x 2
+devices, default objective, 4.264 -> 4.136 ms (the exact search: 4.086).
+"""
+
+from __future__ import annotations
+
+from jaxpar.cost.model import CostModel
+from jaxpar.ir.graph import OpGraph
+from jaxpar.search.exact import dynamic_programming
+from jaxpar.search.propagation import GraphPlan
+from jaxpar.spec import OpStrategy, Spec
+
+
+def solve_axis(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict[int, Spec],
+               fixed_out: dict[int, Spec], ties: tuple[tuple[int, int], ...], axis: str,
+               time_limit: float = 10.0) -> GraphPlan:
+    """The cheapest plan that differs from `plan` only in how it uses `axis`.
+
+    Args:
+      graph, model: the program and its cost model.
+      plan: a complete plan (every op's choice and every input's spec).
+      fixed_in: {value: Spec} the user fixed; fixed_out: {output position: Spec}.
+      ties: (input value, output position) pairs of carried state.
+      axis: the mesh axis solved again.
+      time_limit: seconds for the solver (past it, the best plan it found).
+
+    Returns:
+      The plan the exact search finds over those candidates (`plan` is one of them; the
+      caller compares the two with graph_cost).
+
+    Example:
+      >>> better = solve_axis(graph, model, gp, {}, {}, ties, "d1")
+    """
+    found, _ = dynamic_programming(graph, model, fixed_in, fixed_out, time_limit=time_limit,
+                                   ties=ties, allow=_OtherAxes(plan, axis), group_tail=False)
+    return found
+
+
+class _OtherAxes:
+    """tables.Allow: the candidates that use every axis but one as `plan` does."""
+
+    def __init__(self, plan: GraphPlan, axis: str):
+        self.plan, self.axis = plan, axis
+        self.groups: dict[int, tuple[list, dict]] = {}  # id(list) -> (list, key -> indices)
+        self.projected: dict[Spec, tuple] = {}
+
+    def _spec(self, s: Spec) -> tuple:
+        """A spec's dims over the other axes."""
+        hit = self.projected.get(s)
+        if hit is None:
+            hit = self.projected[s] = tuple(tuple(a for a in d if a != self.axis)
+                                            for d in s.dims)
+        return hit
+
+    def _key(self, s: OpStrategy) -> tuple:
+        return (tuple(self._spec(sp) for sp in s.ins + s.outs),
+                tuple(tuple(a for a in p if a != self.axis) for p in s.partial))
+
+    def op(self, x: int, cands: list) -> tuple[int, ...]:
+        hit = self.groups.get(id(cands))
+        if hit is None:
+            by: dict[tuple, list[int]] = {}
+            for i, s in enumerate(cands):
+                by.setdefault(self._key(s), []).append(i)
+            hit = self.groups[id(cands)] = (cands, {k: tuple(v) for k, v in by.items()})
+        choice = self.plan.choices.get(x)
+        kept = hit[1].get(self._key(choice.strategy)) if choice is not None else None
+        return kept if kept else tuple(range(len(cands)))
+
+    def specs(self, v: int, specs: tuple[Spec, ...]) -> tuple[Spec, ...]:
+        now = self.plan.specs.get(v)
+        if now is None:
+            return specs
+        now = now.resolved()
+        kept = tuple(s for s in specs if self._spec(s) == self._spec(now))
+        return kept if now in kept else kept + (now,)
