@@ -21,16 +21,21 @@ from jaxpar.strategy import parse_in_strategy
 FAST = ["moe_top2", "embedding_xent", "scan_layers", "cond_and_fori"]
 
 
-def _search_costs(name):
-    """Scores of the exact and the greedy plan of a program under one and the same model (the
-    automatic modes' model, which spreads heavy ops over the whole mesh)."""
+def _program(name):
+    """A program's graph on 8 devices, the automatic modes' model (heavy ops spread over the
+    whole mesh) and the inputs its in_strategy fixes: (graph, model, fixed_in)."""
     fn, args, in_strategy = PROGRAMS[name]()
     mesh = jaxpar.make_mesh(8)
     fixed = parse_in_strategy(in_strategy, args, mesh)
     traced = trace(fn, args)
     graph = build_graph(traced.closed_jaxpr, traced.in_paths)
     model = CostModel(MeshInfo.of(mesh), load_profile("h100-nvlink"), recompute_heavy=False)
-    fixed_in = {graph.inputs[i]: s for i, s in enumerate(fixed) if s}
+    return graph, model, {graph.inputs[i]: s for i, s in enumerate(fixed) if s}
+
+
+def _search_costs(name):
+    """Scores of the exact and the greedy plan of a program under one and the same model."""
+    graph, model, fixed_in = _program(name)
     exact, _ = dynamic_programming(graph, model, fixed_in, {})
     greedy = propagate(graph, model, fixed_in, {})
     return tuple(model.score(graph_cost(graph, p, model)) for p in (exact, greedy))
@@ -203,13 +208,7 @@ class _Only:
 def test_allow_restricts_the_exact_search_to_the_candidates_it_keeps():
     # Kept to propagation's strategies alone, the exact search can only hand that plan back
     # (it would find a cheaper one otherwise: test_exact_beats_propagation...).
-    fn, args, in_strategy = PROGRAMS["moe_top2"]()
-    mesh = jaxpar.make_mesh(8)
-    fixed = parse_in_strategy(in_strategy, args, mesh)
-    traced = trace(fn, args)
-    graph = build_graph(traced.closed_jaxpr, traced.in_paths)
-    model = CostModel(MeshInfo.of(mesh), load_profile("h100-nvlink"), recompute_heavy=False)
-    fixed_in = {graph.inputs[i]: s for i, s in enumerate(fixed) if s}
+    graph, model, fixed_in = _program("moe_top2")
     greedy = propagate(graph, model, fixed_in, {})
     pinned, _ = dynamic_programming(graph, model, fixed_in, {}, allow=_Only(greedy))
     assert all(pinned.choices[op.index].strategy == greedy.choices[op.index].strategy

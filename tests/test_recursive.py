@@ -176,19 +176,24 @@ def test_a_first_cut_ahead_by_two_percent_does_not_split_batch_and_sequence():
     assert model.score(cost) < 4.5e-3
 
 
+def _mlp_adam_4x2():
+    """The quick benchmark's MLP Adam step (4 blocks of 1024 -> 4096 -> 1024, batch 256) and
+    a 4 x 2 mesh: (step, abstract args, mesh)."""
+    tx = optax.adam(1e-3)
+    params = jax.eval_shape(lambda: init_mlp(jax.random.key(0), [1024, 4096] * 4 + [1024]))
+    x = jax.ShapeDtypeStruct((256, 1024), jnp.float32)
+    args = (params, jax.eval_shape(tx.init, params), x, x)
+    return make_train_step(tx), args, jaxpar.make_mesh((4, 2), ("d0", "d1"))
+
+
 def test_chains_sliced_into_a_gather_are_planned_again():
     # 2-D tensor parallel MLP across two nodes: each matmul's partial sum lands wherever is
     # locally cheapest, the bias-add and relu after it follow one op at a time into a layout
     # the next matmul must gather. Refiner.unchain plans such chains again from the
     # consumer's need (the matmul at their head choosing where its result lands): modeled
     # step 0.567 -> 0.400 ms here, against the exact search's 0.319.
-    sizes = [1024, 4096] * 4 + [1024]
-    tx = optax.adam(1e-3)
-    params = jax.eval_shape(lambda: init_mlp(jax.random.key(0), sizes))
-    x = jax.ShapeDtypeStruct((256, 1024), jnp.float32)
-    args = (params, jax.eval_shape(tx.init, params), x, x)
-    mesh = jaxpar.make_mesh((4, 2), ("d0", "d1"))
-    cost = {mode: jaxpar.shard(make_train_step(tx), mesh=mesh, search_mode=mode,
+    step, args, mesh = _mlp_adam_4x2()
+    cost = {mode: jaxpar.shard(step, mesh=mesh, search_mode=mode,
                                hardware="h100-2node-ib", level=2, mem_coeff=0.0)
             .plan(*args).cost.total_s for mode in ("recursive_programming",
                                                    "dynamic_programming")}
@@ -202,13 +207,7 @@ def test_a_loss_read_by_two_ops_is_planned_again_with_its_targets():
     # (28 us). unchain walks up through the difference, read by two ops (its square and its
     # doubling), takes both along and places the targets anew: modeled 359.7 -> 339.7 us.
     from jaxpar.search.propagation import _Graph
-    sizes = [1024, 4096] * 4 + [1024]
-    tx = optax.adam(1e-3)
-    params = jax.eval_shape(lambda: init_mlp(jax.random.key(0), sizes))
-    x = jax.ShapeDtypeStruct((256, 1024), jnp.float32)
-    args = (params, jax.eval_shape(tx.init, params), x, x)
-    step = make_train_step(tx)
-    mesh = jaxpar.make_mesh((4, 2), ("d0", "d1"))
+    step, args, mesh = _mlp_adam_4x2()
     plan = jaxpar.shard(step, mesh=mesh, search_mode=MODE, hardware="h100-2node-ib",
                         level=2, mem_coeff=0.0).plan(*args)
     traced = trace(step, args)
@@ -232,13 +231,8 @@ def test_a_zero_move_is_also_planned_from_what_the_state_needs():
     # gathered back over d1 at the end of each step into the biases' spec (four 5 us
     # gathers). A ZeRO move is also planned backwards from the state's spec: the sum is
     # reduced straight into it. Modeled step 339.7 -> 319.7 us; the exact search: 319.2.
-    sizes = [1024, 4096] * 4 + [1024]
-    tx = optax.adam(1e-3)
-    params = jax.eval_shape(lambda: init_mlp(jax.random.key(0), sizes))
-    x = jax.ShapeDtypeStruct((256, 1024), jnp.float32)
-    args = (params, jax.eval_shape(tx.init, params), x, x)
-    graph, model, ties = _tied(make_train_step(tx), args, jaxpar.make_mesh((4, 2), ("d0", "d1")),
-                               "h100-2node-ib")
+    step, args, mesh = _mlp_adam_4x2()
+    graph, model, ties = _tied(step, args, mesh, "h100-2node-ib")
     model = CostModel(model.mesh, model.profile, 2, 0.0, recompute_heavy=False)
     gp, _ = recursive_programming(graph, model, {}, {}, ties=ties)
     back = [graph.values[v].name for v, pos in ties if model.score(model.reshard(
