@@ -37,9 +37,8 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    refine.Refiner improves the plan with the exact objective, one op at a time, and plans
    again the chains of ops that one-at-a-time moves leave in a layout their consumer must
    gather (Refiner.unchain: a bias-add and relu between two tensor-parallel matmuls, a loss
-   whose difference two ops read), and
-   the ops downstream of a gather forwards from the cut operand (Refiner.push: an MoE
-   router's masks, gathered by each reader). In the plan kept (see below) carried state
+   whose difference two ops read, an MoE router's masks gathered by each reader). In the
+   plan kept (see below) carried state
    is then moved where that lowers the total (state.place_state: replicated, in the spec
    its update makes it in, or cut ZeRO-style). Carried outputs are priced against their
    input's spec throughout, so the plan holds for a step called in a loop (a ZeRO-style
@@ -339,7 +338,7 @@ class _Sapp:
         refiner = Refiner(g, model, gp, fixed_in, fixed_out, classes, ties, self.index)
         refiner.run()
         mains = self.units.mains
-        if refiner.unchain(mains) + refiner.push(mains):
+        if refiner.unchain(mains):
             refiner.run()
         return refiner
 

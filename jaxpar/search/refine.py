@@ -45,7 +45,7 @@ class Refiner:
     lowers the total; `replan(region, ...)` plans a set of ops again (from what their
     consumers need, from what their operands give, or from the plan as it is), with some
     inputs and outputs kept in other specs, and keeps the result only when the plan's total
-    drops; `unchain`, `push` and the caller's moves are made of replans."""
+    drops; `unchain` and the caller's moves are made of replans."""
 
     def __init__(self, graph: OpGraph, model: CostModel, plan: GraphPlan,
                  fixed_in: dict[int, Spec], fixed_out: dict[int, Spec],
@@ -224,42 +224,11 @@ class Refiner:
                     kept += self.replan(region, {}, {}, keep)
         return kept
 
-    def push(self, fixed: set[int], longest: int = 256) -> int:
-        """The other way round from unchain: ops planned one at a time that gather, each on
-        its own, what a producer made cut (the one-hot masks of an MoE router, read by a few
-        ops each: a gather's latency each time). For each op (not in `fixed`) reading an
-        operand resharded with communication, it and the ops downstream of it (walked down
-        through ops not in `fixed`, at most `longest`) are planned again from what their
-        operands give forwards (replan from "operands") and kept where the total drops.
-        Returns how many were kept."""
-        kept, seen = 0, set()
-        for op in self.g.ops:
-            if op.index in fixed or op.regions or op.index in seen:
-                continue
-            if self._moved_operands(op):
-                region = self._downstream(op.index, fixed, longest)
-                seen.update(region)
-                kept += self.replan(region, {}, {}, set(), "operands")
-        return kept
-
     def _moved_operands(self, op: Op) -> list[int]:
         """op's operands resharded with communication into the spec it reads them in."""
         plan, price = self.plan, self.b.price
         return [v for v, need in zip(op.inputs, plan.choices[op.index].strategy.ins, strict=True)
                 if isinstance(v, int) and price(v, plan.specs[v], need) > 0.0]
-
-    def _downstream(self, x: int, fixed: set[int], longest: int) -> list[int]:
-        """Op x and the ops reading its results, theirs and so on (breadth first), without
-        regions and not in `fixed`, at most `longest`."""
-        g, readers, region, queue = self.g, self.b.readers, {x}, deque([x])
-        while queue and len(region) < longest:
-            for v in g.ops[queue.popleft()].outputs:
-                for r, _ in readers.get(v, ()):
-                    if r not in region and r not in fixed and not g.ops[r].regions \
-                            and len(region) < longest:
-                        region.add(r)
-                        queue.append(r)
-        return sorted(region)
 
     def _chain(self, x: int, fixed: set[int], longest: int) -> tuple[list[int], set[int]]:
         """Op x and the ops above it, without regions, at most `longest`: the walk goes up
