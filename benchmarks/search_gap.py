@@ -35,6 +35,20 @@ HARDWARE = ("h100-nvlink", "h100-2node-ib", "tpu-v5e")
 MESHES = ("8", "4x2")
 
 
+def plan_objective(plan, graph, hardware: str, level: int, mem_coeff: float,
+              recompute_heavy: bool = False) -> float:
+    """`plan`'s score under the objective the automatic searches minimise (CostModel.score of
+    graph_cost: level 0 counts communication twice, mem_coeff weighs memory), its carried
+    outputs back in their input's spec as Plan.cost prices them. search_time.py uses it too."""
+    from jaxpar.cost import CostModel, load_profile
+    from jaxpar.search.propagation import graph_cost
+
+    model = CostModel(plan.mesh, load_profile(hardware), level, mem_coeff,
+                      recompute_heavy=recompute_heavy)
+    return model.score(graph_cost(graph, plan.graph_plan, model,
+                                  dict(enumerate(plan.out_specs))))
+
+
 def score_plans(name: str, preset: str, meshes, hardware, objectives) -> list[dict]:
     """Plan one model with both modes for every (mesh, hardware, objective); a row each."""
     import jax
@@ -43,9 +57,7 @@ def score_plans(name: str, preset: str, meshes, hardware, objectives) -> list[di
     from jax.sharding import Mesh
 
     import jaxpar
-    from jaxpar.cost import CostModel, load_profile
     from jaxpar.ir import build_graph, trace
-    from jaxpar.search.propagation import graph_cost
 
     model = models.build(name, preset)
     traced = trace(model.step, model.args)
@@ -65,10 +77,7 @@ def score_plans(name: str, preset: str, meshes, hardware, objectives) -> list[di
                     start = time.perf_counter()
                     plan = f.plan(*model.args)
                     row[f"{mode}_s"] = time.perf_counter() - start
-                    cost = CostModel(plan.mesh, load_profile(hw), kw["level"], kw["mem_coeff"],
-                                     recompute_heavy=False)
-                    row[mode] = cost.score(graph_cost(graph, plan.graph_plan, cost,
-                                                      dict(enumerate(plan.out_specs))))
+                    row[mode] = plan_objective(plan, graph, hw, kw["level"], kw["mem_coeff"])
                 row["ratio"] = row["recursive_programming"] / row["dynamic_programming"]
                 rows.append(row)
                 print(f"{name} {mesh_name} {hw} {objective}: RP/DP {row['ratio']:.3f}",

@@ -59,12 +59,12 @@ def plan_once(layers: int, mode: str, cfg: Config) -> dict:
     from jaxpar.demo import ensure_devices
 
     ensure_devices(8)
+    from search_gap import plan_objective  # beside this file: on the path of the child process
+
     import jaxpar
     from jaxpar.api import AUTOMATIC_MODES
-    from jaxpar.cost import CostModel, load_profile
     from jaxpar.ir import build_graph, trace
     from jaxpar.models.gpt import GPTConfig, abstract_train_step
-    from jaxpar.search.propagation import graph_cost
 
     gpt = GPTConfig(layers=layers, d_model=cfg.d_model, heads=cfg.heads, vocab=cfg.vocab,
                     seq=cfg.seq)
@@ -82,16 +82,12 @@ def plan_once(layers: int, mode: str, cfg: Config) -> dict:
     start = time.perf_counter()
     plan = f.plan(*args)
     plan_s = time.perf_counter() - start
-    # What the automatic searches minimise (level 0: compute + 2 x communication, plus
-    # mem_coeff x the memory term), carried outputs back in their input's spec.
-    model = CostModel(plan.mesh, load_profile(cfg.hardware), f.opts.level, f.opts.mem_coeff,
-                      recompute_heavy=mode not in AUTOMATIC_MODES)
-    objective = model.score(graph_cost(graph, plan.graph_plan, model,
-                                       dict(enumerate(plan.out_specs))))
+    score = plan_objective(plan, graph, cfg.hardware, f.opts.level, f.opts.mem_coeff,
+                           recompute_heavy=mode not in AUTOMATIC_MODES)
     return {"eqns": len(traced.closed_jaxpr.jaxpr.eqns), "ops": sum(1 for _ in graph.walk()),
             "trace_s": trace_s, "graph_s": graph_s, "plan_s": plan_s,
             "search_s": max(plan_s - warm_s, 0.0), "cost": plan.cost.total_s,
-            "objective": objective,
+            "objective": score,
             "comm_bytes": plan.cost.comm_bytes, "notes": plan.notes} | _optimality(plan.notes)
 
 

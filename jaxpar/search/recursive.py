@@ -38,11 +38,10 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    again the chains of ops that one-at-a-time moves leave in a layout their consumer must
    gather (Refiner.unchain: a bias-add and relu between two tensor-parallel matmuls, a loss
    whose difference two ops read, an MoE router's masks gathered by each reader). In the
-   plan kept (see below) carried state
-   is then moved where that lowers the total (state.place_state: replicated, in the spec
-   its update makes it in, or cut ZeRO-style). Carried outputs are priced against their
-   input's spec throughout, so the plan holds for a step called in a loop (a ZeRO-style
-   gather at the end of the step shows).
+   plan kept (see below) carried state is then moved where that lowers the total
+   (state.place_state: replicated, in the spec its update makes it in, or cut ZeRO-style).
+   Carried outputs are priced against their input's spec throughout, so the plan holds for
+   a step called in a loop (a ZeRO-style gather at the end of the step shows).
    The axes are decided three times: with the joint moves, without them, and without them
    with the links of a value read by several main ops sharing its resharding (one move
    serves readers that need one spec; readers that need others each pay theirs, as the
