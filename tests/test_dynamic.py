@@ -237,6 +237,23 @@ def test_methods_chain_tree_dp_and_core():
         assert solve(p).cost == brute_force(p).cost == 0.0
 
 
+def test_small_core_goes_to_the_ilp_after_four_sweeps(monkeypatch):
+    # Three candidates on a 4-clique that pays for agreeing: no assignment is free (four nodes,
+    # three colours) but the LP relaxation is (spread evenly), so dual ascent would creep
+    # until it stalls; a core this small goes to HiGHS after the first four sweeps.
+    sweeps = []
+    sweep = dual.DualAscent.sweep
+    monkeypatch.setattr(dual.DualAscent, "sweep",
+                        lambda self, *a, **k: sweeps.append(k) or sweep(self, *a, **k))
+    agree = np.eye(3) * 10.0
+    problem = Problem(tuple(np.zeros(3) for _ in range(4)),
+                      tuple((a, b, agree) for a in range(4) for b in range(a + 1, 4)))
+    got = solve(problem)
+    assert (got.method, got.optimal, got.cost) == ("ilp", True, 10.0)
+    assert sum(not k.get("balanced") for k in sweeps) == 4
+    assert got.cost == brute_force(problem).cost
+
+
 def test_zero_parallel_and_pinned_edges_do_not_break_a_chain():
     cost = (_mat([1, 0]), _mat([0, 1]), _mat([2]), _mat([0, 3]))
     edges = ((0, 1, SWAP), (1, 0, SWAP), (0, 1, np.zeros((2, 2))), (1, 2, _mat([[4], [0]])),
@@ -367,6 +384,9 @@ def test_empty_and_pinned_problems():
     assert got.choice.tolist() == [0, 0] and got.cost == 9.0
 
 
+SHARED = (np.zeros((2, 2)), np.arange(2))  # one K and one class index used by two edges
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(node_cost=(_mat([1]), _mat([1, 2])), edges=((0, 1, np.zeros((2, 2))),)),
      r"edges\[0\] \(0 -> 1\) has a cost matrix of shape \(2, 2\); expected .* \(1, 2\)"),
@@ -380,6 +400,10 @@ def test_empty_and_pinned_problems():
     (dict(node_cost=(_mat([1, 2]), _mat([1])), edges=((0, 1, _mat([[0]]), [0, 1], [0]),)),
      r"edges\[0\] \(0 -> 1\) has K of shape \(1, 1\) and row \[0, 1\]"),
     (dict(node_cost=(_mat([1]), _mat([1])), edges=((0, 5, _mat([[0]])),)), r"edges\[0\] joins"),
+    (dict(node_cost=(_mat([1, 2]), _mat([1, 2]), _mat([1])),  # arrays shared by identity
+          edges=((0, 1, SHARED[0], SHARED[1], SHARED[1]),
+                 (0, 2, SHARED[0], SHARED[1], SHARED[1]))),
+     r"edges\[1\] \(0 -> 2\) has K of shape \(2, 2\) and col \[0, 1\]"),
     (dict(node_cost=(_mat([1]),), node_mem=(_mat([1]), _mat([1]))), r"node_mem has 2 entries"),
     (dict(node_cost=(_mat([1, 2]),), node_mem=(_mat([1]),)), r"node_mem\[0\] has shape"),
     (dict(node_cost=(_mat([1]),), budget=10.0), r"need node_mem"),

@@ -92,7 +92,9 @@ class Problem:
     live_ranges: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        costs = tuple(_vector(c, f"node_cost[{i}]") for i, c in enumerate(self.node_cost))
+        seen: set[int] = set()  # arrays shared by identity (repeated layers) checked once
+        costs = tuple(_vector(c, f"node_cost[{i}]", seen=seen)
+                      for i, c in enumerate(self.node_cost))
         object.__setattr__(self, "node_cost", costs)
         k = self.sizes
         checked: set[int] = set()
@@ -195,8 +197,13 @@ class Problem:
         return np.asarray(self.groups()[j], dtype=np.int64)
 
 
-def _vector(values, name: str, size: int | None = None) -> np.ndarray:
+def _vector(values, name: str, size: int | None = None,
+            seen: set[int] | None = None) -> np.ndarray:
     a = np.asarray(values, dtype=np.float64)
+    if seen is not None and a is values:  # a float64 array, maybe one checked already
+        if id(a) in seen and a.ndim == 1 and len(a) and (size is None or len(a) == size):
+            return a
+        seen.add(id(a))
     if a.ndim != 1 or len(a) == 0 or (size is not None and len(a) != size):
         want = f"length {size}" if size is not None else "a non-empty 1-D array"
         raise ValueError(f"{name} has shape {a.shape}; expected {want}")
@@ -206,14 +213,21 @@ def _vector(values, name: str, size: int | None = None) -> np.ndarray:
     return a
 
 
-def _edge(edge, j: int, k: tuple[int, ...], checked: set[int]) -> tuple:
+def _edge(edge, j: int, k: tuple[int, ...], checked: set) -> tuple:
     u, v, c = int(edge[0]), int(edge[1]), np.asarray(edge[2], dtype=np.float64)
     name = f"edges[{j}] ({u} -> {v})"
     if not (0 <= u < len(k) and 0 <= v < len(k)) or u == v:
         raise ValueError(f"edges[{j}] joins nodes ({u}, {v}); expected two distinct nodes in "
                          f"[0, {len(k)})")
     if len(edge) == 5:
-        row, col = _class_index(c, edge[3], edge[4], name, k[u], k[v])
+        key = (id(c), id(edge[3]), id(edge[4]), k[u], k[v])
+        if key in checked and isinstance(edge[3], np.ndarray) and \
+                isinstance(edge[4], np.ndarray):  # shared class indices: checked once
+            row, col = edge[3], edge[4]
+        else:
+            row, col = _class_index(c, edge[3], edge[4], name, k[u], k[v])
+            if row is edge[3] and col is edge[4]:
+                checked.add(key)
     elif c.shape != (k[u], k[v]):
         raise ValueError(f"{name} has a cost matrix of shape {c.shape}; "
                          f"expected (k_{u}, k_{v}) = ({k[u]}, {k[v]})")
