@@ -12,6 +12,7 @@ from jaxpar.models import PROGRAMS
 from jaxpar.models.gpt import GPTConfig, abstract_train_step
 from jaxpar.plan import peak_memory
 from jaxpar.search import exact
+from jaxpar.search.dynamic import Problem, objective
 from jaxpar.search.exact import dynamic_programming
 from jaxpar.search.propagation import graph_cost, propagate
 from jaxpar.search.tables import build_tables
@@ -124,6 +125,32 @@ def test_tied_layers_share_strategies_and_lose_nothing_on_gpt():
         assert len({tied.choice[n] for n in g}) == 1
         chosen = {tied_plan.choices[op_of[n]].strategy for n in g if n in op_of}
         assert len(chosen) <= 1
+
+
+def test_folded_tables_price_every_agreeing_choice_alike():
+    # Folding tied groups into one node each is what the solver's reduction would do: any
+    # choice in which tied nodes agree costs the same on the folded problem as on the whole.
+    graph, model = _small_gpt(layers=3)
+    t = build_tables(graph, model, {}, {})
+    groups = exact._tied_groups(graph, t)
+    folded, where = exact.fold(t, groups)
+    assert len(folded.cands) == len(t.cands) - sum(len(g) - 1 for g in groups)
+    assert len(folded.edges) < len(t.edges)
+    assert max(folded.count) >= 3 and sum(folded.count) == len(t.cands)  # a layer each
+
+    def problem(tables):
+        return Problem(tuple(tables.node_cost), tuple((e.u, e.v, e.cost, e.row, e.col)
+                                                      for e in tables.edges))
+    whole, small = problem(t), problem(folded)
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        pick = np.array([rng.integers(len(c)) for c in folded.cands])
+        assert objective(small, pick) == pytest.approx(objective(whole, pick[where]), rel=1e-12)
+    plan, sol = dynamic_programming(graph, model, {}, {})
+    assert sol.choice.shape == (len(t.cands),)  # the choice of every node as built
+    assert sol.cost == pytest.approx(objective(whole, sol.choice), rel=1e-9)
+    for x, node in t.op_nodes.items():
+        assert plan.choices[x].strategy == t.cands[node][sol.choice[node]]
 
 
 def test_exact_gpt_step_is_never_costlier_than_propagation():

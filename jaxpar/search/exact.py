@@ -32,7 +32,7 @@ from jaxpar.ir.repeat import op_classes
 from jaxpar.rules.registry import has_rule
 from jaxpar.search.dynamic import Problem, Solution, objective, solve
 from jaxpar.search.propagation import Choice, GraphPlan
-from jaxpar.search.tables import Allow, Tables, build_tables
+from jaxpar.search.tables import Allow, Edge, Tables, build_tables
 from jaxpar.spec import Spec
 
 
@@ -62,10 +62,12 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
     """
     t = build_tables(graph, model, fixed_in, fixed_out, tuple(ties), allow)
     budget = _budget_left(graph, model, fixed_in, memory_budget)
+    tied, unfold = _tied_groups(graph, t) if tie_repeats else None, None
+    if tied and budget is None:  # no live sets to count copies in: one node per group
+        t, unfold, tied = *fold(t, tied), None
     problem = Problem(tuple(t.node_cost),
                       tuple((e.u, e.v, e.cost, e.row, e.col) for e in t.edges),
-                      tuple(t.node_mem), None, budget,
-                      _tied_groups(graph, t) if tie_repeats else None,
+                      tuple(t.node_mem), None, budget, tied,
                       live_ranges(graph, t) if budget is not None else None)
     try:
         solution = solve(problem, time_limit)
@@ -74,7 +76,65 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
     except ValueError as err:  # no assignment fits: say it in the user's terms
         raise ValueError(f"memory_budget={memory_budget:.0f} bytes per device cannot be met "
                          f"once the fixed inputs are placed: {err}") from None
-    return _to_plan(graph, t, solution.choice, fixed_in), solution
+    plan = _to_plan(graph, t, solution.choice, fixed_in)
+    if unfold is not None:  # the choice of every node of the tables as built
+        solution = dataclasses.replace(solution, choice=solution.choice[unfold])
+    return plan, solution
+
+
+def fold(t: Tables, groups: tuple[tuple[int, ...], ...]) -> tuple[Tables, np.ndarray]:
+    """The tables with each group of tied nodes made one node, and where each node went.
+
+    What the solver's reduction does with tied groups (compress.py: a group's cost is the sum
+    of its members', an edge inside it adds its diagonal, parallel edges add up), done on the
+    tables before a Problem is made of them: a 48-layer model's tables shrink twentyfold, and
+    so does the work of checking, reducing and reading back the problem. Parallel edges that
+    share one matrix and class indices (one layer's edge in every layer) become one edge with
+    the matrix times their number. The folded node's memory is its members' sum (no budget
+    can be checked on it: live sets count the members apart). `Tables.count` holds each
+    folded node's members, for _to_plan's per-op figures.
+    """
+    n = len(t.cands)
+    where = np.arange(n)
+    for g in groups:
+        where[list(g)] = g[0]
+    keep = np.flatnonzero(where == np.arange(n))
+    number = np.full(n, -1)
+    number[keep] = np.arange(len(keep))
+    where = number[where]
+    out = Tables(regions=t.regions)
+    out.cands = [t.cands[i] for i in keep]
+    out.own = [t.own[i] for i in keep]
+    out.count = np.bincount(where, minlength=len(keep)).tolist()
+    sums: dict[tuple[int, int], list] = {}  # (folded node, id(array)) -> [array, how many]
+    for i in range(n):
+        hit = sums.setdefault((int(where[i]), id(t.node_cost[i])), [t.node_cost[i], 0])
+        hit[1] += 1
+    out.node_cost = [np.zeros(len(c)) for c in out.cands]
+    for (node, _), (cost, k) in sums.items():
+        out.node_cost[node] = out.node_cost[node] + k * cost
+    out.node_mem = [np.zeros(len(c)) for c in out.cands]
+    for i in range(n):
+        out.node_mem[where[i]] = out.node_mem[where[i]] + t.node_mem[i]
+    parallel: dict[tuple, list] = {}
+    for e in t.edges:
+        u, v = int(where[e.u]), int(where[e.v])
+        key = (u, v, id(e.cost), id(e.row), id(e.col))
+        hit = parallel.get(key)
+        if hit is None:
+            parallel[key] = [e, 1]
+        else:
+            hit[1] += 1
+    scaled: dict[tuple[int, int], np.ndarray] = {}
+    for (u, v, *_), (e, k) in parallel.items():
+        if u == v:  # both ends in one group: they take one candidate
+            out.node_cost[u] = out.node_cost[u] + k * e.cost[e.row, e.col]
+            continue
+        cost = e.cost if k == 1 else scaled.setdefault((id(e.cost), k), k * e.cost)
+        out.edges.append(Edge(u, v, cost, e.row, e.col, e.port))
+    out.op_nodes = {x: int(where[node]) for x, node in t.op_nodes.items()}
+    out.input_nodes = {v: int(where[node]) for v, node in t.input_nodes.items()}
+    return out, where
 
 
 def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem: Problem,
@@ -218,9 +278,13 @@ def _to_plan(graph: OpGraph, t: Tables, choice: np.ndarray,
     for e in t.edges:
         touching.setdefault(e.u, []).append(e)
         touching.setdefault(e.v, []).append(e)
+    locals_: dict[int, np.ndarray] = {}  # a folded node's members share it, per member
     for op in graph.ops:
         node = t.op_nodes[op.index]
-        local = _local_costs(t, choice, node, touching.get(node, []))
+        local = locals_.get(node)
+        if local is None:
+            local = locals_[node] = _local_costs(t, choice, node, touching.get(node, [])) / \
+                (t.count[node] if t.count else 1)
         k = int(choice[node])
         s = t.cands[node][k]
         others = np.argsort(local, kind="stable")[:2]
