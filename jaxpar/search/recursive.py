@@ -52,13 +52,15 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    the exact search over the strategies that use every other axis as the plan does, a
    handful per op): where links mislead, most of all about a layout that cuts neighbouring
    blocks differently (a tensor parallel MLP inside data parallel attention), the last axis
-   takes the layout the exact objective prefers. Kept where that objective drops.
+   takes the layout the exact objective prefers. Then the first axis so, the others held:
+   it was decided before any other was known (an MoE router cut on its experts on the
+   first axis where the exact search cuts d_model). Each kept where that objective drops.
 6. A plan over the memory budget is searched again with mem_coeff four times larger (more model
    parallel, less memory) a few times, then fails with a ValueError saying what it needs.
 The work is linear in the number of ops but for step 5: every op is walked, propagated and
 refined a bounded number of times, and the units of repeated layers are decided once per
-class; step 5 solves repeated layers once too, but its exact search on what remains is not
-bounded so (it costs most of the search on deep models: 48 layers, about half of 9 s).
+class; step 5 solves repeated layers once too (exact.fold), but its exact search on what
+remains is not bounded so.
 """
 
 from __future__ import annotations
@@ -314,18 +316,22 @@ class _Sapp:
         return self._solve_last_axis(refiner.plan)
 
     def _solve_last_axis(self, plan: GraphPlan) -> GraphPlan:
-        """The last mesh axis solved again exactly, the others held (resolve.solve_axis):
-        the plan found is kept where its exact objective is lower."""
-        axis = self.mesh.names[-1]
+        """The last mesh axis solved again exactly, the others held (resolve.solve_axis),
+        then the first (decided before any other was known): each plan found is kept where
+        its exact objective is lower."""
         ties = tuple((v, pos) for v, pos, _ in self.units.carried if v not in self.fixed_in)
-        found = solve_axis(self.g, self.model, plan, self.fixed_in, self.fixed_out, ties, axis)
-        before, after = (self._score(p, self.fixed_out) for p in (plan, found))
-        if after >= before * (1 - 1e-9):
-            return plan
-        _note(self.lines, f"axis {axis}: every op's use of it solved again exactly, the other "
-                          f"axes held, scores {after:.6g}, less than {before:.6g}: taken "
-                          "instead")
-        return found
+        before = self._score(plan, self.fixed_out)
+        for axis in dict.fromkeys((self.mesh.names[-1], self.mesh.names[0])):
+            found = solve_axis(self.g, self.model, plan, self.fixed_in, self.fixed_out, ties,
+                               axis)
+            after = self._score(found, self.fixed_out)
+            if after >= before * (1 - 1e-9):
+                continue
+            _note(self.lines, f"axis {axis}: every op's use of it solved again exactly, the "
+                              f"other axes held, scores {after:.6g}, less than {before:.6g}: "
+                              "taken instead")
+            plan, before = found, after
+        return plan
 
     def _complete(self, fixed: dict, fixed_in: dict, fixed_out: dict) -> Refiner:
         """The whole plan from the main ops' decisions: propagation, then refinement (the
