@@ -179,9 +179,10 @@ def test_a_first_cut_ahead_by_two_percent_does_not_split_batch_and_sequence(comp
 
 @pytest.fixture
 def completion_only(monkeypatch):
-    """recursive_programming without its last step (the last axis solved again exactly), for
-    tests of what comes before it: that step would mend some of what they check."""
-    monkeypatch.setattr(recursive._Sapp, "_solve_last_axis", lambda self, plan: plan)
+    """recursive_programming without its last step (the last and first axes solved again
+    exactly), for tests of what comes before it: that step would mend some of what they
+    check."""
+    monkeypatch.setattr(recursive._Sapp, "_solve_axes", lambda self, plan: plan)
 
 
 def _mlp_adam_4x2():

@@ -313,9 +313,9 @@ class _Sapp:
         place_state(refiner, self.units, self.members.values(), self.fixed_in, self.mesh)
         for x in self.mains:  # as propagate() reports them: with the runner-up
             refiner.plan.choices[x] = refiner.report(x)
-        return self._solve_last_axis(refiner.plan)
+        return self._solve_axes(refiner.plan)
 
-    def _solve_last_axis(self, plan: GraphPlan) -> GraphPlan:
+    def _solve_axes(self, plan: GraphPlan) -> GraphPlan:
         """The last mesh axis solved again exactly, the others held (resolve.solve_axis),
         then the first (decided before any other was known): each plan found is kept where
         its exact objective is lower."""
