@@ -38,11 +38,18 @@ class OpInfo:
 
     @staticmethod
     def of(op, graph) -> OpInfo:
-        return OpInfo(op.primitive, op.params,
+        """The op's info in `graph`, remembered on the op (the searches ask for it per op,
+        several times over)."""
+        memo = op.__dict__.get("_info")
+        if memo is not None and memo[0] is graph:
+            return memo[1]
+        info = OpInfo(op.primitive, op.params,
                       tuple(graph.shape(v) for v in op.inputs),
                       tuple(graph.shape(v) for v in op.outputs),
                       tuple(graph.dtype(v) for v in op.inputs),
                       tuple(graph.dtype(v) for v in op.outputs))
+        op.__dict__["_info"] = (graph, info)
+        return info
 
 
 Rule = Callable[[OpInfo, MeshInfo], list[OpStrategy]]

@@ -55,6 +55,7 @@ class _OtherAxes:
         self.plan, self.axis = plan, axis
         self.groups: dict[int, tuple[list, dict]] = {}  # id(list) -> (list, key -> indices)
         self.projected: dict[Spec, tuple] = {}
+        self.keys: dict[int, tuple] = {}  # id(strategy) -> (strategy, its _key)
 
     def _spec(self, s: Spec) -> tuple:
         """A spec's dims over the other axes."""
@@ -65,8 +66,12 @@ class _OtherAxes:
         return hit
 
     def _key(self, s: OpStrategy) -> tuple:
-        return (tuple(self._spec(sp) for sp in s.ins + s.outs),
-                tuple(tuple(a for a in p if a != self.axis) for p in s.partial))
+        hit = self.keys.get(id(s))  # ops alike share strategy objects: each keyed once
+        if hit is None:
+            hit = self.keys[id(s)] = (s, (tuple(self._spec(sp) for sp in s.ins + s.outs),
+                                          tuple(tuple(a for a in p if a != self.axis)
+                                                for p in s.partial)))
+        return hit[1]
 
     def op(self, x: int, cands: list) -> tuple[int, ...]:
         hit = self.groups.get(id(cands))

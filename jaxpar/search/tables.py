@@ -205,7 +205,7 @@ class _Builder:
     def _matrix(self, v: int, src: tuple, dst: tuple) -> np.ndarray:
         """K[p, q]: the score of resharding value v from src's p-th spec to dst's q-th."""
         info, share = self.graph.values[v], self.share(v)
-        key = (id(src[0]), id(dst[0]), info.shape, str(info.dtype), share)
+        key = (id(src[0]), id(dst[0]), info.shape, info.dtype, share)
         hit = self._matrices.get(key)
         if hit is None:
             scores = self._scores.setdefault(key[2:], {})
