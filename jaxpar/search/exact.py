@@ -11,7 +11,9 @@ identical layers (one Weisfeiler-Lehman class, ir/repeat.py, and one candidate l
 one strategy, and so are the free inputs they read in the same way (a layer's weights and their
 optimizer state). The answer is then exact over the plans in which repeated layers agree, which
 is what a deep model is planned as by hand; the search costs about as much for 48 layers as for
-2. tie_repeats=False searches every op on its own.
+2. Without a memory budget each tied group is folded into one node before the problem is made
+(`fold`); with one, the solver ties them (its live sets count the layers apart).
+tie_repeats=False searches every op on its own.
 
 A step's tail (gradient reductions, the optimizer) prices each reduction at a share of one
 latency, as if XLA combined them all; it combines those of one kind over one device group.
