@@ -235,9 +235,8 @@ def _tied_groups(graph: OpGraph, t: Tables) -> tuple[tuple[int, ...], ...]:
         key[node] = ("in", id(t.cands[node]), info.shape, str(info.dtype),
                      tuple(sorted(reads[node], key=repr)))
     groups: dict[tuple, list[int]] = {}
-    for node, k in key.items():
-        if len(t.cands[node]) > 1:
-            groups.setdefault(k, []).append(node)
+    for node, k in key.items():  # one candidate too: a group folds into one node all the same
+        groups.setdefault(k, []).append(node)
     return tuple(tuple(g) for g in groups.values() if len(g) > 1)
 
 
