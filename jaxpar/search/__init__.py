@@ -4,7 +4,8 @@ sharding_propagation (propagation.py) plans outward from the fixed strategies, o
 dynamic_programming (exact.py over the solver in dynamic.py) finds the cost model's optimum;
 recursive_programming (recursive.py: SAPP over the units and links of links.py, completed by
 propagation, refine.py and state.py) cuts the main ops axis by axis, then solves the last
-axis and the first again exactly, each with the others held (resolve.py).
+axis and the first again exactly, each with the others held, and the ops around the largest
+carried state over every axis (resolve.py).
 """
 
 import contextlib

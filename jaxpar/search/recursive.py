@@ -54,13 +54,18 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    blocks differently (a tensor parallel MLP inside data parallel attention), the last axis
    takes the layout the exact objective prefers. Then the first axis so, the others held:
    it was decided before any other was known (an MoE router cut on its experts on the
-   first axis where the exact search cuts d_model). Each kept where that objective drops.
+   first axis where the exact search cuts d_model). Then the ops around the largest carried
+   state (those within _HOPS of the ops reading it and its update) over every axis, the rest
+   held (resolve.solve_region): a language model's embedding table, read by the lookup and
+   the tied output head, is priced path by path by the links, and its better layout (the
+   head's vocab on one axis, the table's d_model on another) changes two axes at once. Each
+   kept where that objective drops.
 6. A plan over the memory budget is searched again with mem_coeff four times larger (more model
    parallel, less memory) a few times, then fails with a ValueError saying what it needs.
 The work is linear in the number of ops but for step 5: every op is walked, propagated and
 refined a bounded number of times, and the units of repeated layers are decided once per
-class; step 5 solves repeated layers once too (exact.fold), but its exact search on what
-remains is not bounded so.
+class; step 5 solves repeated layers once too (exact.fold), but its exact searches on what
+remains are not bounded so.
 """
 
 from __future__ import annotations
@@ -80,7 +85,7 @@ from jaxpar.search.dynamic import Problem, solve
 from jaxpar.search.links import Link, Slot, Units, mapped
 from jaxpar.search.propagation import GraphIndex, GraphPlan, graph_cost, propagate
 from jaxpar.search.refine import Refiner
-from jaxpar.search.resolve import solve_axis
+from jaxpar.search.resolve import solve_axis, solve_region
 from jaxpar.search.state import place_state
 from jaxpar.spec import MeshInfo, OpStrategy, Spec
 
@@ -95,6 +100,8 @@ _NEAR = 2e-2          # relative: a class's cuts this close count as equal, the 
 _CLOSE = 1.05         # a first decision's runner-up this close is tried as a second start
 _EXACT_CLASSES = 64   # up to this many classes an axis's joint choice is solved exactly
 _SWEEPS = 50          # coordinate descent over classes: at most this many sweeps
+_HOPS = 3             # the ops this many def-use hops from the largest carried state's
+                      # readers and update are solved again exactly (over every axis)
 
 
 def recursive_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
@@ -313,12 +320,13 @@ class _Sapp:
         place_state(refiner, self.units, self.members.values(), self.fixed_in, self.mesh)
         for x in self.mains:  # as propagate() reports them: with the runner-up
             refiner.plan.choices[x] = refiner.report(x)
-        return self._solve_axes(refiner.plan)
+        return self._solve_again(refiner.plan)
 
-    def _solve_axes(self, plan: GraphPlan) -> GraphPlan:
-        """The last mesh axis solved again exactly, the others held (resolve.solve_axis),
-        then the first (decided before any other was known): each plan found is kept where
-        its exact objective is lower."""
+    def _solve_again(self, plan: GraphPlan) -> GraphPlan:
+        """Parts of the plan solved again exactly, the rest held (step 5 of the module
+        docstring): the last mesh axis (resolve.solve_axis), then the first (decided before
+        any other was known), then the ops around the largest carried state. Each plan
+        found is kept where its exact objective is lower."""
         ties = tuple((v, pos) for v, pos, _ in self.units.carried if v not in self.fixed_in)
         before = self._score(plan, self.fixed_out)
         for axis in dict.fromkeys((self.mesh.names[-1], self.mesh.names[0])):
@@ -331,7 +339,36 @@ class _Sapp:
                               f"other axes held, scores {after:.6g}, less than {before:.6g}: "
                               "taken instead")
             plan, before = found, after
-        return plan
+        return self._solve_around_state(plan, before, ties)
+
+    def _solve_around_state(self, plan: GraphPlan, before: float, ties: tuple) -> GraphPlan:
+        """The ops within _HOPS of the largest carried state (the ops reading it and its
+        update) solved again exactly over every axis, the rest of the plan held
+        (resolve.solve_region), with the free inputs they read: a big parameter read and
+        written along several paths (an embedding table, read by the lookup and by the tied
+        output head) has each path priced apart by the links, and its layout is a joint
+        choice of several axes that one axis at a time does not reach."""
+        units, index, n = self.units, self.index, len(self.g.ops)
+        carried = [x for xs in self.members.values() for x in xs if x >= n]
+        if not carried:
+            return plan
+        x = max(carried, key=lambda x: (max(index.nbytes(v) for v, _, _ in units.state(x)), -x))
+        seeds = set(units.update_region(x))
+        seeds.update(r for v, _, _ in units.state(x) for r, _ in index.readers.get(v, ()))
+        ops = _neighbourhood(index, seeds, _HOPS)
+        made = {w for y in ops for w in self.g.ops[y].outputs}
+        inputs = {v for y in ops for v in self.g.ops[y].inputs
+                  if isinstance(v, int) and v not in index.producer and v not in self.fixed_in}
+        inputs.update(v for v, _, w in units.carried if w in made and v not in self.fixed_in)
+        found = solve_region(self.g, self.model, plan, self.fixed_in, self.fixed_out, ties, ops,
+                             inputs)
+        after = self._score(found, self.fixed_out)
+        if after >= before * (1 - 1e-9):
+            return plan
+        _note(self.lines, f"{units.name(x)} and the {len(ops)} ops within {_HOPS} hops of its "
+                          f"readers and update solved again exactly, the rest held, score "
+                          f"{after:.6g}, less than {before:.6g}: taken instead")
+        return found
 
     def _complete(self, fixed: dict, fixed_in: dict, fixed_out: dict) -> Refiner:
         """The whole plan from the main ops' decisions: propagation, then refinement (the
@@ -820,6 +857,24 @@ class _Sapp:
                      for total, _, _, op_cost, rest, u in rows)
         lines.append(head + _choose_line(info, chosen) + (" (to try the runner-up)" if forced
                                                           else ""))
+
+def _neighbourhood(index: GraphIndex, seeds: set[int], hops: int) -> set[int]:
+    """The ops at most `hops` def-use steps from `seeds`, through operands and results that
+    are arrays (not scalars: a step count or learning rate is read by every update)."""
+    g, region, frontier = index.g, set(seeds), set(seeds)
+    for _ in range(hops):
+        near = set()
+        for y in frontier:
+            op = g.ops[y]
+            for v in op.inputs + op.outputs:
+                if isinstance(v, int) and g.values[v].shape:
+                    if v in index.producer:
+                        near.add(index.producer[v])
+                    near.update(r for r, _ in index.readers.get(v, ()))
+        frontier = near - region
+        region |= frontier
+    return region
+
 
 def _project(spec: Spec, axes: frozenset) -> Spec:
     """The spec over some axes only (no partial: ops resolve their own)."""
