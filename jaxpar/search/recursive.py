@@ -858,6 +858,7 @@ class _Sapp:
         lines.append(head + _choose_line(info, chosen) + (" (to try the runner-up)" if forced
                                                           else ""))
 
+
 def _neighbourhood(index: GraphIndex, seeds: set[int], hops: int) -> set[int]:
     """The ops at most `hops` def-use steps from `seeds`, through operands and results that
     are arrays (not scalars: a step count or learning rate is read by every update)."""
