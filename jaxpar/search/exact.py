@@ -108,16 +108,8 @@ def fold(t: Tables, groups: tuple[tuple[int, ...], ...]) -> tuple[Tables, np.nda
     out.cands = [t.cands[i] for i in keep]
     out.own = [t.own[i] for i in keep]
     out.count = np.bincount(where, minlength=len(keep)).tolist()
-    sums: dict[tuple[int, int], list] = {}  # (folded node, id(array)) -> [array, how many]
-    for i in range(n):
-        hit = sums.setdefault((int(where[i]), id(t.node_cost[i])), [t.node_cost[i], 0])
-        hit[1] += 1
-    out.node_cost = [np.zeros(len(c)) for c in out.cands]
-    for (node, _), (cost, k) in sums.items():
-        out.node_cost[node] = out.node_cost[node] + k * cost
-    out.node_mem = [np.zeros(len(c)) for c in out.cands]
-    for i in range(n):
-        out.node_mem[where[i]] = out.node_mem[where[i]] + t.node_mem[i]
+    out.node_cost = _summed(t.node_cost, where, out.cands)
+    out.node_mem = _summed(t.node_mem, where, out.cands)
     parallel: dict[tuple, list] = {}
     for e in t.edges:
         u, v = int(where[e.u]), int(where[e.v])
@@ -137,6 +129,19 @@ def fold(t: Tables, groups: tuple[tuple[int, ...], ...]) -> tuple[Tables, np.nda
     out.op_nodes = {x: int(where[node]) for x, node in t.op_nodes.items()}
     out.input_nodes = {v: int(where[node]) for v, node in t.input_nodes.items()}
     return out, where
+
+
+def _summed(arrays: list[np.ndarray], where: np.ndarray, cands: list) -> list[np.ndarray]:
+    """Per folded node, the sum of its members' arrays (members sharing one array, the
+    layers of a deep model, are added as one times their number)."""
+    counts: dict[tuple[int, int], list] = {}  # (folded node, id(array)) -> [array, how many]
+    for i, a in enumerate(arrays):
+        hit = counts.setdefault((int(where[i]), id(a)), [a, 0])
+        hit[1] += 1
+    out = [np.zeros(len(c)) for c in cands]
+    for (node, _), (a, k) in counts.items():
+        out[node] = out[node] + k * a
+    return out
 
 
 def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem: Problem,

@@ -127,6 +127,12 @@ class GraphIndex:
             hit = self.sizes[v] = float(math.prod(info.shape)) * itemsize(info.dtype)
         return hit
 
+    def free_reads(self, ops, fixed) -> set[int]:
+        """The values the ops read that no op makes (inputs, constants), less those in
+        `fixed` (the specs the user fixed)."""
+        return {v for x in ops for v in self.g.ops[x].inputs
+                if isinstance(v, int) and v not in self.producer and v not in fixed}
+
 
 class _Graph:
     """A GraphIndex with one cost model: each kind of op's options, and resharding prices."""

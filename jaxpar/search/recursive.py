@@ -357,8 +357,7 @@ class _Sapp:
         seeds.update(r for v, _, _ in units.state(x) for r, _ in index.readers.get(v, ()))
         ops = _neighbourhood(index, seeds, _HOPS)
         made = {w for y in ops for w in self.g.ops[y].outputs}
-        inputs = {v for y in ops for v in self.g.ops[y].inputs
-                  if isinstance(v, int) and v not in index.producer and v not in self.fixed_in}
+        inputs = index.free_reads(ops, self.fixed_in)
         inputs.update(v for v, _, w in units.carried if w in made and v not in self.fixed_in)
         found = solve_region(self.g, self.model, plan, self.fixed_in, self.fixed_out, ties, ops,
                              inputs)

@@ -167,8 +167,7 @@ class Refiner:
         ops, inside = g.ops, set(region)
         values = {v for x in region for v in ops[x].outputs}
         touched = inside | {r for v in values | set(inputs) for r, _ in b.readers.get(v, ())}
-        free = {v for x in region for v in ops[x].inputs if isinstance(v, int)
-                and v not in b.producer and v not in self.fixed_in and v not in inputs}
+        free = b.index.free_reads(region, self.fixed_in) - set(inputs)
         touched |= {r for v in free for r, _ in b.readers.get(v, ())}
         saved = ({x: plan.choices[x] for x in touched},
                  {v: plan.specs.get(v) for v in values | set(inputs) | free},
