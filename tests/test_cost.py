@@ -121,6 +121,21 @@ def test_reshard_predicts_compiled_collectives(src, dst, expected):
     assert measured == expected
 
 
+def test_model_prices_one_layout_change_alike_at_every_size():
+    # CostModel works out a spec pair's collectives once, per byte, and scales them by each
+    # array's size: the same collectives, bytes and seconds as pricing each array afresh.
+    model = CostModel(MESH, load_profile("h100-2node-ib"))
+    for src, dst, _ in CASES:
+        for shape in ((16, 16), (48, 1024), (3, 8)):
+            got = model.reshard(src, dst, shape, jnp.float32, share=0.25)
+            want = model.collectives_cost(reshard(src, dst, 4.0 * shape[0] * shape[1], MESH),
+                                          share=0.25)
+            assert [(c.kind, c.axes) for c in got.collectives] == \
+                [(c.kind, c.axes) for c in want.collectives]
+            assert got.comm_bytes == pytest.approx(want.comm_bytes, rel=1e-12)
+            assert got.comm_s == pytest.approx(want.comm_s, rel=1e-12)
+
+
 def test_reduce_scatter_when_destination_cuts_the_partial_axis():
     cs = reshard(S(None, None, partial=("d0",)), S("d0", None), 1024, MESH)
     assert [(c.kind, c.bytes) for c in cs] == [("reduce-scatter", 1024)]

@@ -152,6 +152,23 @@ def test_reduction_keeps_every_value_and_the_optimum(seed, shape):
     assert min(values) == pytest.approx(brute_force(problem).cost, abs=1e-9)
 
 
+def test_an_end_with_one_candidate_folds_its_edges_into_the_other_end():
+    # A node with one candidate (an op the search holds) makes every edge it has separable:
+    # the edge's column (row) for that candidate moves into the other end's cost.
+    k01 = (np.array([[9.0, 9.0, 9.0], [4.0, 0.0, 7.0]]), np.array([1]), np.arange(3))
+    k12 = np.array([[0.0, 5.0, 9.0], [5.0, 0.0, 9.0], [9.0, 9.0, 0.0]])
+    k30 = (np.array([[5.0, 1.0], [5.0, 8.0]]), np.array([1, 0]), np.array([1]))
+    problem = Problem((np.array([2.0]), np.zeros(3), np.array([0.0, 1.0, 0.5]),
+                       np.array([3.0, 0.0])), ((0, 1, *k01), (1, 2, k12), (3, 0, *k30)))
+    core = reduce_problem(problem, memory=True)  # nothing eliminated: only the folds
+    assert set(core.edges) == {(1, 2)} and not core.adj[0] and not core.adj[3]
+    np.testing.assert_allclose(core.cost[1], [4.0, 0.0, 7.0])
+    np.testing.assert_allclose(core.cost[3], [3.0 + 8.0, 0.0 + 1.0])
+    for x in itertools.product(range(1), range(3), range(3), range(2)):
+        assert dual.LocalSearch(core, core.cost).value(dict(enumerate(x))) == \
+            pytest.approx(objective(problem, np.array(x)))
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_dual_bound_never_passes_the_optimum_and_never_drops(seed):
     problem = random_problem(200 + seed, "dense", False)

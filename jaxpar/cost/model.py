@@ -95,6 +95,7 @@ class CostModel:
         self.memory_rate = min((link.bandwidth for link in self.links.values()),
                                default=profile.intra.bandwidth)
         self._reshard_cache: dict = {}
+        self._per_byte: dict = {}  # (src, dst) -> reshard()'s collectives for one byte
         self._options_cache: dict = {}
         self._costs_cache: dict = {}
         self._fitting_cache: dict = {}
@@ -168,8 +169,11 @@ class CostModel:
         hit = self._reshard_cache.get(key)
         if hit is None:  # the search prices the same edges many times
             size = float(math.prod(shape)) * self._itemsize(dtype)
+            per_byte = self._per_byte.get(key[:2])
+            if per_byte is None:  # what moves depends on the specs; how much scales with size
+                per_byte = self._per_byte[key[:2]] = reshard(src, dst, 1.0, self.mesh)
             hit = self._reshard_cache[key] = self.collectives_cost(
-                reshard(src, dst, size, self.mesh), share)
+                [Collective(c.kind, c.axes, c.bytes * size, c.count) for c in per_byte], share)
         return hit
 
     def op(self, info: OpInfo, s: OpStrategy, share: float = 1.0) -> OpCost:

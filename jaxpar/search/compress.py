@@ -29,6 +29,7 @@ from scipy import sparse
 
 # Largest (pairs x classes x classes) table one elimination may build; bigger ones stay.
 ELIMINATION_LIMIT = 4e7
+_ONE = np.zeros(1, dtype=np.int64)  # the class of a node's one candidate
 
 
 @dataclass
@@ -168,17 +169,31 @@ def _canonical(e: CEdge) -> CEdge:
 def _settle(core: Core, key: tuple[int, int]) -> None:
     """Canonicalise an edge; fold it into its ends' costs when it is separable."""
     a, b = key
-    e = _canonical(core.edges[key])
+    e = core.edges[key]
+    if len(core.cost[a]) == 1:  # an end with one candidate: all of it to the other end
+        _fold(core, key, np.zeros(1), e.K[e.row[0]], _ONE, e.col)
+        return
+    if len(core.cost[b]) == 1:
+        _fold(core, key, e.K[:, e.col[0]], np.zeros(1), e.row, _ONE)
+        return
+    e = _canonical(e)
     k = e.K
     r, c = k[:, 0], k[0, :] - k[0, 0]
-    if np.allclose(k, r[:, None] + c[None, :], rtol=0, atol=1e-12 * max(float(k.max()), 1e-300)):
-        core.cost[a] = core.cost[a] + r[e.row]
-        core.cost[b] = core.cost[b] + c[e.col]
-        del core.edges[key]
-        core.adj[a].discard(b)
-        core.adj[b].discard(a)
+    if float(np.abs(k - r[:, None] - c[None, :]).max()) <= 1e-12 * max(float(k.max()), 1e-300):
+        _fold(core, key, r, c, e.row, e.col)
     else:
         core.edges[key] = e
+
+
+def _fold(core: Core, key: tuple[int, int], r: np.ndarray, c: np.ndarray, row: np.ndarray,
+          col: np.ndarray) -> None:
+    """A separable edge K[p, q] = r[p] + c[q] moved into its ends' costs."""
+    a, b = key
+    core.cost[a] = core.cost[a] + r[row]
+    core.cost[b] = core.cost[b] + c[col]
+    del core.edges[key]
+    core.adj[a].discard(b)
+    core.adj[b].discard(a)
 
 
 def _memory(core: Core, problem) -> None:
