@@ -91,8 +91,9 @@ def reduce_problem(problem, memory: bool = False) -> Core:
     _add_edges(core, problem)
     if memory:
         _memory(core, problem)
+    settled: dict[tuple, tuple] = {}
     for key in list(core.edges):
-        _settle(core, key)
+        _settle(core, key, settled)
     core.max_degree = max((len(a) for a in core.adj), default=0)
     if not memory:
         _eliminate_all(core)
@@ -119,9 +120,13 @@ def _add_edges(core: Core, problem) -> None:
         same = groups.setdefault((min(a, b), max(a, b)), {}).setdefault(
             (id(k), id(row), id(col), flip), [k, row, col, flip, 0])
         same[4] += 1
+    transposed: dict[int, np.ndarray] = {}  # one view per matrix: _settle keys on its id
     for key, parts in groups.items():
-        edges = [CEdge(k.T * n, col, row) if flip else CEdge(k * n, row, col)
-                 for k, row, col, flip, n in parts.values()]
+        edges = []
+        for k, row, col, flip, n in parts.values():
+            if flip:
+                k, row, col = transposed.setdefault(id(k), k.T), col, row
+            edges.append(CEdge(k if n == 1 else k * n, row, col))
         core.edges[key] = _merge(edges)
         core.adj[key[0]].add(key[1])
         core.adj[key[1]].add(key[0])
@@ -166,8 +171,10 @@ def _canonical(e: CEdge) -> CEdge:
     return CEdge(k[np.ix_(reps_r, reps_c)], cls_r[row.ravel()], cls_c[col.ravel()])
 
 
-def _settle(core: Core, key: tuple[int, int]) -> None:
-    """Canonicalise an edge; fold it into its ends' costs when it is separable."""
+def _settle(core: Core, key: tuple[int, int], memo: dict | None = None) -> None:
+    """Canonicalise an edge; fold it into its ends' costs when it is separable. memo: the
+    canonical forms found so far, by the ids of (K, row, col) (many edges share them: the
+    layers of a deep model, ops alike on one shape)."""
     a, b = key
     e = core.edges[key]
     if len(core.cost[a]) == 1:  # an end with one candidate: all of it to the other end
@@ -176,11 +183,20 @@ def _settle(core: Core, key: tuple[int, int]) -> None:
     if len(core.cost[b]) == 1:
         _fold(core, key, e.K[:, e.col[0]], np.zeros(1), e.row, _ONE)
         return
-    e = _canonical(e)
-    k = e.K
-    r, c = k[:, 0], k[0, :] - k[0, 0]
-    if float(np.abs(k - r[:, None] - c[None, :]).max()) <= 1e-12 * max(float(k.max()), 1e-300):
-        _fold(core, key, r, c, e.row, e.col)
+    ids = (id(e.K), id(e.row), id(e.col))
+    hit = memo.get(ids) if memo is not None else None
+    if hit is None:
+        c = _canonical(e)
+        k = c.K
+        r, s = k[:, 0], k[0, :] - k[0, 0]
+        separable = float(np.abs(k - r[:, None] - s[None, :]).max()) <= \
+            1e-12 * max(float(k.max()), 1e-300)
+        hit = (c, (r, s) if separable else None, e)  # e kept alive: its ids stay its own
+        if memo is not None:
+            memo[ids] = hit
+    e, parts, _ = hit
+    if parts is not None:
+        _fold(core, key, *parts, e.row, e.col)
     else:
         core.edges[key] = e
 
