@@ -136,6 +136,19 @@ def test_model_prices_one_layout_change_alike_at_every_size():
             assert got.comm_s == pytest.approx(want.comm_s, rel=1e-12)
 
 
+def test_reshard_line_prices_every_size_as_reshard_does():
+    # The exact search prices a spec pair once, as a line in the array's bytes: latencies
+    # (what a tiny array pays) plus bandwidth per byte.
+    model = CostModel(MESH, load_profile("tpu-v5e"), level=0, mem_coeff=0.1)
+    for src, dst, _ in CASES:
+        per_byte, fixed = model.reshard_line(src, dst, share=0.5)
+        for shape in ((2, 2), (64, 64), (4096, 8192)):
+            want = model.score(model.reshard(src, dst, shape, jnp.float32, share=0.5))
+            got = per_byte * 4.0 * shape[0] * shape[1] + fixed
+            assert got == pytest.approx(want, rel=1e-9, abs=1e-18)
+    assert model.reshard_line(S("d0", None), S("d0", None)) == (0.0, 0.0)
+
+
 def test_reduce_scatter_when_destination_cuts_the_partial_axis():
     cs = reshard(S(None, None, partial=("d0",)), S("d0", None), 1024, MESH)
     assert [(c.kind, c.bytes) for c in cs] == [("reduce-scatter", 1024)]

@@ -41,6 +41,7 @@ _LEVEL_COMM_WEIGHT = {0: 2.0, 1: 1.0, 2: 1.0}
 _LEVEL_MEM_WEIGHT = {0: 0.0, 1: 1.0, 2: 0.0}
 _COMBINED_KINDS = frozenset({"all-reduce", "reduce-scatter"})  # what XLA's combiners merge
 HEAVY_OPS = frozenset({"dot_general", "conv_general_dilated"})
+_LINE_BYTES = 2.0 ** 30  # reshard_line's slope is measured over this many bytes
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ class CostModel:
                                default=profile.intra.bandwidth)
         self._reshard_cache: dict = {}
         self._per_byte: dict = {}  # (src, dst) -> reshard()'s collectives for one byte
+        self._lines: dict = {}     # (src, dst, share) -> reshard_line()
         self._options_cache: dict = {}
         self._costs_cache: dict = {}
         self._fitting_cache: dict = {}
@@ -174,6 +176,29 @@ class CostModel:
                 per_byte = self._per_byte[key[:2]] = reshard(src, dst, 1.0, self.mesh)
             hit = self._reshard_cache[key] = self.collectives_cost(
                 [Collective(c.kind, c.axes, c.bytes * size, c.count) for c in per_byte], share)
+        return hit
+
+    def reshard_line(self, src: Spec, dst: Spec, share: float = 1.0) -> tuple[float, float]:
+        """(per_byte, fixed): the score of reshard(src, dst, ...) for an array of n bytes is
+        per_byte * n + fixed (bandwidth terms grow with the bytes, latencies do not), so the
+        exact search prices a spec pair once for arrays of every size."""
+        key = (src, dst, share)
+        hit = self._lines.get(key)
+        if hit is None:
+            if not src.partial and src.dims == dst.dims:
+                hit = (0.0, 0.0)
+            else:
+                per_byte = self._per_byte.get(key[:2])
+                if per_byte is None:
+                    per_byte = self._per_byte[key[:2]] = reshard(src, dst, 1.0, self.mesh)
+
+                def score(n: float) -> float:
+                    return self.score(self.collectives_cost(
+                        [Collective(c.kind, c.axes, c.bytes * n, c.count) for c in per_byte],
+                        share))
+                fixed = score(0.0)
+                hit = ((score(_LINE_BYTES) - fixed) / _LINE_BYTES, fixed)
+            self._lines[key] = hit
         return hit
 
     def op(self, info: OpInfo, s: OpStrategy, share: float = 1.0) -> OpCost:

@@ -131,7 +131,9 @@ class _Builder:
         self._classes: dict[tuple, tuple] = {}  # distinct specs -> (specs, spec ids)
         self._spec_id: dict[Spec, int] = {}
         self._matrices: dict[tuple, tuple] = {}
-        self._scores: dict[tuple, dict] = {}   # (shape, dtype, share) -> {(a, b): score}
+        self._pairs: dict[tuple, tuple] = {}   # (spec id, spec id, share) -> reshard_line
+        self._lines: dict[tuple, tuple] = {}   # spec lists' ids, share -> (lists, per byte,
+                                               # fixed): every K between them is a line
 
     def _add_node(self, cands, own, cost: np.ndarray, mem: np.ndarray) -> int:
         t = self.t
@@ -203,26 +205,29 @@ class _Builder:
         return hit[1], hit[2]
 
     def _matrix(self, v: int, src: tuple, dst: tuple) -> np.ndarray:
-        """K[p, q]: the score of resharding value v from src's p-th spec to dst's q-th."""
-        info, share = self.graph.values[v], self.share(v)
-        key = (id(src[0]), id(dst[0]), info.shape, info.dtype, share)
+        """K[p, q]: the score of resharding value v from src's p-th spec to dst's q-th: a
+        line in v's bytes (CostModel.reshard_line), priced once per spec lists and share."""
+        share = self.share(v)
+        key = (id(src[0]), id(dst[0]), self.graph.values[v].nbytes, share)
         hit = self._matrices.get(key)
         if hit is None:
-            scores = self._scores.setdefault(key[2:], {})
-            k = np.array([[self._score(a, b, info, share, scores)
-                           for b in zip(*dst, strict=True)] for a in zip(*src, strict=True)],
-                         dtype=float).reshape(len(src[0]), len(dst[0]))
-            hit = self._matrices[key] = (src, dst, k)
-        return hit[2]
+            lines = self._lines.get(key[:2] + key[3:])
+            if lines is None:
+                line = self._line
+                pairs = np.array([[line(a, b, share) for b in zip(*dst, strict=True)]
+                                  for a in zip(*src, strict=True)],
+                                 dtype=float).reshape(len(src[0]), len(dst[0]), 2)
+                lines = self._lines[key[:2] + key[3:]] = (src, dst, pairs[..., 0],
+                                                          pairs[..., 1])
+            hit = self._matrices[key] = lines[2] * key[2] + lines[3]
+        return hit
 
-    def _score(self, a: tuple[Spec, int], b: tuple[Spec, int], info, share: float,
-               scores: dict) -> float:
-        """One resharding's score, once per (spec pair, value shape, dtype, share)."""
-        hit = scores.get((a[1], b[1]))
+    def _line(self, a: tuple[Spec, int], b: tuple[Spec, int], share: float) -> tuple:
+        """CostModel.reshard_line of (spec, id) a to b, remembered by the ids."""
+        key = (a[1], b[1], share)
+        hit = self._pairs.get(key)
         if hit is None:
-            m = self.model
-            hit = scores[(a[1], b[1])] = m.score(m.reshard(a[0], b[0], info.shape, info.dtype,
-                                                           share))
+            hit = self._pairs[key] = self.model.reshard_line(a[0], b[0], share)
         return hit
 
     def _link(self, u: int, src_side: str, j: int, w: int, dst_side: str, i: int, v: int,
