@@ -102,6 +102,12 @@ CASES = [
     (S(None, ("d0", "d1", "d2")), S(("d0", "d1"), "d2"),
      {"all-to-all": 128, "collective-permute": 128}),  # d2 stays in dim 1, renumbered
     (S(None, None, partial=("d0",)), S(None, None), {"all-reduce": 1024}),
+    # One cut dimension to another that neither carries all its axes nor is cut as many ways:
+    # no path, XLA gathers the whole array ("involuntary full rematerialization"), slices it.
+    (S(None, ("d0", "d1")), S("d2", None), {"all-gather": 1024}),
+    (S(("d0", "d1"), None), S(None, "d0"), {"all-gather": 1024}),
+    (S(("d2", "d0"), None), S(None, "d1"), {"all-gather": 1024}),
+    (S(("d0", "d1", "d2"), None), S(None, ("d0", "d1")), {"all-gather": 1024}),
 ]
 
 
@@ -113,9 +119,15 @@ def test_reshard_predicts_compiled_collectives(src, dst, expected):
     assert predicted == expected
     if src.partial:
         return  # a partial sum has no PartitionSpec; dot tests cover it in test_rules_core
+    # In the context a plan lowers to: a value made under one sharding constraint, constrained
+    # to another before an op reads it.
     mesh = make_mesh(8)
-    f = jax.jit(lambda x: x * 2, in_shardings=NamedSharding(mesh, src.to_pspec()),
-                out_shardings=NamedSharding(mesh, dst.to_pspec()))
+    a, b = NamedSharding(mesh, src.to_pspec()), NamedSharding(mesh, dst.to_pspec())
+
+    def f(x):
+        made = jax.lax.with_sharding_constraint(jnp.sin(x), a)
+        return jnp.cos(jax.lax.with_sharding_constraint(made, b))
+    f = jax.jit(f, in_shardings=a, out_shardings=b)
     measured = {k: v["bytes"] for k, v in collective_stats(f.lower(jnp.ones((16, 16)))
                                                            .compile()).items()}
     assert measured == expected

@@ -299,13 +299,12 @@ def test_the_first_axis_is_solved_again_exactly_after_the_last():
     assert gp.choices[0].strategy.ins[1].dim_of("d0") == 0
 
 
-def test_the_largest_states_neighbourhood_is_solved_again_exactly():
+def test_the_largest_states_neighbourhood_is_solved_again_exactly(monkeypatch):
     # The quick benchmark's GPT (2 layers, d 512, vocab 8192, tied embedding) on 4 x 2 TPU
-    # v5e chips at level 2, mem_coeff 0: every axis went to batch, and the table's gradient
-    # was reduce-scattered over all 8 devices (0.979 ms, the exact search's plan 0.920). The
-    # better layout cuts the head's vocab on d1 and the table's d_model on d0 at once: no one
-    # axis reaches it. The ops within three hops of the table's readers and update, solved
-    # again over every axis with the rest held, do (0.928).
+    # v5e chips at level 2, mem_coeff 0. The embedding table is read by the lookup and by
+    # the tied head, and the links price each path apart: with both axes solved again, the
+    # plan scores 0.982 ms against the exact search's 0.949. The ops within three hops of the
+    # table's readers and update, solved again over every axis with the rest held, reach it.
     step, args = abstract_train_step(GPTConfig(layers=2, d_model=512, heads=8, vocab=8192,
                                                seq=256), 16)
     graph, model, ties = _tied(step, args, jaxpar.make_mesh((4, 2), ("d0", "d1")), "tpu-v5e")
@@ -314,9 +313,11 @@ def test_the_largest_states_neighbourhood_is_solved_again_exactly():
     assert any("params/wte" in line and "hops of its readers and update solved again" in line
                for line in lines)
     best, _ = dynamic_programming(graph, model, {}, {}, ties=ties, group_tail=False)
-    assert _tied_cost(graph, model, gp, ties) <= _tied_cost(graph, model, best, ties) * 1.02
-    (wte,) = [v for v, _ in ties if graph.values[v].name == "params/wte"]
-    assert gp.specs[wte].dim_of("d0") == 1  # d_model
+    exact = _tied_cost(graph, model, best, ties)
+    assert _tied_cost(graph, model, gp, ties) <= exact * 1.001
+    monkeypatch.setattr(recursive._Sapp, "_solve_around_state", lambda self, plan, *_: plan)
+    without, _ = recursive_programming(graph, model, {}, {}, ties=ties)
+    assert _tied_cost(graph, model, without, ties) > exact * 1.02
 
 
 def test_neighbourhood_does_not_hop_through_scalars():

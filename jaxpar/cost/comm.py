@@ -76,6 +76,10 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
     if tiles and not src.partial and src.dims != dst.dims:
         # Same tiling, other devices: every piece exists somewhere, one permute moves them.
         return [Collective("collective-permute", dst.axes(), local)]
+    if _rematerialized(src, dst, mesh):
+        # XLA finds no path ("involuntary full rematerialization"): the whole array is
+        # gathered, then sliced to dst.
+        return [Collective("all-gather", src.axes(), nbytes)]
     new = [a for d, axes in enumerate(dst.dims) for a in axes
            if a not in src.axes() and a not in src.dims[d]]
     local /= mesh.group_size(tuple(new))
@@ -110,6 +114,21 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
         local *= mesh.group_size(gone)
         out.append(Collective("all-gather", gone, local))
     return out
+
+
+def _rematerialized(src: Spec, dst: Spec, mesh: MeshInfo) -> bool:
+    """src cuts one dimension; dst leaves it whole and cuts others, none of which carries every
+    axis src cuts it on or cuts into as many pieces. XLA's partitioner then finds no path (an
+    all-to-all moves one dimension's tiles to another cut as many ways) and gathers the whole
+    array before slicing it to dst: checked against compiled sharding constraints, the copies
+    a plan lowers to, in tests/test_cost.py."""
+    cut = [d for d, axes in enumerate(src.dims) if axes]
+    if src.partial or len(cut) != 1 or dst.dims[cut[0]]:
+        return False
+    axes, pieces = src.dims[cut[0]], mesh.group_size(src.dims[cut[0]])
+    into = [d for d in dst.dims if d]
+    return bool(into) and not any(set(axes) <= set(d) or mesh.group_size(d) == pieces
+                                  for d in into)
 
 
 def _renumbered(src: Spec, dst: Spec) -> Axes:

@@ -171,12 +171,17 @@ class CostModel:
         hit = self._reshard_cache.get(key)
         if hit is None:  # the search prices the same edges many times
             size = float(math.prod(shape)) * self._itemsize(dtype)
-            per_byte = self._per_byte.get(key[:2])
-            if per_byte is None:  # what moves depends on the specs; how much scales with size
-                per_byte = self._per_byte[key[:2]] = reshard(src, dst, 1.0, self.mesh)
-            hit = self._reshard_cache[key] = self.collectives_cost(
-                [Collective(c.kind, c.axes, c.bytes * size, c.count) for c in per_byte], share)
+            hit = self._reshard_cache[key] = self._moving(src, dst, size, share)
         return hit
+
+    def _moving(self, src: Spec, dst: Spec, nbytes: float, share: float) -> OpCost:
+        """reshard() of an array of `nbytes`: what moves depends on the specs only (worked out
+        once per pair, for one byte), how much on the size."""
+        per_byte = self._per_byte.get((src, dst))
+        if per_byte is None:
+            per_byte = self._per_byte[(src, dst)] = reshard(src, dst, 1.0, self.mesh)
+        return self.collectives_cost(
+            [Collective(c.kind, c.axes, c.bytes * nbytes, c.count) for c in per_byte], share)
 
     def reshard_line(self, src: Spec, dst: Spec, share: float = 1.0) -> tuple[float, float]:
         """(per_byte, fixed): the score of reshard(src, dst, ...) for an array of n bytes is
@@ -188,16 +193,9 @@ class CostModel:
             if not src.partial and src.dims == dst.dims:
                 hit = (0.0, 0.0)
             else:
-                per_byte = self._per_byte.get(key[:2])
-                if per_byte is None:
-                    per_byte = self._per_byte[key[:2]] = reshard(src, dst, 1.0, self.mesh)
-
-                def score(n: float) -> float:
-                    return self.score(self.collectives_cost(
-                        [Collective(c.kind, c.axes, c.bytes * n, c.count) for c in per_byte],
-                        share))
-                fixed = score(0.0)
-                hit = ((score(_LINE_BYTES) - fixed) / _LINE_BYTES, fixed)
+                fixed = self.score(self._moving(src, dst, 0.0, share))
+                hit = ((self.score(self._moving(src, dst, _LINE_BYTES, share)) - fixed)
+                       / _LINE_BYTES, fixed)
             self._lines[key] = hit
         return hit
 
