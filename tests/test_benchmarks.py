@@ -25,8 +25,8 @@ def _load(name):
     return module
 
 
-gpt_plans, search_time, search_gap = (_load("gpt_plans"), _load("search_time"),
-                                       _load("search_gap"))
+gpt_plans, search_time, search_gap, reshard_accuracy = (
+    _load("gpt_plans"), _load("search_time"), _load("search_gap"), _load("reshard_accuracy"))
 TINY = {"d_model": 32, "heads": 4, "vocab": 64, "seq": 8, "batch": 8}
 
 
@@ -148,3 +148,16 @@ def test_search_gap_tiny(tmp_path):
     assert saved["summary"]["cases"] == 2
     table = (tmp_path / "search_gap.md").read_text()
     assert "| model | mesh |" in table and "within 5%:" in table
+
+
+def test_reshard_accuracy_tiny(tmp_path):
+    # Every pair of a rank-1 array's specs on 4 x 2 devices: the model has each of them right,
+    # d0's 4 pieces to d1's 2 included (renumbered, then gathered in pairs).
+    assert reshard_accuracy.main(["--cases", "4x2:8", "--pairs", "0", "--out",
+                                  str(tmp_path)]) == 0
+    (result,) = json.loads((tmp_path / "reshard_accuracy.json").read_text())["results"]
+    assert result["specs"] == 5 and result["summary"]["pairs"] == 20
+    assert result["summary"]["agree"] == 20 and result["summary"]["error"] < 1e-9
+    row = next(r for r in result["rows"] if (r["src"], r["dst"]) == ("[d0]", "[d1]"))
+    assert row["measured"] == {"collective-permute": 8, "all-gather": 16} == row["predicted"]
+    assert "| 4x2:8 | 5 | 20 | 20 (100%) |" in (tmp_path / "reshard_accuracy.md").read_text()

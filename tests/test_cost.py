@@ -108,6 +108,8 @@ CASES = [
     (S(("d0", "d1"), None), S(None, "d0"), {"all-gather": 1024}),
     (S(("d2", "d0"), None), S(None, "d1"), {"all-gather": 1024}),
     (S(("d0", "d1", "d2"), None), S(None, ("d0", "d1")), {"all-gather": 1024}),
+    # One dimension's axes replaced by fewer pieces on others: renumbered, gathered in groups.
+    (S(("d0", "d1"), None), S("d2", None), {"collective-permute": 256, "all-gather": 512}),
 ]
 
 

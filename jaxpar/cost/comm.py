@@ -80,6 +80,14 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
         # XLA finds no path ("involuntary full rematerialization"): the whole array is
         # gathered, then sliced to dst.
         return [Collective("all-gather", src.axes(), nbytes)]
+    swapped = _swapped(src, dst, mesh)
+    if swapped is not None:
+        # One dimension's axes replaced by others that cut it fewer ways: the pieces are
+        # renumbered, then gathered in groups of the ratio.
+        cut, into = swapped
+        return [Collective("collective-permute", cut + into, local),
+                Collective("all-gather", cut,
+                           local * mesh.group_size(cut) / mesh.group_size(into))]
     new = [a for d, axes in enumerate(dst.dims) for a in axes
            if a not in src.axes() and a not in src.dims[d]]
     local /= mesh.group_size(tuple(new))
@@ -129,6 +137,22 @@ def _rematerialized(src: Spec, dst: Spec, mesh: MeshInfo) -> bool:
     into = [d for d in dst.dims if d]
     return bool(into) and not any(set(axes) <= set(d) or mesh.group_size(d) == pieces
                                   for d in into)
+
+
+def _swapped(src: Spec, dst: Spec, mesh: MeshInfo) -> tuple[Axes, Axes] | None:
+    """(src's axes, dst's) of the one dimension whose axes dst replaces by others, unused in
+    src, that cut it fewer ways, every other dimension alike; None when the specs differ
+    otherwise. XLA renumbers the pieces (a collective-permute) and gathers them in groups."""
+    if src.partial:
+        return None
+    differ = [d for d, (a, b) in enumerate(zip(src.dims, dst.dims, strict=True)) if a != b]
+    if len(differ) != 1:
+        return None
+    cut, into = src.dims[differ[0]], dst.dims[differ[0]]
+    if not cut or not into or set(into) & set(src.axes()) or \
+            mesh.group_size(into) >= mesh.group_size(cut):
+        return None
+    return cut, into
 
 
 def _renumbered(src: Spec, dst: Spec) -> Axes:
