@@ -111,28 +111,36 @@ CASES = [
     # One dimension's axes replaced by fewer pieces on others: renumbered, gathered in groups.
     (S(("d0", "d1"), None), S("d2", None), {"collective-permute": 256, "all-gather": 512}),
 ]
+# Rank 3: a 16 x 16 x 16 f32 array (16384 bytes). Several cut dimensions merged into one
+# that src leaves whole: XLA gathers the whole array, a dimension at a time, and slices it.
+CASES3 = [
+    (S("d1", None, "d0"), S(None, ("d1", "d0"), None), {"all-gather": 8192 + 16384}),
+    (S("d0", "d1", None), S(None, None, ("d1", "d0", "d2")), {"all-gather": 8192 + 16384}),
+]
 
 
-@pytest.mark.parametrize("src,dst,expected", CASES, ids=[f"{a}->{b}" for a, b, _ in CASES])
-def test_reshard_predicts_compiled_collectives(src, dst, expected):
-    predicted = {}
-    for c in reshard(src, dst, 1024, MESH):
-        predicted[c.kind] = predicted.get(c.kind, 0) + c.bytes
-    assert predicted == expected
-    if src.partial:
-        return  # a partial sum has no PartitionSpec; dot tests cover it in test_rules_core
-    # In the context a plan lowers to: a value made under one sharding constraint, constrained
-    # to another before an op reads it.
+def _as_planned(src: Spec, dst: Spec, shape: tuple[int, ...]) -> dict[str, float]:
+    """Collective bytes XLA compiles for src -> dst in the context a plan lowers to: a value
+    made under one sharding constraint, constrained to another before an op reads it."""
     mesh = make_mesh(8)
     a, b = NamedSharding(mesh, src.to_pspec()), NamedSharding(mesh, dst.to_pspec())
 
     def f(x):
         made = jax.lax.with_sharding_constraint(jnp.sin(x), a)
         return jnp.cos(jax.lax.with_sharding_constraint(made, b))
-    f = jax.jit(f, in_shardings=a, out_shardings=b)
-    measured = {k: v["bytes"] for k, v in collective_stats(f.lower(jnp.ones((16, 16)))
-                                                           .compile()).items()}
-    assert measured == expected
+    compiled = jax.jit(f, in_shardings=a, out_shardings=b).lower(jnp.ones(shape)).compile()
+    return {k: v["bytes"] for k, v in collective_stats(compiled).items()}
+
+
+@pytest.mark.parametrize("src,dst,expected", CASES + CASES3,
+                         ids=[f"{a}->{b}" for a, b, _ in CASES + CASES3])
+def test_reshard_predicts_compiled_collectives(src, dst, expected):
+    predicted = {}
+    for c in reshard(src, dst, 4.0 * 16 ** src.rank, MESH):
+        predicted[c.kind] = predicted.get(c.kind, 0) + c.bytes
+    assert predicted == expected
+    if not src.partial:  # a partial sum has no PartitionSpec; test_rules_core's dots cover it
+        assert _as_planned(src, dst, (16,) * src.rank) == expected
 
 
 def test_model_prices_one_layout_change_alike_at_every_size():

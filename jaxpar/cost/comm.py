@@ -80,6 +80,14 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
         # XLA finds no path ("involuntary full rematerialization"): the whole array is
         # gathered, then sliced to dst.
         return [Collective("all-gather", src.axes(), nbytes)]
+    if _merged(src, dst):
+        # XLA gathers every cut dimension (the last first), then slices to dst.
+        out = []
+        for axes in reversed(src.dims):
+            if axes:
+                local *= mesh.group_size(axes)
+                out.append(Collective("all-gather", axes, local))
+        return out
     swapped = _swapped(src, dst, mesh)
     if swapped is not None:
         # One dimension's axes replaced by others that cut it fewer ways: the pieces are
@@ -137,6 +145,17 @@ def _rematerialized(src: Spec, dst: Spec, mesh: MeshInfo) -> bool:
     into = [d for d in dst.dims if d]
     return bool(into) and not any(set(axes) <= set(d) or mesh.group_size(d) == pieces
                                   for d in into)
+
+
+def _merged(src: Spec, dst: Spec) -> bool:
+    """src cuts several dimensions; dst cuts only dimensions src leaves whole, one of them
+    with axes from more than one of src's: XLA gathers the whole array, a dimension at a time,
+    and slices it (tests/test_cost.py)."""
+    cut = [d for d, axes in enumerate(src.dims) if axes]
+    into = [d for d, axes in enumerate(dst.dims) if axes]
+    if src.partial or len(cut) < 2 or not into or set(cut) & set(into):
+        return False
+    return any(len({src.dim_of(a) for a in dst.dims[j]} - {None}) > 1 for j in into)
 
 
 def _swapped(src: Spec, dst: Spec, mesh: MeshInfo) -> tuple[Axes, Axes] | None:
