@@ -62,7 +62,9 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
     partitioner emits them (checked against compiled HLO in tests/test_cost.py).
 
     When both specs cut every dimension into as many pieces, one collective-permute moves the
-    pieces. Otherwise, in order: slices first (free, they shrink the pieces); partial sums
+    pieces. Where XLA finds no direct path it falls back, and so does the model: the whole
+    array gathered at once (_rematerialized) or a dimension at a time (_merged), or the pieces
+    renumbered and gathered in groups (_swapped). Otherwise, in order: slices first (free, they shrink the pieces); partial sums
     reduced (a reduce-scatter onto the first dimension `dst` cuts with partial axes, an
     all-reduce before it, at full size, of those `dst` cuts on later dimensions, and one
     after it of those `dst` does not cut); axes moving

@@ -130,7 +130,7 @@ class _Builder:
         self._ports: dict[tuple, tuple] = {}   # (id(list), side, i) -> (list, classes)
         self._classes: dict[tuple, tuple] = {}  # distinct specs -> (specs, spec ids)
         self._spec_id: dict[Spec, int] = {}
-        self._matrices: dict[tuple, tuple] = {}
+        self._matrices: dict[tuple, np.ndarray] = {}  # (spec lists' ids, share), bytes -> K
         self._pairs: dict[tuple, tuple] = {}   # (spec id, spec id, share) -> reshard_line
         self._lines: dict[tuple, tuple] = {}   # spec lists' ids, share -> (lists, per byte,
                                                # fixed): every K between them is a line
@@ -207,19 +207,17 @@ class _Builder:
     def _matrix(self, v: int, src: tuple, dst: tuple) -> np.ndarray:
         """K[p, q]: the score of resharding value v from src's p-th spec to dst's q-th: a
         line in v's bytes (CostModel.reshard_line), priced once per spec lists and share."""
-        share = self.share(v)
-        key = (id(src[0]), id(dst[0]), self.graph.values[v].nbytes, share)
-        hit = self._matrices.get(key)
+        share, size = self.share(v), self.graph.values[v].nbytes
+        lists = (id(src[0]), id(dst[0]), share)
+        hit = self._matrices.get((lists, size))
         if hit is None:
-            lines = self._lines.get(key[:2] + key[3:])
+            lines = self._lines.get(lists)
             if lines is None:
-                line = self._line
-                pairs = np.array([[line(a, b, share) for b in zip(*dst, strict=True)]
+                pairs = np.array([[self._line(a, b, share) for b in zip(*dst, strict=True)]
                                   for a in zip(*src, strict=True)],
                                  dtype=float).reshape(len(src[0]), len(dst[0]), 2)
-                lines = self._lines[key[:2] + key[3:]] = (src, dst, pairs[..., 0],
-                                                          pairs[..., 1])
-            hit = self._matrices[key] = lines[2] * key[2] + lines[3]
+                lines = self._lines[lists] = (src, dst, pairs[..., 0], pairs[..., 1])
+            hit = self._matrices[(lists, size)] = lines[2] * size + lines[3]
         return hit
 
     def _line(self, a: tuple[Spec, int], b: tuple[Spec, int], share: float) -> tuple:
