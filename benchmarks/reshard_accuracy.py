@@ -11,7 +11,7 @@ agree, the summed absolute error over the summed measured bytes, and the pairs t
 Writes DIR/reshard_accuracy.json and DIR/reshard_accuracy.md.
 
     python benchmarks/reshard_accuracy.py --out results
-    python benchmarks/reshard_accuracy.py --cases 2x2x2:8,8 --pairs 100
+    python benchmarks/reshard_accuracy.py --cases 2x2x2:8,8 --pairs 100 --seed 1
 """
 
 from __future__ import annotations
@@ -123,6 +123,8 @@ def main(argv=None) -> int:
                    help="MESH:SHAPE, e.g. 4x2:64,64 (mesh axes of the 8 CPU devices)")
     p.add_argument("--pairs", type=int, default=300,
                    help="spec pairs per case, a seeded sample (0: every pair)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the sample's seed (another seed: pairs the model was not fitted on)")
     p.add_argument("--out", type=Path, default=Path("results"))
     a = p.parse_args(argv)
     from jaxpar.demo import ensure_devices
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
     results = []
     for case in a.cases:
         start = time.perf_counter()
-        r = measure(case, a.pairs or None)
+        r = measure(case, a.pairs or None, a.seed)
         r["summary"], r["seconds"] = summary(r), time.perf_counter() - start
         results.append(r)
         s = r["summary"]

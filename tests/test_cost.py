@@ -110,12 +110,38 @@ CASES = [
     (S(("d0", "d1", "d2"), None), S(None, ("d0", "d1")), {"all-gather": 1024}),
     # One dimension's axes replaced by fewer pieces on others: renumbered, gathered in groups.
     (S(("d0", "d1"), None), S("d2", None), {"collective-permute": 256, "all-gather": 512}),
+    # Every piece of dst within one of src, held elsewhere: sliced and moved by one permute.
+    (S("d1", "d0"), S("d0", ("d1", "d2")), {"collective-permute": 128}),
+    (S(None, "d1"), S(("d1", "d2"), "d0"), {"collective-permute": 128}),
+    # An all-to-all that leaves the axes out of dst's order (new axes are sliced first, moved
+    # ones land after them): the pieces are renumbered.
+    (S(None, "d2"), S(("d2", "d0", "d1"), None), {"all-to-all": 128, "collective-permute": 128}),
+    (S(("d2", "d0"), None), S(None, ("d0", "d1", "d2")),
+     {"all-to-all": 128, "collective-permute": 128}),
+    (S(("d1", "d0"), None), S("d2", ("d1", "d0")),  # d2 stays in dim 0, after those moving
+     {"all-to-all": 128, "collective-permute": 128}),
+    # More full rematerialisations: one cut dimension split over several, losing an axis; and
+    # an axis moved and another added while a third stays unused.
+    (S(("d2", "d0", "d1"), None), S("d1", "d0"), {"all-gather": 1024}),
+    (S("d1", None), S(None, ("d2", "d1")), {"all-gather": 1024}),
+    # Two cut dimensions merged into one of them, with an axis src does not use: gathered a
+    # dimension at a time.
+    (S("d1", "d2"), S(("d0", "d2", "d1"), None), {"all-gather": 512 + 1024}),
+    # Axes dropped and moved, none into a dimension that drops one: gathered first, so the
+    # all-to-all moves the gathered pieces.
+    (S(("d0", "d1"), "d2"), S(None, ("d0", "d2")),
+     {"all-gather": 256, "all-to-all": 256, "collective-permute": 256}),
 ]
 # Rank 3: a 16 x 16 x 16 f32 array (16384 bytes). Several cut dimensions merged into one
-# that src leaves whole: XLA gathers the whole array, a dimension at a time, and slices it.
+# (that src leaves whole, or every axis from three dimensions): XLA gathers the whole array,
+# a dimension at a time, and slices it.
 CASES3 = [
     (S("d1", None, "d0"), S(None, ("d1", "d0"), None), {"all-gather": 8192 + 16384}),
     (S("d0", "d1", None), S(None, None, ("d1", "d0", "d2")), {"all-gather": 8192 + 16384}),
+    (S("d1", "d0", "d2"), S(None, ("d2", "d0", "d1"), None),
+     {"all-gather": 4096 + 8192 + 16384}),
+    # d2 and d0 dropped, d1 moved: gathered first (the last dimension first), then moved.
+    (S("d2", "d0", "d1"), S(None, None, ("d1", "d0")), {"all-gather": 4096, "all-to-all": 4096}),
 ]
 
 

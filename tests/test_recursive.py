@@ -260,7 +260,7 @@ def test_the_last_axis_is_solved_again_exactly_with_the_others_held(monkeypatch)
     # to 4.199. (The region solve after it is left out: it moves more than one axis.)
     from jaxpar.search.resolve import solve_axis
     monkeypatch.setattr(recursive._Sapp, "_solve_around_state",
-                        lambda self, plan, before, ties: (plan, before, False))
+                        lambda self, plan, before, ties: plan)
     step, args = abstract_train_step(GPTConfig(layers=2, d_model=1024, heads=16, vocab=8192,
                                                seq=512), 16)
     graph, model, ties = _tied(step, args, jaxpar.make_mesh(8))
@@ -299,11 +299,11 @@ def test_the_first_axis_is_solved_again_exactly_after_the_last():
     assert gp.choices[0].strategy.ins[1].dim_of("d0") == 0
 
 
-def test_the_first_axis_is_solved_again_once_the_region_around_the_state_moved(monkeypatch):
-    # The same MoE step on 4 x 2 H100s across two nodes, level 2: the axes decided expert
-    # parallel on d0 and each axis solved again kept it; the region around the largest state
-    # (w1) then moved, and d0 solved again from there goes to batch: 1.125x the exact search's
-    # objective before, 1.017x after.
+def test_the_region_around_an_expert_weight_is_solved_again_exactly(monkeypatch):
+    # The quick benchmark's MoE step on 4 x 2 H100s across two nodes, level 2: with each
+    # axis solved again the plan scores 1.044x the exact search's objective; the ops around
+    # the largest carried state (the expert weight w1), solved again over both axes with the
+    # rest held, reach it.
     from jaxpar.models import moe
     step, args = moe.abstract_train_step(
         moe.MoEConfig(d_model=1024, d_ff=4096, experts=8, group_size=256), 16)
@@ -311,24 +311,24 @@ def test_the_first_axis_is_solved_again_once_the_region_around_the_state_moved(m
                                "h100-2node-ib")
     model = CostModel(model.mesh, model.profile, 2, 0.0, recompute_heavy=False)
     gp, lines = recursive_programming(graph, model, {}, {}, ties=ties)
-    region = next(i for i, line in enumerate(lines) if "hops of its readers" in line)
-    assert lines[region + 1].startswith("axis d0: every op's use of it solved again")
+    assert any("params/w1" in line and "hops of its readers and update solved again" in line
+               for line in lines)
     best, _ = dynamic_programming(graph, model, {}, {}, ties=ties, group_tail=False)
     exact = _tied_cost(graph, model, best, ties)
-    assert _tied_cost(graph, model, gp, ties) <= exact * 1.02
-    around = recursive._Sapp._solve_around_state
+    assert _tied_cost(graph, model, gp, ties) <= exact * 1.001
     monkeypatch.setattr(recursive._Sapp, "_solve_around_state",
-                        lambda self, *a: (*around(self, *a)[:2], False))
+                        lambda self, plan, before, ties: plan)
     without, _ = recursive_programming(graph, model, {}, {}, ties=ties)
-    assert _tied_cost(graph, model, without, ties) > exact * 1.1
+    assert _tied_cost(graph, model, without, ties) > exact * 1.03
 
 
 def test_the_largest_states_neighbourhood_is_solved_again_exactly(monkeypatch):
     # The quick benchmark's GPT (2 layers, d 512, vocab 8192, tied embedding) on 4 x 2 TPU
     # v5e chips at level 2, mem_coeff 0. The embedding table is read by the lookup and by
     # the tied head, and the links price each path apart: with both axes solved again, the
-    # plan scores 0.982 ms against the exact search's 0.949. The ops within three hops of the
-    # table's readers and update, solved again over every axis with the rest held, reach it.
+    # plan scores 1.006x the exact search's objective. The ops within three hops of the
+    # table's readers and update, solved again over every axis with the rest held, come
+    # within 0.1% of it (1.001x).
     step, args = abstract_train_step(GPTConfig(layers=2, d_model=512, heads=8, vocab=8192,
                                                seq=256), 16)
     graph, model, ties = _tied(step, args, jaxpar.make_mesh((4, 2), ("d0", "d1")), "tpu-v5e")
@@ -338,11 +338,11 @@ def test_the_largest_states_neighbourhood_is_solved_again_exactly(monkeypatch):
                for line in lines)
     best, _ = dynamic_programming(graph, model, {}, {}, ties=ties, group_tail=False)
     exact = _tied_cost(graph, model, best, ties)
-    assert _tied_cost(graph, model, gp, ties) <= exact * 1.001
+    assert _tied_cost(graph, model, gp, ties) <= exact * 1.002
     monkeypatch.setattr(recursive._Sapp, "_solve_around_state",
-                        lambda self, plan, before, ties: (plan, before, False))
+                        lambda self, plan, before, ties: plan)
     without, _ = recursive_programming(graph, model, {}, {}, ties=ties)
-    assert _tied_cost(graph, model, without, ties) > exact * 1.02
+    assert _tied_cost(graph, model, without, ties) > exact * 1.005
 
 
 def test_neighbourhood_does_not_hop_through_scalars():

@@ -59,25 +59,26 @@ def _once(kind: str, axes: Axes, nbytes: float, mesh: MeshInfo, links: dict[str,
 
 def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collective]:
     """Collectives that turn an array of `nbytes` laid out as `src` into `dst`, as XLA's SPMD
-    partitioner emits them (checked against compiled HLO in tests/test_cost.py).
+    partitioner emits them (checked against compiled HLO in tests/test_cost.py and, over every
+    pair of specs of an array on a mesh, by benchmarks/reshard_accuracy.py).
 
-    When both specs cut every dimension into as many pieces, one collective-permute moves the
-    pieces. Where XLA finds no direct path it falls back, and so does the model: the whole
+    When every piece of dst lies within one piece of src (src cuts each dimension into pieces
+    dst cuts further) but not where the device holding it needs it, one collective-permute moves
+    the pieces. Where XLA finds no direct path it falls back, and so does the model: the whole
     array gathered at once (_rematerialized) or a dimension at a time (_merged), or the pieces
-    renumbered and gathered in groups (_swapped). Otherwise, in order: slices first (free, they shrink the pieces); partial sums
-    reduced (a reduce-scatter onto the first dimension `dst` cuts with partial axes, an
-    all-reduce before it, at full size, of those `dst` cuts on later dimensions, and one
-    after it of those `dst` does not cut); axes moving
-    between dimensions (an all-to-all); one collective-permute when a dimension keeps an axis
-    but the axes outside it change (the pieces are renumbered); then one all-gather per
-    dimension that loses axes, last dimension first.
+    renumbered and gathered in groups (_swapped). Otherwise, in order: slices first (free, they
+    shrink the pieces); partial sums reduced (a reduce-scatter onto the first dimension `dst`
+    cuts with partial axes, an all-reduce before it, at full size, of those `dst` cuts on later
+    dimensions, and one after it of those `dst` does not cut); axes moving between dimensions
+    (an all-to-all); one collective-permute when a dimension keeps an axis but the axes outside
+    it change, or when the moved axes land out of dst's order (the pieces are renumbered); then
+    one all-gather per dimension that loses axes, last dimension first.
     """
     dst = dst.resolved()
     local = nbytes / src.shards(mesh)
-    tiles = [mesh.group_size(d) for d in src.dims] == [mesh.group_size(d) for d in dst.dims]
-    if tiles and not src.partial and src.dims != dst.dims:
-        # Same tiling, other devices: every piece exists somewhere, one permute moves them.
-        return [Collective("collective-permute", dst.axes(), local)]
+    if _within(src, dst, mesh):
+        # Each device slices its piece of dst from what some device holds: one permute.
+        return [Collective("collective-permute", dst.axes(), nbytes / dst.shards(mesh))]
     if _rematerialized(src, dst, mesh):
         # XLA finds no path ("involuntary full rematerialization"): the whole array is
         # gathered, then sliced to dst.
@@ -120,44 +121,82 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
         out.append(Collective("all-reduce", reduce, local))
     moved = tuple(a for d, axes in enumerate(src.dims) for a in axes
                   if dst.dim_of(a) is not None and dst.dim_of(a) != d)
+    gathers = []  # one all-gather per dimension that loses axes, last dimension first
+    for axes in reversed(src.dims):
+        gone = tuple(a for a in axes if dst.dim_of(a) is None)
+        if gone:
+            gathers.append(gone)
+    first = bool(moved and gathers and _gathers_first(src, dst, moved))
+    if first:
+        for gone in gathers:
+            local *= mesh.group_size(gone)
+            out.append(Collective("all-gather", gone, local))
+        gathers = []
     if moved:
         out.append(Collective("all-to-all", moved, local))
     renumbered = _renumbered(src, dst)
+    if moved and not renumbered and _misplaced(src, dst, ahead=not first):
+        renumbered = moved
     if renumbered:
         out.append(Collective("collective-permute", renumbered, local))
-    for axes in reversed(src.dims):
-        gone = tuple(a for a in axes if dst.dim_of(a) is None)
-        if not gone:
-            continue
+    for gone in gathers:
         local *= mesh.group_size(gone)
         out.append(Collective("all-gather", gone, local))
     return out
 
 
-def _rematerialized(src: Spec, dst: Spec, mesh: MeshInfo) -> bool:
-    """src cuts one dimension; dst leaves it whole and cuts others, none of which carries every
-    axis src cuts it on or cuts into as many pieces. XLA's partitioner then finds no path (an
-    all-to-all moves one dimension's tiles to another cut as many ways) and gathers the whole
-    array before slicing it to dst: checked against compiled sharding constraints, the copies
-    a plan lowers to, in tests/test_cost.py."""
-    cut = [d for d, axes in enumerate(src.dims) if axes]
-    if src.partial or len(cut) != 1 or dst.dims[cut[0]]:
+def _within(src: Spec, dst: Spec, mesh: MeshInfo) -> bool:
+    """src cuts every dimension into a number of pieces that dst's divides, and some dimension
+    other than the way dst begins (so slicing alone does not do): every piece of dst then lies
+    within one piece of src, and XLA moves the pieces with one collective-permute."""
+    if src.partial:
         return False
-    axes, pieces = src.dims[cut[0]], mesh.group_size(src.dims[cut[0]])
-    into = [d for d in dst.dims if d]
-    return bool(into) and not any(set(axes) <= set(d) or mesh.group_size(d) == pieces
-                                  for d in into)
+    pairs = list(zip(src.dims, dst.dims, strict=True))
+    return all(mesh.group_size(b) % mesh.group_size(a) == 0 for a, b in pairs) and \
+        any(a != b[:len(a)] for a, b in pairs)
+
+
+def _rematerialized(src: Spec, dst: Spec, mesh: MeshInfo) -> bool:
+    """Whether XLA's partitioner finds no path from src to dst and gathers the whole array
+    before slicing it to dst ("involuntary full rematerialization", the warning it logs), as
+    compiled sharding constraints, the copies a plan lowers to, show (tests/test_cost.py):
+    - src cuts one dimension; dst leaves it whole and cuts others, none of which carries every
+      axis src cuts it on or cuts into as many pieces (an all-to-all moves one dimension's
+      tiles to another cut as many ways);
+    - src cuts one dimension; dst cuts several and leaves out some of src's axes;
+    - dst moves an axis of src to another dimension and adds an axis src does not use, while
+      a third axis is unused by both (a replicated remainder the all-to-all cannot keep)."""
+    if src.partial:
+        return False
+    cut = [d for d, axes in enumerate(src.dims) if axes]
+    into = [d for d, axes in enumerate(dst.dims) if axes]
+    if len(cut) == 1 and not dst.dims[cut[0]]:
+        axes, pieces = src.dims[cut[0]], mesh.group_size(src.dims[cut[0]])
+        if into and not any(set(axes) <= set(dst.dims[j]) or
+                            mesh.group_size(dst.dims[j]) == pieces for j in into):
+            return True
+    if len(cut) == 1 and len(into) > 1 and any(dst.dim_of(a) is None for a in src.axes()):
+        return True
+    moves = any(dst.dim_of(a) not in (None, src.dim_of(a)) for a in src.axes())
+    adds = any(src.dim_of(a) is None for a in dst.axes())
+    idle = any(src.dim_of(a) is None and dst.dim_of(a) is None for a in mesh.names)
+    return moves and adds and idle
 
 
 def _merged(src: Spec, dst: Spec) -> bool:
-    """src cuts several dimensions; dst cuts only dimensions src leaves whole, one of them
-    with axes from more than one of src's: XLA gathers the whole array, a dimension at a time,
+    """src cuts several dimensions, and dst merges their axes: either dst cuts only dimensions
+    src leaves whole, one of them with axes from more than one of src's, or dst cuts one
+    dimension only, with every axis of src's and more (an axis src does not use, or src's
+    from three dimensions or more). XLA then gathers the whole array, a dimension at a time,
     and slices it (tests/test_cost.py)."""
     cut = [d for d, axes in enumerate(src.dims) if axes]
     into = [d for d, axes in enumerate(dst.dims) if axes]
-    if src.partial or len(cut) < 2 or not into or set(cut) & set(into):
+    if src.partial or len(cut) < 2 or not into:
         return False
-    return any(len({src.dim_of(a) for a in dst.dims[j]} - {None}) > 1 for j in into)
+    if not set(cut) & set(into):
+        return any(len({src.dim_of(a) for a in dst.dims[j]} - {None}) > 1 for j in into)
+    return len(into) == 1 and set(src.axes()) <= set(dst.dims[into[0]]) and (
+        len(cut) > 2 or any(src.dim_of(a) is None for a in dst.axes()))
 
 
 def _swapped(src: Spec, dst: Spec, mesh: MeshInfo) -> tuple[Axes, Axes] | None:
@@ -174,6 +213,36 @@ def _swapped(src: Spec, dst: Spec, mesh: MeshInfo) -> tuple[Axes, Axes] | None:
             mesh.group_size(into) >= mesh.group_size(cut):
         return None
     return cut, into
+
+
+def _gathers_first(src: Spec, dst: Spec, moved: Axes) -> bool:
+    """Whether XLA gathers the axes dst drops before the all-to-all moving `moved` (which then
+    moves the larger pieces): it does when no moved axis lands in a dimension that loses
+    one (rank-3 arrays on 4 x 2 and 2 x 2 x 2 devices, benchmarks/reshard_accuracy.py)."""
+    return not any(dst.dim_of(a) is None for m in moved for a in src.dims[dst.dim_of(m)])
+
+
+def _misplaced(src: Spec, dst: Spec, ahead: bool = True) -> bool:
+    """Whether an all-to-all leaves the axes out of dst's order. XLA slices the axes src does
+    not use onto their dimensions first, then moves each axis changing dimension after those
+    its new dimension holds; where that order is not dst's, or (`ahead`) an axis moves out
+    from before one that stays in its dimension, the pieces are renumbered. With the dropped
+    axes gathered first (`ahead` False) the second does not hold (benchmarks/
+    reshard_accuracy.py: 2 x 2 x 2 devices, rank 3)."""
+    dims = [[a for a in axes if dst.dim_of(a) is not None] for axes in src.dims]
+    for d, axes in enumerate(dst.dims):
+        dims[d].extend(a for a in axes if src.dim_of(a) is None)
+    for d, axes in enumerate(src.dims):
+        for a in axes:
+            j = dst.dim_of(a)
+            if j is None or j == d:
+                continue
+            after = dims[d][dims[d].index(a) + 1:]
+            if ahead and any(dst.dim_of(b) == d and src.dim_of(b) in (d, None) for b in after):
+                return True
+            dims[d].remove(a)
+            dims[j].append(a)
+    return tuple(map(tuple, dims)) != dst.dims
 
 
 def _renumbered(src: Spec, dst: Spec) -> Axes:

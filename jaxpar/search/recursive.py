@@ -58,9 +58,9 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    state (those within _HOPS of the ops reading it and its update) over every axis, the rest
    held (resolve.solve_region): a language model's embedding table, read by the lookup and
    the tied output head, is priced path by path by the links, and its better layout changes
-   two axes at once. When that moved the plan, the first axis is solved again once more (an
-   MoE step on 4 x 2 devices across two nodes: expert parallel on the first axis, 1.125x the
-   optimum, to batch, 1.017x). Each kept where that objective drops.
+   two axes at once (so does an MoE step's expert weight on 4 x 2 devices across two nodes at
+   level 2: 1.044x the optimum with both axes solved again, 1.000x after). Each kept where
+   that objective drops.
 6. A plan over the memory budget is searched again with mem_coeff four times larger (more model
    parallel, less memory) a few times, then fails with a ValueError saying what it needs.
 The work is linear in the number of ops but for step 5: every op is walked, propagated and
@@ -326,17 +326,13 @@ class _Sapp:
     def _solve_again(self, plan: GraphPlan) -> GraphPlan:
         """Parts of the plan solved again exactly, the rest held (step 5 of the module
         docstring): the last mesh axis (resolve.solve_axis), then the first (decided before
-        any other was known), then the ops around the largest carried state, and when that
-        moved the plan, the first axis once more. Each plan found is kept where its exact
-        objective is lower."""
+        any other was known), then the ops around the largest carried state. Each plan found
+        is kept where its exact objective is lower."""
         ties = tuple((v, pos) for v, pos, _ in self.units.carried if v not in self.fixed_in)
         first, last = self.mesh.names[0], self.mesh.names[-1]
         plan, before = self._solve_axes(plan, self._score(plan, self.fixed_out), ties,
                                         (last, first))
-        plan, before, moved = self._solve_around_state(plan, before, ties)
-        if moved:
-            plan, _ = self._solve_axes(plan, before, ties, (first,))
-        return plan
+        return self._solve_around_state(plan, before, ties)
 
     def _solve_axes(self, plan: GraphPlan, before: float, ties: tuple,
                     axes: tuple[str, ...]) -> tuple[GraphPlan, float]:
@@ -355,18 +351,18 @@ class _Sapp:
         return plan, before
 
     def _solve_around_state(self, plan: GraphPlan, before: float,
-                            ties: tuple) -> tuple[GraphPlan, float, bool]:
+                            ties: tuple) -> GraphPlan:
         """The ops within _HOPS of the largest carried state (the ops reading it and its
         update) solved again exactly over every axis, the rest of the plan held
         (resolve.solve_region), with the free inputs they read: a big parameter read and
         written along several paths (an embedding table, read by the lookup and by the tied
         output head) has each path priced apart by the links, and its layout is a joint
-        choice of several axes that one axis at a time does not reach. Returns (the plan
-        kept, its score, whether it moved)."""
+        choice of several axes that one axis at a time does not reach. Returns the plan kept
+        (`plan` unless the region's solution scores lower than `before`)."""
         units, index, n = self.units, self.index, len(self.g.ops)
         carried = [x for xs in self.members.values() for x in xs if x >= n]
         if not carried:
-            return plan, before, False
+            return plan
         x = max(carried, key=lambda x: (max(index.nbytes(v) for v, _, _ in units.state(x)), -x))
         seeds = set(units.update_region(x))
         seeds.update(r for v, _, _ in units.state(x) for r, _ in index.readers.get(v, ()))
@@ -378,11 +374,11 @@ class _Sapp:
                              inputs)
         after = self._score(found, self.fixed_out)
         if after >= before * (1 - 1e-9):
-            return plan, before, False
+            return plan
         _note(self.lines, f"{units.name(x)} and the {len(ops)} ops within {_HOPS} hops of its "
                           f"readers and update solved again exactly, the rest held, score "
                           f"{after:.6g}, less than {before:.6g}: taken instead")
-        return found, after, True
+        return found
 
     def _complete(self, fixed: dict, fixed_in: dict, fixed_out: dict) -> Refiner:
         """The whole plan from the main ops' decisions: propagation, then refinement (the
