@@ -140,6 +140,9 @@ CASES3 = [
     (S("d0", "d1", None), S(None, None, ("d1", "d0", "d2")), {"all-gather": 8192 + 16384}),
     (S("d1", "d0", "d2"), S(None, ("d2", "d0", "d1"), None),
      {"all-gather": 4096 + 8192 + 16384}),
+    # Merged, but d1 dropped: no whole gather; d1 gathered, d2 moved, the pieces renumbered.
+    (S(None, ("d0", "d1"), "d2"), S(("d2", "d0"), None, None),
+     {"all-gather": 4096, "all-to-all": 4096, "collective-permute": 4096}),
     # d2 and d0 dropped, d1 moved: gathered first (the last dimension first), then moved.
     (S("d2", "d0", "d1"), S(None, None, ("d1", "d0")), {"all-gather": 4096, "all-to-all": 4096}),
 ]

@@ -187,11 +187,14 @@ def _merged(src: Spec, dst: Spec) -> bool:
     """src cuts several dimensions, and dst merges their axes: either dst cuts only dimensions
     src leaves whole, one of them with axes from more than one of src's, or dst cuts one
     dimension only, with every axis of src's and more (an axis src does not use, or src's
-    from three dimensions or more). XLA then gathers the whole array, a dimension at a time,
-    and slices it (tests/test_cost.py)."""
+    from three dimensions or more); dst keeps every axis of src's (when it drops one, XLA
+    takes other paths). XLA then gathers the whole array, a dimension at a time, and slices
+    it (tests/test_cost.py)."""
     cut = [d for d, axes in enumerate(src.dims) if axes]
     into = [d for d, axes in enumerate(dst.dims) if axes]
     if src.partial or len(cut) < 2 or not into:
+        return False
+    if any(dst.dim_of(a) is None for a in src.axes()):
         return False
     if not set(cut) & set(into):
         return any(len({src.dim_of(a) for a in dst.dims[j]} - {None}) > 1 for j in into)
