@@ -77,7 +77,7 @@ def measure(case: str, pairs: int | None, seed: int = 0) -> dict:
             predicted[c.kind] = predicted.get(c.kind, 0.0) + c.bytes
         rows.append({"src": str(src), "dst": str(dst), "predicted": predicted,
                      "measured": measured})
-    return {"case": case, "nbytes": nbytes, "specs": len(specs), "rows": rows}
+    return {"case": case, "nbytes": nbytes, "specs": len(specs), "seed": seed, "rows": rows}
 
 
 def agrees(row: dict, nbytes: float) -> bool:

@@ -161,3 +161,16 @@ def test_reshard_accuracy_tiny(tmp_path):
     row = next(r for r in result["rows"] if (r["src"], r["dst"]) == ("[d0]", "[d1]"))
     assert row["measured"] == {"collective-permute": 8, "all-gather": 16} == row["predicted"]
     assert "| 4x2:8 | 5 | 20 | 20 (100%) |" in (tmp_path / "reshard_accuracy.md").read_text()
+
+
+def test_reshard_accuracy_seed_draws_another_sample(tmp_path):
+    # --seed picks which pairs a sample holds (the rules are checked on pairs they were not
+    # fitted on so); the same seed, the same pairs.
+    def pairs(seed: int, out: str) -> list[tuple[str, str]]:
+        assert reshard_accuracy.main(["--cases", "4x2:8", "--pairs", "4", "--seed", str(seed),
+                                      "--out", str(tmp_path / out)]) == 0
+        (result,) = json.loads((tmp_path / out / "reshard_accuracy.json").read_text())[
+            "results"]
+        assert result["seed"] == seed and result["summary"]["pairs"] == 4
+        return [(r["src"], r["dst"]) for r in result["rows"]]
+    assert pairs(0, "a") == pairs(0, "b") != pairs(1, "c")
