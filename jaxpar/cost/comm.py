@@ -146,9 +146,10 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
 
 
 def _within(src: Spec, dst: Spec, mesh: MeshInfo) -> bool:
-    """src cuts every dimension into a number of pieces that dst's divides, and some dimension
-    other than the way dst begins (so slicing alone does not do): every piece of dst then lies
-    within one piece of src, and XLA moves the pieces with one collective-permute."""
+    """src cuts every dimension into a number of pieces that dst's divides, and in some
+    dimension src's axes are not the first of dst's (so slicing alone does not do): every
+    piece of dst then lies within one piece of src, held by another device, and XLA moves the
+    pieces with one collective-permute."""
     if src.partial:
         return False
     pairs = list(zip(src.dims, dst.dims, strict=True))
