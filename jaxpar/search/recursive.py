@@ -326,19 +326,11 @@ class _Sapp:
     def _solve_again(self, plan: GraphPlan) -> GraphPlan:
         """Parts of the plan solved again exactly, the rest held (step 5 of the module
         docstring): the last mesh axis (resolve.solve_axis), then the first (decided before
-        any other was known), then the ops around the largest carried state. Each plan found
-        is kept where its exact objective is lower."""
+        any other was known), then the ops around the largest carried state. Each plan
+        found is kept where its exact objective is lower."""
         ties = tuple((v, pos) for v, pos, _ in self.units.carried if v not in self.fixed_in)
-        first, last = self.mesh.names[0], self.mesh.names[-1]
-        plan, before = self._solve_axes(plan, self._score(plan, self.fixed_out), ties,
-                                        (last, first))
-        return self._solve_around_state(plan, before, ties)
-
-    def _solve_axes(self, plan: GraphPlan, before: float, ties: tuple,
-                    axes: tuple[str, ...]) -> tuple[GraphPlan, float]:
-        """Each axis in turn solved again exactly, the others held (resolve.solve_axis);
-        (the plan kept, its score)."""
-        for axis in dict.fromkeys(axes):
+        before = self._score(plan, self.fixed_out)
+        for axis in dict.fromkeys((self.mesh.names[-1], self.mesh.names[0])):
             found = solve_axis(self.g, self.model, plan, self.fixed_in, self.fixed_out, ties,
                                axis)
             after = self._score(found, self.fixed_out)
@@ -348,10 +340,9 @@ class _Sapp:
                               f"other axes held, scores {after:.6g}, less than {before:.6g}: "
                               "taken instead")
             plan, before = found, after
-        return plan, before
+        return self._solve_around_state(plan, before, ties)
 
-    def _solve_around_state(self, plan: GraphPlan, before: float,
-                            ties: tuple) -> GraphPlan:
+    def _solve_around_state(self, plan: GraphPlan, before: float, ties: tuple) -> GraphPlan:
         """The ops within _HOPS of the largest carried state (the ops reading it and its
         update) solved again exactly over every axis, the rest of the plan held
         (resolve.solve_region), with the free inputs they read: a big parameter read and
