@@ -5,9 +5,11 @@ import numpy as np
 import pytest
 
 import jaxpar
+from jaxpar.api import carried_pairs
 from jaxpar.cost.hardware import load_profile
 from jaxpar.cost.model import CostModel
 from jaxpar.ir import build_graph, trace
+from jaxpar.ir.repeat import op_classes
 from jaxpar.models import PROGRAMS
 from jaxpar.models.gpt import GPTConfig, abstract_train_step
 from jaxpar.plan import peak_memory
@@ -100,9 +102,14 @@ def _small_gpt(layers: int = 2):
                             recompute_heavy=False)
 
 
-def _live_peak(graph, model, choice) -> float:
-    """The exact search's own memory model: the most bytes live at once under `choice`."""
+def _live_peak(graph, model, plan) -> float:
+    """The exact search's own memory model: the most bytes live at once under `plan`."""
     t = build_tables(graph, model, {}, {})
+    choice = np.zeros(len(t.cands), dtype=np.int64)
+    for x, node in t.op_nodes.items():
+        choice[node] = t.cands[node].index(plan.choices[x].strategy)
+    for v, node in t.input_nodes.items():
+        choice[node] = t.cands[node].index(plan.specs[v])
     ranges = exact.live_ranges(graph, t)
     live = [(t.node_mem[i][c], first, last) for i, (c, (first, last)) in
             enumerate(zip(choice, ranges, strict=True))]
@@ -117,40 +124,51 @@ def test_tied_layers_share_strategies_and_lose_nothing_on_gpt():
     assert tied.optimal and free.optimal
     assert free.cost <= tied.cost * (1 + 1e-9)  # tying restricts ...
     assert tied.cost == pytest.approx(free.cost, rel=1e-9)  # ... and costs nothing here
-    t = build_tables(graph, model, {}, {})
-    op_of = {node: i for i, node in t.op_nodes.items()}
-    groups = exact._tied_groups(graph, t)
-    assert max(len(g) for g in groups) >= 3  # one op per layer, at least
-    for g in groups:
-        assert len({tied.choice[n] for n in g}) == 1
-        chosen = {tied_plan.choices[op_of[n]].strategy for n in g if n in op_of}
-        assert len(chosen) <= 1
+    t = build_tables(graph, model, {}, {}, classes=op_classes(graph))  # as the search does
+    assert tied.choice.shape == (len(t.cands),)  # one choice per node of the folded tables
+    members: dict[int, list[int]] = {}
+    for x, node in t.op_nodes.items():
+        members.setdefault(node, []).append(x)
+    assert max(len(xs) for xs in members.values()) >= 3  # one op per layer, at least
+    for node, xs in members.items():
+        assert {tied_plan.choices[x].strategy for x in xs} == \
+            {t.cands[node][tied.choice[node]]}
 
 
 def test_folded_tables_price_every_agreeing_choice_alike():
-    # Folding tied groups into one node each is what the solver's reduction would do: any
-    # choice in which tied nodes agree costs the same on the folded problem as on the whole.
+    # Built folded, the tables give each tied group one node: any choice in which tied ops
+    # and inputs agree costs the same on the folded problem as on the unfolded one.
     graph, model = _small_gpt(layers=3)
-    t = build_tables(graph, model, {}, {})
-    groups = exact._tied_groups(graph, t)
-    folded, where = exact.fold(t, groups)
+    step, args = abstract_train_step(GPTConfig(layers=3, d_model=32, heads=2, vocab=64, seq=8), 4)
+    ties = tuple((graph.inputs[i], j) for i, j in carried_pairs(args, jax.eval_shape(step, *args)))
+    assert ties  # carried state: tie edges into input nodes, folded too
+    t = build_tables(graph, model, {}, {}, ties)
+    folded = build_tables(graph, model, {}, {}, ties, classes=op_classes(graph))
+    where = np.full(len(t.cands), -1)
+    for x, node in t.op_nodes.items():
+        where[node] = folded.op_nodes[x]
+    for v, node in t.input_nodes.items():
+        where[node] = folded.input_nodes[v]
+    groups = exact._tied_groups(graph, t)  # what the solver ties with a memory budget
+    assert all(len({where[n] for n in g}) == 1 for g in groups)
     assert len(folded.cands) == len(t.cands) - sum(len(g) - 1 for g in groups)
     assert len(folded.edges) < len(t.edges)
     assert max(folded.count) >= 3 and sum(folded.count) == len(t.cands)  # a layer each
+    assert np.bincount(where).tolist() == folded.count
 
     def problem(tables):
         return Problem(tuple(tables.node_cost), tuple((e.u, e.v, e.cost, e.row, e.col)
                                                       for e in tables.edges))
     whole, small = problem(t), problem(folded)
+    assert sum(m[0] for m in folded.node_mem) == pytest.approx(sum(m[0] for m in t.node_mem))
     rng = np.random.default_rng(0)
     for _ in range(5):
         pick = np.array([rng.integers(len(c)) for c in folded.cands])
         assert objective(small, pick) == pytest.approx(objective(whole, pick[where]), rel=1e-12)
-    plan, sol = dynamic_programming(graph, model, {}, {})
-    assert sol.choice.shape == (len(t.cands),)  # the choice of every node as built
-    assert sol.cost == pytest.approx(objective(whole, sol.choice), rel=1e-9)
+    plan, sol = dynamic_programming(graph, model, {}, {}, ties=ties)
+    assert sol.cost == pytest.approx(objective(whole, sol.choice[where]), rel=1e-9)
     for x, node in t.op_nodes.items():
-        assert plan.choices[x].strategy == t.cands[node][sol.choice[node]]
+        assert plan.choices[x].strategy == t.cands[node][sol.choice[where[node]]]
 
 
 def test_exact_gpt_step_is_never_costlier_than_propagation():
@@ -167,9 +185,9 @@ def test_exact_gpt_step_is_never_costlier_than_propagation():
 def test_memory_budget_holds_with_tied_layers(budget, proven):
     graph, model = _small_gpt()
     free_plan, free = dynamic_programming(graph, model, {}, {})
-    assert _live_peak(graph, model, free.choice) > budget  # the budget binds
+    assert _live_peak(graph, model, free_plan) > budget  # the budget binds
     gp, sol = dynamic_programming(graph, model, {}, {}, memory_budget=budget, time_limit=2.0)
-    assert _live_peak(graph, model, sol.choice) <= budget
+    assert _live_peak(graph, model, gp) <= budget
     assert peak_memory(graph, gp, SMALL) <= budget  # as the plan reports it
     t = build_tables(graph, model, {}, {})
     for g in exact._tied_groups(graph, t):

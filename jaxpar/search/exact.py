@@ -11,8 +11,10 @@ identical layers (one Weisfeiler-Lehman class, ir/repeat.py, and one candidate l
 one strategy, and so are the free inputs they read in the same way (a layer's weights and their
 optimizer state). The answer is then exact over the plans in which repeated layers agree, which
 is what a deep model is planned as by hand; the search costs about as much for 48 layers as for
-2. Without a memory budget each tied group is folded into one node before the problem is made
-(`fold`); with one, the solver ties them (its live sets count the layers apart).
+2. Without a memory budget each tied group is one node of the tables as they are built
+(build_tables' `classes`: a 48-layer model's tables are built about as fast as a few layers'),
+and the Solution's `choice` is per node of those; with one, every op is a node and the solver
+ties them (its live sets count the layers apart).
 tie_repeats=False searches every op on its own.
 
 A step's tail (gradient reductions, the optimizer) prices each reduction at a share of one
@@ -62,11 +64,12 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
     Returns:
         (GraphPlan, Solution): the plan and how it was found (optimal, gap, method, seconds).
     """
-    t = build_tables(graph, model, fixed_in, fixed_out, tuple(ties), allow)
     budget = _budget_left(graph, model, fixed_in, memory_budget)
-    tied, unfold = _tied_groups(graph, t) if tie_repeats else None, None
-    if tied and budget is None:  # no live sets to count copies in: one node per group
-        t, unfold, tied = *fold(t, tied), None
+    # No budget: no live sets to count copies in, so each tied group is one node as built.
+    folded = tie_repeats and budget is None
+    t = build_tables(graph, model, fixed_in, fixed_out, tuple(ties), allow,
+                     op_classes(graph) if folded else None)
+    tied = _tied_groups(graph, t) if tie_repeats and not folded else None
     problem = Problem(tuple(t.node_cost),
                       tuple((e.u, e.v, e.cost, e.row, e.col) for e in t.edges),
                       tuple(t.node_mem), None, budget, tied,
@@ -78,70 +81,7 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
     except ValueError as err:  # no assignment fits: say it in the user's terms
         raise ValueError(f"memory_budget={memory_budget:.0f} bytes per device cannot be met "
                          f"once the fixed inputs are placed: {err}") from None
-    plan = _to_plan(graph, t, solution.choice, fixed_in)
-    if unfold is not None:  # the choice of every node of the tables as built
-        solution = dataclasses.replace(solution, choice=solution.choice[unfold])
-    return plan, solution
-
-
-def fold(t: Tables, groups: tuple[tuple[int, ...], ...]) -> tuple[Tables, np.ndarray]:
-    """The tables with each group of tied nodes made one node, and where each node went.
-
-    What the solver's reduction does with tied groups (compress.py: a group's cost is the sum
-    of its members', an edge inside it adds its diagonal, parallel edges add up), done on the
-    tables before a Problem is made of them: a 48-layer model's tables shrink twentyfold, and
-    so does the work of checking, reducing and reading back the problem. Parallel edges that
-    share one matrix and class indices (one layer's edge in every layer) become one edge with
-    the matrix times their number. The folded node's memory is its members' sum (no budget
-    can be checked on it: live sets count the members apart). `Tables.count` holds each
-    folded node's members, for _to_plan's per-op figures.
-    """
-    n = len(t.cands)
-    where = np.arange(n)
-    for g in groups:
-        where[list(g)] = g[0]
-    keep = np.flatnonzero(where == np.arange(n))
-    number = np.full(n, -1)
-    number[keep] = np.arange(len(keep))
-    where = number[where]
-    out = Tables(regions=t.regions)
-    out.cands = [t.cands[i] for i in keep]
-    out.own = [t.own[i] for i in keep]
-    out.count = np.bincount(where, minlength=len(keep)).tolist()
-    out.node_cost = _summed(t.node_cost, where, out.cands)
-    out.node_mem = _summed(t.node_mem, where, out.cands)
-    parallel: dict[tuple, list] = {}
-    for e in t.edges:
-        u, v = int(where[e.u]), int(where[e.v])
-        key = (u, v, id(e.cost), id(e.row), id(e.col))
-        hit = parallel.get(key)
-        if hit is None:
-            parallel[key] = [e, 1]
-        else:
-            hit[1] += 1
-    scaled: dict[tuple[int, int], np.ndarray] = {}
-    for (u, v, *_), (e, k) in parallel.items():
-        if u == v:  # both ends in one group: they take one candidate
-            out.node_cost[u] = out.node_cost[u] + k * e.cost[e.row, e.col]
-            continue
-        cost = e.cost if k == 1 else scaled.setdefault((id(e.cost), k), k * e.cost)
-        out.edges.append(Edge(u, v, cost, e.row, e.col, e.port))
-    out.op_nodes = {x: int(where[node]) for x, node in t.op_nodes.items()}
-    out.input_nodes = {v: int(where[node]) for v, node in t.input_nodes.items()}
-    return out, where
-
-
-def _summed(arrays: list[np.ndarray], where: np.ndarray, cands: list) -> list[np.ndarray]:
-    """Per folded node, the sum of its members' arrays (members sharing one array, the
-    layers of a deep model, are added as one times their number)."""
-    counts: dict[tuple[int, int], list] = {}  # (folded node, id(array)) -> [array, how many]
-    for i, a in enumerate(arrays):
-        hit = counts.setdefault((int(where[i]), id(a)), [a, 0])
-        hit[1] += 1
-    out = [np.zeros(len(c)) for c in cands]
-    for (node, _), (a, k) in counts.items():
-        out[node] = out[node] + k * a
-    return out
+    return _to_plan(graph, t, solution.choice, fixed_in), solution
 
 
 def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem: Problem,
@@ -284,24 +224,25 @@ def _to_plan(graph: OpGraph, t: Tables, choice: np.ndarray,
     for e in t.edges:
         touching.setdefault(e.u, []).append(e)
         touching.setdefault(e.v, []).append(e)
-    locals_: dict[int, np.ndarray] = {}  # a folded node's members share it, per member
+    picked: dict[int, tuple] = {}  # node -> what its ops' Choice says (a folded node's
+                                   # members share it, its costs per member)
     for op in graph.ops:
         node = t.op_nodes[op.index]
-        local = locals_.get(node)
-        if local is None:
-            local = locals_[node] = _local_costs(t, choice, node, touching.get(node, [])) / \
+        hit = picked.get(node)
+        if hit is None:
+            local = _local_costs(t, choice, node, touching.get(node, [])) / \
                 (t.count[node] if t.count else 1)
-        k = int(choice[node])
-        s = t.cands[node][k]
-        others = np.argsort(local, kind="stable")[:2]
-        runner = next((int(j) for j in others if j != k), None)
+            k = int(choice[node])
+            others = np.argsort(local, kind="stable")[:2]
+            runner = next((int(j) for j in others if j != k), None)
+            hit = picked[node] = (
+                t.cands[node][k], t.own[node][k], float(local[k]),
+                t.cands[node][runner] if runner is not None else None,
+                float(local[runner]) if runner is not None else None, len(t.cands[node]),
+                has_rule(op.primitive) or bool(op.regions))
         plans, trips, _ = t.regions.get(op.index, ((), 1, None))
-        plan.choices[op.index] = Choice(
-            s, t.own[node][k], float(local[k]),
-            t.cands[node][runner] if runner is not None else None,
-            float(local[runner]) if runner is not None else None, len(t.cands[node]),
-            has_rule(op.primitive) or bool(op.regions), plans, trips)
-        plan.specs.update(zip(op.outputs, s.outs, strict=True))
+        plan.choices[op.index] = Choice(*hit, plans, trips)
+        plan.specs.update(zip(op.outputs, hit[0].outs, strict=True))
     for v in graph.inputs:
         plan.specs.setdefault(v, Spec.replicated(len(graph.values[v].shape)))
     return plan

@@ -17,7 +17,7 @@ between them are computed once and shared by identity (a deep model's layers all
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -72,12 +72,22 @@ class Tables:
 
 def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
                  fixed_out: dict[int, Spec], ties: tuple[tuple[int, int], ...] = (),
-                 allow: Allow | None = None) -> Tables:
+                 allow: Allow | None = None, classes: Sequence[int] | None = None) -> Tables:
     """ties: (free input value, output position) pairs of carried state: the output is handed
     back in the input's spec, so the resharding from its producer into that spec is an edge
     between the producer and the input node, priced with everything else. allow: only the
-    candidates it keeps become choices (None: all)."""
-    b = _Builder(graph, model, allow)
+    candidates it keeps become choices (None: all).
+
+    classes: a class number per op (ir.repeat.op_classes) to fold repeated layers while
+    building: the ops of one class left one candidate list become one node, the free inputs
+    alike (one spec list, shape and dtype, read at the same operands of the same nodes) one
+    node, and edges between the same operands of the same two nodes one edge with their
+    matrix times their number (an edge inside a node adds its diagonal to the node's cost).
+    `Tables.count` holds each node's members. Any choice is then priced as on the unfolded
+    tables with every member taking its node's candidate, and a 48-layer model's tables cost
+    about what a few layers' do. None: one node per op and per free input.
+    """
+    b = _Builder(graph, model, allow, classes)
     for op in graph.ops:
         b.t.op_nodes[op.index] = b.op_node(op)
     producer = {v: (op, j) for op in graph.ops for j, v in enumerate(op.outputs)}
@@ -100,7 +110,7 @@ def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
         if v_in not in fixed_in and pos not in fixed_out and isinstance(v, int) and \
                 v in producer:
             b.tie(v_in, producer[v])
-    return b.t
+    return b.finish()
 
 
 def latency_shares(graph: OpGraph) -> Callable[[int], float]:
@@ -119,10 +129,16 @@ def _classes(specs) -> tuple[tuple[Spec, ...], np.ndarray]:
 
 class _Builder:
     """Builds Tables, pricing each distinct candidate list, spec class list and resharding
-    matrix once (caches keyed by object identity hold the object, so its id stays valid)."""
+    matrix once (caches keyed by object identity hold the object, so its id stays valid).
 
-    def __init__(self, graph: OpGraph, model: CostModel, allow: Allow | None = None):
+    Nodes are made as the ops are met (free inputs once every reader is known: folded, their
+    readers tell them apart); node costs, fixed-spec charges and edges are gathered by node
+    and made into the tables by finish()."""
+
+    def __init__(self, graph: OpGraph, model: CostModel, allow: Allow | None = None,
+                 classes: Sequence[int] | None = None):
         self.graph, self.model, self.t, self.allow = graph, model, Tables(), allow
+        self.classes = classes
         self._kept: dict[tuple, tuple] = {}    # (id(list), indices kept) -> (list, costs)
         self._kept_specs: dict[tuple, tuple] = {}  # an input's allowed specs, one object each
         self.share = latency_shares(graph)
@@ -134,35 +150,65 @@ class _Builder:
         self._pairs: dict[tuple, tuple] = {}   # (spec id, spec id, share) -> reshard_line
         self._lines: dict[tuple, tuple] = {}   # spec lists' ids, share -> (lists, per byte,
                                                # fixed): every K between them is a line
+        self._options: dict[tuple, tuple] = {}  # (class, share) -> model.options (folded)
+        self._groups: dict[tuple, int] = {}    # folded: what makes nodes one -> node
+        self._count: list[int] = []            # members per node
+        self._extra: dict[int, np.ndarray] = {}  # node -> fixed-spec charges and diagonals
+        self._reads: dict[int, list] = {}      # free input -> [(node, port)] (-1: a tie)
+        self._first: dict[int, tuple] = {}     # free input -> (node, side, i) its specs
+                                               # come from (its first reader's operand)
+        self._links: dict[tuple, list] = {}    # edge key -> [link args, how many]
 
-    def _add_node(self, cands, own, cost: np.ndarray, mem: np.ndarray) -> int:
+    def _add_node(self, cands, own, cost: np.ndarray, mem: np.ndarray, key=None) -> int:
+        """A node for one op or free input; folded, the node of its kind (`key`) when there
+        is one already."""
+        if key is not None:
+            node = self._groups.get(key)
+            if node is not None:
+                self._count[node] += 1
+                return node
         t = self.t
         t.cands.append(cands)
         t.own.append(own)
         t.node_cost.append(cost)
         t.node_mem.append(mem)
+        self._count.append(1)
+        if key is not None:
+            self._groups[key] = len(t.cands) - 1
         return len(t.cands) - 1
 
+    def _candidates(self, op, share: float) -> tuple[list, list]:
+        """model.options, asked once per class when folding (a class is one signature)."""
+        if self.classes is None:
+            return self.model.options(OpInfo.of(op, self.graph), share)
+        key = (self.classes[op.index], share)
+        hit = self._options.get(key)
+        if hit is None:
+            hit = self._options[key] = self.model.options(OpInfo.of(op, self.graph), share)
+        return hit
+
     def op_node(self, op) -> int:
-        graph, model = self.graph, self.model
-        info = OpInfo.of(op, graph)
+        model = self.model
         share = max((self.share(v) for v in op.outputs), default=1.0)
         if op.regions:  # bodies planned by propagation from free operands; one candidate
-            s, plans, cost, trips = plan_region(op, info, [None] * len(op.inputs), model)
+            s, plans, cost, trips = plan_region(op, OpInfo.of(op, self.graph),
+                                                [None] * len(op.inputs), model)
             self.t.regions[op.index] = (plans, trips, cost)
             return self._add_node([s], [cost], np.array([model.score(cost)]),
                                   np.array([float(cost.memory_bytes)]))
-        cands, own = model.options(info, share)
+        cands, own = self._candidates(op, share)
         if self.allow is not None:
             cands, own = self._subset(cands, own, self.allow.op(op.index, cands))
         hit = self._nodes.get(id(cands))
         if hit is None:
             # Memory a node holds: its results, per device (operands belong to their producers).
+            info = OpInfo.of(op, self.graph)
             mem = [sum(nbytes(sh, dt) / sp.shards(model.mesh) for sh, dt, sp in
                        zip(info.out_shapes, info.out_dtypes, s.outs, strict=True)) for s in cands]
             hit = self._nodes[id(cands)] = (cands, np.array([model.score(c) for c in own]),
                                             np.array(mem, dtype=float))
-        return self._add_node(cands, own, hit[1], hit[2])
+        key = None if self.classes is None else (self.classes[op.index], id(cands))
+        return self._add_node(cands, own, hit[1], hit[2], key)
 
     def _subset(self, cands: list, own: list, kept: tuple[int, ...]) -> tuple[list, list]:
         """The candidates at `kept` as a list of their own, one per (list, indices): ops alike
@@ -175,14 +221,19 @@ class _Builder:
             hit = self._kept[key] = ([cands[i] for i in kept], [own[i] for i in kept], cands)
         return hit[0], hit[1]
 
-    def _input_node(self, v: int, specs: tuple[Spec, ...]) -> int:
-        """A free input (or constant) that takes any of `specs`."""
+    def _input_node(self, v: int) -> int:
+        """Free input (or constant) v's node: it takes any spec its first reader reads (or,
+        read by none, its tied output comes in)."""
+        node, side, i = self._first[v]
+        specs = self._port(node, side, i)[0][0]
         if self.allow is not None:  # one object per distinct tuple: inputs alike stay alike
             specs = self.allow.specs(v, specs)
             specs = self._kept_specs.setdefault(specs, specs)
-        size = self.graph.values[v].nbytes
-        mem = np.array([size / s.shards(self.model.mesh) for s in specs], dtype=float)
-        return self._add_node(specs, None, np.zeros(len(specs)), mem)
+        info = self.graph.values[v]
+        key = None if self.classes is None else \
+            (id(specs), info.shape, str(info.dtype), tuple(sorted(self._reads[v])))
+        mem = np.array([info.nbytes / s.shards(self.model.mesh) for s in specs], dtype=float)
+        return self._add_node(specs, None, np.zeros(len(specs)), mem, key)
 
     def _intern(self, specs: tuple[Spec, ...]) -> tuple[tuple[Spec, ...], list[int]]:
         hit = self._classes.get(specs)
@@ -228,11 +279,17 @@ class _Builder:
             hit = self._pairs[key] = self.model.reshard_line(a[0], b[0], share)
         return hit
 
-    def _link(self, u: int, src_side: str, j: int, w: int, dst_side: str, i: int, v: int,
+    def _link(self, u, src_side: str, j: int, w, dst_side: str, i: int, v: int,
               port: int) -> None:
-        src, row = self._port(u, src_side, j)
-        dst, col = self._port(w, dst_side, i)
-        self.t.edges.append(Edge(u, w, self._matrix(v, src, dst), row, col, port))
+        """An edge from u's `src_side` j to w's `dst_side` i carrying value v, made by
+        finish(); u or w may be ("in", value): a free input, whose node is made last. Edges
+        with one key (one matrix between the same two nodes' ports) become one."""
+        key = (u, src_side, j, w, dst_side, i, self.graph.values[v].nbytes, self.share(v))
+        hit = self._links.get(key)
+        if hit is None:
+            self._links[key] = [(u, src_side, j, w, dst_side, i, v, port), 1]
+        else:
+            hit[1] += 1
 
     def edge(self, prod, cop, i: int) -> None:
         pop, j = prod
@@ -241,26 +298,57 @@ class _Builder:
 
     def input_edge(self, v: int, op, i: int) -> None:
         w = self.t.op_nodes[op.index]
-        if v not in self.t.input_nodes:  # a free input takes any spec its first consumer reads
-            self.t.input_nodes[v] = self._input_node(v, self._port(w, "in", i)[0][0])
-        self._link(self.t.input_nodes[v], "spec", 0, w, "in", i, v, i)
+        self._first.setdefault(v, (w, "in", i))
+        self._reads.setdefault(v, []).append((w, i))
+        self._link(("in", v), "spec", 0, w, "in", i, v, i)
 
     def tie(self, v_in: int, prod) -> None:
         op, j = prod
         u = self.t.op_nodes[op.index]
-        if v_in not in self.t.input_nodes:  # read by no op: any spec the output can come in
-            self.t.input_nodes[v_in] = self._input_node(v_in, self._port(u, "out", j)[0][0])
-        self._link(u, "out", j, self.t.input_nodes[v_in], "spec", 0, op.outputs[j], -1)
+        self._first.setdefault(v_in, (u, "out", j))  # read by no op: any spec it comes in
+        self._reads.setdefault(v_in, []).append((u, -1))
+        self._link(u, "out", j, ("in", v_in), "spec", 0, op.outputs[j], -1)
+
+    def _charge(self, node: int, cost: np.ndarray) -> None:
+        self._extra[node] = self._extra[node] + cost if node in self._extra else cost
 
     def charge_fixed_input(self, op, i: int, spec: Spec) -> None:
         w = self.t.op_nodes[op.index]
         dst, col = self._port(w, "in", i)
         k = self._matrix(op.inputs[i], self._intern((spec,)), dst)
-        self.t.node_cost[w] = self.t.node_cost[w] + k[0][col]
+        self._charge(w, k[0][col])
 
     def charge_fixed_output(self, prod, spec: Spec) -> None:
         op, j = prod
         u = self.t.op_nodes[op.index]
         src, row = self._port(u, "out", j)
         k = self._matrix(op.outputs[j], src, self._intern((spec,)))
-        self.t.node_cost[u] = self.t.node_cost[u] + k[:, 0][row]
+        self._charge(u, k[:, 0][row])
+
+    def finish(self) -> Tables:
+        """The free inputs' nodes, the edges, and each node's cost and memory times its
+        members plus its charges."""
+        t = self.t
+        for v in self._first:
+            t.input_nodes[v] = self._input_node(v)
+        scaled: dict[tuple, np.ndarray] = {}
+        for (u, src_side, j, w, dst_side, i, v, port), k in self._links.values():
+            u, w = (t.input_nodes[x[1]] if isinstance(x, tuple) else x for x in (u, w))
+            src, row = self._port(u, src_side, j)
+            dst, col = self._port(w, dst_side, i)
+            cost = self._matrix(v, src, dst)
+            if u == w:  # both ends in one node: they take one candidate
+                self._charge(u, k * cost[row, col])
+                continue
+            if k > 1:
+                cost = scaled.setdefault((id(cost), k), k * cost)
+            t.edges.append(Edge(u, w, cost, row, col, port))
+        for node, k in enumerate(self._count):
+            if k > 1:
+                t.node_cost[node] = k * t.node_cost[node]
+                t.node_mem[node] = k * t.node_mem[node]
+        for node, extra in self._extra.items():
+            t.node_cost[node] = t.node_cost[node] + extra
+        if self.classes is not None:
+            t.count = list(self._count)
+        return t
