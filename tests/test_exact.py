@@ -16,8 +16,8 @@ from jaxpar.plan import peak_memory
 from jaxpar.search import exact
 from jaxpar.search.dynamic import Problem, objective
 from jaxpar.search.exact import dynamic_programming
-from jaxpar.search.propagation import graph_cost, propagate
-from jaxpar.search.tables import build_tables
+from jaxpar.search.propagation import GraphIndex, graph_cost, propagate
+from jaxpar.search.tables import Region, build_tables
 from jaxpar.spec import MeshInfo
 from jaxpar.strategy import parse_in_strategy
 
@@ -169,6 +169,52 @@ def test_folded_tables_price_every_agreeing_choice_alike():
     assert sol.cost == pytest.approx(objective(whole, sol.choice[where]), rel=1e-9)
     for x, node in t.op_nodes.items():
         assert plan.choices[x].strategy == t.cands[node][sol.choice[where[node]]]
+
+
+def test_region_tables_price_its_choices_as_the_whole_graph_does():
+    # A region's tables hold its ops and free inputs only, the rest of a plan held: what
+    # crosses the border (held values read, searched values read by held ops, carried
+    # state) is charged to the searched side. Any two choices of the region then differ in
+    # cost by what they differ by on the whole graph's tables with the rest held.
+    graph, model = _small_gpt(layers=2)
+    step, args = abstract_train_step(GPTConfig(layers=2, d_model=32, heads=2, vocab=64, seq=8), 4)
+    ties = tuple((graph.inputs[i], j) for i, j in carried_pairs(args, jax.eval_shape(step, *args)))
+    plan, sol = dynamic_programming(graph, model, {}, {}, ties=ties, tie_repeats=False)
+    t = build_tables(graph, model, {}, {}, ties)
+    ops = frozenset(range(len(graph.ops) // 3, 2 * len(graph.ops) // 3))
+    index = GraphIndex(graph)
+    inputs = frozenset(index.free_reads(ops, {}))
+    r = build_tables(graph, model, {}, {}, ties, region=Region(plan, ops, inputs))
+    assert set(r.op_nodes) == ops and set(r.input_nodes) <= inputs and r.input_nodes
+    assert len(r.cands) < len(t.cands) // 2
+    crossing = [v for op in graph.ops for v in op.inputs if isinstance(v, int) and
+                v in index.producer and (index.producer[v] in ops) != (op.index in ops)]
+    assert len(crossing) > 2  # values cross the border both ways
+
+    def whole(pick):  # the region's choice on the whole tables, the rest at `sol`
+        full = sol.choice.copy()
+        for x, node in r.op_nodes.items():
+            full[t.op_nodes[x]] = t.cands[t.op_nodes[x]].index(r.cands[node][pick[node]])
+        for v, node in r.input_nodes.items():
+            full[t.input_nodes[v]] = t.cands[t.input_nodes[v]].index(r.cands[node][pick[node]])
+        return objective(problem(t), full)
+
+    def problem(tables):
+        return Problem(tuple(tables.node_cost), tuple((e.u, e.v, e.cost, e.row, e.col)
+                                                      for e in tables.edges))
+    held = np.array([r.cands[node].index(plan.choices[x].strategy)
+                     for x, node in sorted(r.op_nodes.items(), key=lambda kv: kv[1])] +
+                    [r.cands[node].index(plan.specs[v])
+                     for v, node in sorted(r.input_nodes.items(), key=lambda kv: kv[1])])
+    assert objective(problem(r), held) > 0
+    rng = np.random.default_rng(0)
+    for _ in range(5):  # every candidate an input node has is one its whole-graph node has
+        pick = np.array([rng.integers(len(c)) for c in r.cands])
+        assert objective(problem(r), pick) - objective(problem(r), held) == pytest.approx(
+            whole(pick) - sol.cost, rel=1e-9, abs=1e-12 * sol.cost)
+    found, _ = dynamic_programming(graph, model, {}, {}, ties=ties,
+                                   region=Region(plan, ops, inputs), group_tail=False)
+    assert all(found.choices[x] is plan.choices[x] for x in range(len(graph.ops)) if x not in ops)
 
 
 def test_exact_gpt_step_is_never_costlier_than_propagation():

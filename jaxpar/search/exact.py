@@ -36,7 +36,7 @@ from jaxpar.ir.repeat import op_classes
 from jaxpar.rules.registry import has_rule
 from jaxpar.search.dynamic import Problem, Solution, objective, solve
 from jaxpar.search.propagation import Choice, GraphPlan
-from jaxpar.search.tables import Allow, Edge, Tables, build_tables
+from jaxpar.search.tables import Allow, Region, Tables, build_tables
 from jaxpar.spec import Spec
 
 
@@ -44,7 +44,8 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
                         fixed_out: dict[int, Spec], memory_budget: float | None = None,
                         time_limit: float = 30.0, ties: tuple[tuple[int, int], ...] = (),
                         tie_repeats: bool = True, allow: Allow | None = None,
-                        group_tail: bool = True) -> tuple[GraphPlan, Solution]:
+                        group_tail: bool = True, region: Region | None = None
+                        ) -> tuple[GraphPlan, Solution]:
     """The cheapest plan of `graph` under `model` (see the module docstring).
 
     Args:
@@ -60,15 +61,21 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
         group_tail: price the tail's reductions one latency per device group as XLA
             combines them (see below); False keeps the tables' price, a share of one latency
             each (graph_cost's: what recursive_programming compares plans with).
+        region: search only its ops and free inputs, the rest of its plan held
+            (tables.Region; no memory budget then): the optimum over the plans that differ
+            from its plan there only, returned whole.
 
     Returns:
         (GraphPlan, Solution): the plan and how it was found (optimal, gap, method, seconds).
     """
     budget = _budget_left(graph, model, fixed_in, memory_budget)
+    if region is not None and budget is not None:
+        raise ValueError("dynamic_programming: a region is searched without a memory budget "
+                         "(live sets count every op); pass memory_budget=None with it")
     # No budget: no live sets to count copies in, so each tied group is one node as built.
     folded = tie_repeats and budget is None
     t = build_tables(graph, model, fixed_in, fixed_out, tuple(ties), allow,
-                     op_classes(graph) if folded else None)
+                     op_classes(graph) if folded else None, region)
     tied = _tied_groups(graph, t) if tie_repeats and not folded else None
     problem = Problem(tuple(t.node_cost),
                       tuple((e.u, e.v, e.cost, e.row, e.col) for e in t.edges),
@@ -81,7 +88,7 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
     except ValueError as err:  # no assignment fits: say it in the user's terms
         raise ValueError(f"memory_budget={memory_budget:.0f} bytes per device cannot be met "
                          f"once the fixed inputs are placed: {err}") from None
-    return _to_plan(graph, t, solution.choice, fixed_in), solution
+    return _to_plan(graph, t, solution.choice, fixed_in, region), solution
 
 
 def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem: Problem,
@@ -125,10 +132,11 @@ def grouped_objective(graph: OpGraph, model: CostModel, t: Tables, problem: Prob
 
 
 def _tail_nodes(graph: OpGraph, t: Tables) -> list[int]:
-    """The nodes of the ops whose results lie in the step's tail (region ops aside)."""
+    """The nodes of the searched ops whose results lie in the step's tail (ops with bodies
+    aside)."""
     tail = graph.tail_values()
-    return [t.op_nodes[op.index] for op in graph.ops
-            if not op.regions and any(v in tail for v in op.outputs)]
+    return [node for x, node in t.op_nodes.items()
+            if not graph.ops[x].regions and any(v in tail for v in graph.ops[x].outputs)]
 
 
 def _tail_groups(graph: OpGraph, t: Tables, choice: np.ndarray) -> dict[tuple, int]:
@@ -215,9 +223,11 @@ def _local_costs(t: Tables, choice: np.ndarray, node: int, touching: list) -> np
     return cost
 
 
-def _to_plan(graph: OpGraph, t: Tables, choice: np.ndarray,
-             fixed_in: dict[int, Spec]) -> GraphPlan:
-    plan = GraphPlan(specs=dict(fixed_in))
+def _to_plan(graph: OpGraph, t: Tables, choice: np.ndarray, fixed_in: dict[int, Spec],
+             region: Region | None = None) -> GraphPlan:
+    """The plan `choice` makes of the tables' nodes (a region's: the rest of its plan)."""
+    plan = GraphPlan(specs=dict(fixed_in)) if region is None else \
+        GraphPlan(dict(region.plan.specs), dict(region.plan.choices))
     for v, node in t.input_nodes.items():
         plan.specs[v] = t.cands[node][choice[node]]
     touching: dict[int, list] = {}
@@ -226,8 +236,8 @@ def _to_plan(graph: OpGraph, t: Tables, choice: np.ndarray,
         touching.setdefault(e.v, []).append(e)
     picked: dict[int, tuple] = {}  # node -> what its ops' Choice says (a folded node's
                                    # members share it, its costs per member)
-    for op in graph.ops:
-        node = t.op_nodes[op.index]
+    for x, node in t.op_nodes.items():
+        op = graph.ops[x]
         hit = picked.get(node)
         if hit is None:
             local = _local_costs(t, choice, node, touching.get(node, [])) / \

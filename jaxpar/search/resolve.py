@@ -15,8 +15,10 @@ devices, default objective, 4.264 -> 4.136 ms (the exact search: 4.086).
 
 A region of the graph is solved again so too (solve_region): its ops may take any strategy,
 over every axis, and the free inputs they read any spec, while every other op and input keeps
-the plan's. recursive_programming solves so the neighbourhood of the largest carried state (a
-language model's embedding table, read by the lookup and by the tied output head).
+the plan's. Its tables hold the region alone (tables.Region: what crosses its border is
+priced from the held specs), so it costs what the region's size does, not the graph's.
+recursive_programming solves so the neighbourhood of the largest carried state (a language
+model's embedding table, read by the lookup and by the tied output head).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from jaxpar.cost.model import CostModel
 from jaxpar.ir.graph import OpGraph
 from jaxpar.search.exact import dynamic_programming
 from jaxpar.search.propagation import GraphPlan
+from jaxpar.search.tables import Region
 from jaxpar.spec import OpStrategy, Spec
 
 
@@ -117,27 +120,6 @@ def solve_region(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: di
       >>> better = solve_region(graph, model, gp, {}, {}, ties, {4, 5, 6}, {27})
     """
     found, _ = dynamic_programming(graph, model, fixed_in, fixed_out, time_limit=time_limit,
-                                   ties=ties, allow=_Held(plan, ops, inputs), group_tail=False)
+                                   ties=ties, group_tail=False,
+                                   region=Region(plan, frozenset(ops), frozenset(inputs)))
     return found
-
-
-class _Held:
-    """tables.Allow: every candidate for the given ops and inputs, the plan's for the rest."""
-
-    def __init__(self, plan: GraphPlan, ops: set[int], inputs: set[int]):
-        self.plan, self.ops, self.inputs = plan, ops, inputs
-        self.index: dict[int, tuple[list, dict]] = {}  # id(list) -> (list, strategy -> i)
-
-    def op(self, x: int, cands: list) -> tuple[int, ...]:
-        choice = self.plan.choices.get(x)
-        if x in self.ops or choice is None:
-            return tuple(range(len(cands)))
-        hit = self.index.get(id(cands))
-        if hit is None:
-            hit = self.index[id(cands)] = (cands, {s: i for i, s in enumerate(cands)})
-        k = hit[1].get(choice.strategy)
-        return (k,) if k is not None else tuple(range(len(cands)))
-
-    def specs(self, v: int, specs: tuple[Spec, ...]) -> tuple[Spec, ...]:
-        now = self.plan.specs.get(v)
-        return specs if v in self.inputs or now is None else (now.resolved(),)

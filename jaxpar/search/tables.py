@@ -26,6 +26,7 @@ import numpy as np
 from jaxpar.cost.model import CostModel, nbytes
 from jaxpar.ir.graph import Lit, OpGraph
 from jaxpar.rules.registry import OpInfo
+from jaxpar.search.propagation import GraphPlan
 from jaxpar.search.regions import plan_region
 from jaxpar.spec import Spec
 
@@ -54,6 +55,20 @@ class Allow(Protocol):
         """The specs free input v may take, from `specs` (those its first reader reads)."""
 
 
+@dataclass(frozen=True)
+class Region:
+    """Search only `ops` and the free `inputs` (build_tables' `region`): every other op keeps
+    its choice in `plan` and every other value its spec there. What crosses the border is
+    priced on the searched side: reading a held value from its spec, a held op reading a
+    searched one into the operand spec its choice reads. The tables are then as small as the
+    region, and price any choice of it as the whole graph's tables would with the rest held
+    (less a constant: the held ops among themselves)."""
+
+    plan: GraphPlan
+    ops: frozenset[int]
+    inputs: frozenset[int]
+
+
 @dataclass
 class Tables:
     """Everything the exact search needs, and how to read its answer back."""
@@ -72,7 +87,8 @@ class Tables:
 
 def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
                  fixed_out: dict[int, Spec], ties: tuple[tuple[int, int], ...] = (),
-                 allow: Allow | None = None, classes: Sequence[int] | None = None) -> Tables:
+                 allow: Allow | None = None, classes: Sequence[int] | None = None,
+                 region: Region | None = None) -> Tables:
     """ties: (free input value, output position) pairs of carried state: the output is handed
     back in the input's spec, so the resharding from its producer into that spec is an edge
     between the producer and the input node, priced with everything else. allow: only the
@@ -86,30 +102,41 @@ def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     `Tables.count` holds each node's members. Any choice is then priced as on the unfolded
     tables with every member taking its node's candidate, and a 48-layer model's tables cost
     about what a few layers' do. None: one node per op and per free input.
+
+    region: only its ops and free inputs become nodes (Region); None: the whole graph.
     """
     b = _Builder(graph, model, allow, classes)
-    for op in graph.ops:
+    inside = range(len(graph.ops)) if region is None else region.ops
+    ops = [op for op in graph.ops if op.index in inside]
+    for op in ops:
         b.t.op_nodes[op.index] = b.op_node(op)
     producer = {v: (op, j) for op in graph.ops for j, v in enumerate(op.outputs)}
-    for op in graph.ops:
+    held = {} if region is None else region.plan.specs
+    free = (lambda v: True) if region is None else \
+        (lambda v: v in region.inputs or v not in held)  # no spec to hold: free
+    for op in ops:
         for i, v in enumerate(op.inputs):
             if isinstance(v, Lit):
                 continue
             if v in fixed_in:
                 b.charge_fixed_input(op, i, fixed_in[v])
-            elif v in producer:
+            elif v in producer and producer[v][0].index in inside:
                 b.edge(producer[v], op, i)
+            elif v in producer or not free(v):  # held by the region's plan
+                b.charge_fixed_input(op, i, held[v].resolved())
             else:
                 b.input_edge(v, op, i)
     for pos, spec in fixed_out.items():
         v = graph.outputs[pos]
-        if isinstance(v, int) and v in producer:
+        if isinstance(v, int) and v in producer and producer[v][0].index in inside:
             b.charge_fixed_output(producer[v], spec)
     for v_in, pos in ties:
         v = graph.outputs[pos]
         if v_in not in fixed_in and pos not in fixed_out and isinstance(v, int) and \
                 v in producer:
-            b.tie(v_in, producer[v])
+            b.tie(v_in, producer[v], producer[v][0].index in inside, free(v_in), held)
+    if region is not None:
+        b.held_readers(region, producer)
     return b.finish()
 
 
@@ -157,7 +184,7 @@ class _Builder:
         self._reads: dict[int, list] = {}      # free input -> [(node, port)] (-1: a tie)
         self._first: dict[int, tuple] = {}     # free input -> (node, side, i) its specs
                                                # come from (its first reader's operand)
-        self._links: dict[tuple, list] = {}    # edge key -> [link args, how many]
+        self._links: list[tuple] = []          # _link's arguments, in order
 
     def _add_node(self, cands, own, cost: np.ndarray, mem: np.ndarray, key=None) -> int:
         """A node for one op or free input; folded, the node of its kind (`key`) when there
@@ -282,14 +309,13 @@ class _Builder:
     def _link(self, u, src_side: str, j: int, w, dst_side: str, i: int, v: int,
               port: int) -> None:
         """An edge from u's `src_side` j to w's `dst_side` i carrying value v, made by
-        finish(); u or w may be ("in", value): a free input, whose node is made last. Edges
-        with one key (one matrix between the same two nodes' ports) become one."""
-        key = (u, src_side, j, w, dst_side, i, self.graph.values[v].nbytes, self.share(v))
-        hit = self._links.get(key)
-        if hit is None:
-            self._links[key] = [(u, src_side, j, w, dst_side, i, v, port), 1]
-        else:
-            hit[1] += 1
+        finish(); u or w may be ("in", value): a free input, whose node is made last, or a
+        Spec: a fixed end, whose resharding is charged to the other end's node."""
+        self._links.append((u, src_side, j, w, dst_side, i, v, port))
+
+    def _end(self, x, side: str, i: int) -> tuple[tuple, np.ndarray | None]:
+        """_port of a node, or a fixed spec's own class."""
+        return (self._intern((x,)), None) if isinstance(x, Spec) else self._port(x, side, i)
 
     def edge(self, prod, cop, i: int) -> None:
         pop, j = prod
@@ -302,28 +328,49 @@ class _Builder:
         self._reads.setdefault(v, []).append((w, i))
         self._link(("in", v), "spec", 0, w, "in", i, v, i)
 
-    def tie(self, v_in: int, prod) -> None:
+    def tie(self, v_in: int, prod, searched: bool = True, free: bool = True,
+            held: dict | None = None) -> None:
+        """Carried output `prod` comes back in input v_in's spec; `searched`: its producer is
+        a node, `free`: v_in is (else each is held at its spec in `held`)."""
         op, j = prod
-        u = self.t.op_nodes[op.index]
-        self._first.setdefault(v_in, (u, "out", j))  # read by no op: any spec it comes in
-        self._reads.setdefault(v_in, []).append((u, -1))
-        self._link(u, "out", j, ("in", v_in), "spec", 0, op.outputs[j], -1)
+        if searched and free:
+            u = self.t.op_nodes[op.index]
+            self._first.setdefault(v_in, (u, "out", j))  # read by no op: any spec it comes in
+            self._reads.setdefault(v_in, []).append((u, -1))
+            self._link(u, "out", j, ("in", v_in), "spec", 0, op.outputs[j], -1)
+        elif searched:
+            self.charge_fixed_output(prod, held[v_in].resolved())
+        elif free and v_in in self._first:
+            self._link(held[op.outputs[j]].resolved(), "out", j, ("in", v_in), "spec", 0,
+                       op.outputs[j], -1)
+
+    def held_readers(self, region: Region, producer: dict) -> None:
+        """Held ops reading a searched op's result or a free input: each reads it into the
+        operand spec its choice in the region's plan reads, charged to the searched node."""
+        for op in self.graph.ops:
+            if op.index in region.ops:
+                continue
+            ins = region.plan.choices[op.index].strategy.ins
+            for i, v in enumerate(op.inputs):
+                if isinstance(v, Lit):
+                    continue
+                if v in producer:
+                    p, j = producer[v]
+                    if p.index in region.ops:
+                        self._link(self.t.op_nodes[p.index], "out", j, ins[i].resolved(),
+                                   "spec", 0, v, i)
+                elif v in self._first:  # a free input that a searched op reads
+                    self._link(("in", v), "spec", 0, ins[i].resolved(), "spec", 0, v, i)
 
     def _charge(self, node: int, cost: np.ndarray) -> None:
         self._extra[node] = self._extra[node] + cost if node in self._extra else cost
 
     def charge_fixed_input(self, op, i: int, spec: Spec) -> None:
-        w = self.t.op_nodes[op.index]
-        dst, col = self._port(w, "in", i)
-        k = self._matrix(op.inputs[i], self._intern((spec,)), dst)
-        self._charge(w, k[0][col])
+        self._link(spec, "spec", 0, self.t.op_nodes[op.index], "in", i, op.inputs[i], i)
 
     def charge_fixed_output(self, prod, spec: Spec) -> None:
         op, j = prod
-        u = self.t.op_nodes[op.index]
-        src, row = self._port(u, "out", j)
-        k = self._matrix(op.outputs[j], src, self._intern((spec,)))
-        self._charge(u, k[:, 0][row])
+        self._link(self.t.op_nodes[op.index], "out", j, spec, "spec", 0, op.outputs[j], -1)
 
     def finish(self) -> Tables:
         """The free inputs' nodes, the edges, and each node's cost and memory times its
@@ -332,17 +379,30 @@ class _Builder:
         for v in self._first:
             t.input_nodes[v] = self._input_node(v)
         scaled: dict[tuple, np.ndarray] = {}
-        for (u, src_side, j, w, dst_side, i, v, port), k in self._links.values():
+        merged: dict[tuple, list] = {}  # links with one key (one matrix between the same
+                                        # two nodes' ports) become one, times their number
+        for u, src_side, j, w, dst_side, i, v, port in self._links:
             u, w = (t.input_nodes[x[1]] if isinstance(x, tuple) else x for x in (u, w))
-            src, row = self._port(u, src_side, j)
-            dst, col = self._port(w, dst_side, i)
+            key = (u, src_side, j, w, dst_side, i, self.graph.values[v].nbytes, self.share(v))
+            hit = merged.get(key)
+            if hit is None:
+                merged[key] = [(u, src_side, j, w, dst_side, i, v, port), 1]
+            else:
+                hit[1] += 1
+        for (u, src_side, j, w, dst_side, i, v, port), k in merged.values():
+            src, row = self._end(u, src_side, j)
+            dst, col = self._end(w, dst_side, i)
             cost = self._matrix(v, src, dst)
-            if u == w:  # both ends in one node: they take one candidate
+            if isinstance(u, Spec):  # from a fixed spec: charged to the reader
+                self._charge(w, k * cost[0][col])
+            elif isinstance(w, Spec):  # into a fixed spec: charged to the producer
+                self._charge(u, k * cost[:, 0][row])
+            elif u == w:  # both ends in one node: they take one candidate
                 self._charge(u, k * cost[row, col])
-                continue
-            if k > 1:
-                cost = scaled.setdefault((id(cost), k), k * cost)
-            t.edges.append(Edge(u, w, cost, row, col, port))
+            else:
+                if k > 1:
+                    cost = scaled.setdefault((id(cost), k), k * cost)
+                t.edges.append(Edge(u, w, cost, row, col, port))
         for node, k in enumerate(self._count):
             if k > 1:
                 t.node_cost[node] = k * t.node_cost[node]
