@@ -147,6 +147,7 @@ class _Graph:
         self.kinds: dict = {}
         self.prices: dict = {}
         self.options_of: dict = {}
+        self.op_options: dict[int, _Options] = {}
 
     def share(self, op: Op) -> float:
         return max((self.shares(v) for v in op.outputs), default=1.0)
@@ -154,6 +155,9 @@ class _Graph:
     def opts(self, op: Op) -> _Options:
         """op's candidates and costs, found once per class (or per op without classes); ops
         the cost model prices alike share them."""
+        hit = self.op_options.get(op.index)  # asked per visit: one lookup once known
+        if hit is not None:
+            return hit
         share = self.share(op)
         key = (self.classes[op.index] if self.classes is not None else op.index, share)
         hit = self.options_of.get(key)
@@ -165,6 +169,7 @@ class _Graph:
             if hit is None:
                 hit = self.options_of[alike] = _Options(alike, cands, costs, self.model, rule)
             self.options_of[key] = hit
+        self.op_options[op.index] = hit
         return hit
 
     def price(self, v: int, src: Spec, dst: Spec) -> float:
@@ -458,14 +463,18 @@ def graph_cost(graph: OpGraph, plan: GraphPlan, model: CostModel,
         v = graph.outputs[pos]
         parts.append(model.reshard(out_spec(graph, plan, v), need, graph.shape(v),
                                    graph.dtype(v), share(v)))
+    specs, values = plan.specs, graph.values
     for op in graph.ops:
         choice = plan.choices[op.index]
         parts.append(choice.cost)
         for v, need in zip(op.inputs, choice.strategy.ins, strict=True):
             if isinstance(v, int):
-                info = graph.values[v]
-                parts.append(model.reshard(plan.specs[v], need, info.shape, info.dtype,
-                                           share(v)))
+                have = specs[v]
+                if have is need or (not have.partial and have.dims == need.dims):
+                    continue  # read as it is (CostModel.reshard's first test, inline: the
+                              # recursive search totals plans of 20k ops several times)
+                info = values[v]
+                parts.append(model.reshard(have, need, info.shape, info.dtype, share(v)))
     return _total(parts)
 
 
