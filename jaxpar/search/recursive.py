@@ -65,7 +65,8 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    parallel, less memory) a few times, then fails with a ValueError saying what it needs.
 The work is linear in the number of ops but for step 5: every op is walked, propagated and
 refined a bounded number of times, and the units of repeated layers are decided once per
-class; step 5 solves repeated layers once too (exact.fold), but its exact searches on what
+class; step 5 solves repeated layers once too (build_tables folds them), and its region solve
+builds tables over the region alone (tables.Region), but its exact searches on what
 remains are not bounded so.
 """
 

@@ -81,8 +81,8 @@ class Tables:
     node_mem: list[np.ndarray] = field(default_factory=list)
     edges: list[Edge] = field(default_factory=list)
     regions: dict[int, tuple] = field(default_factory=dict)    # op index -> (plans, trips, cost)
-    count: list[int] = field(default_factory=list)  # ops and inputs per node, once folded
-                                                    # (exact.fold; empty: one each)
+    count: list[int] = field(default_factory=list)  # ops and inputs per node, built folded
+                                                    # (build_tables' classes; else empty)
 
 
 def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
