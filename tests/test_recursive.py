@@ -1,6 +1,7 @@
 """recursive_programming (SAPP): what it chooses, measured on compiled programs; its decision
 log; mem_coeff and memory budgets; how close it comes to the exact search."""
 
+import copy
 import dataclasses
 import logging
 
@@ -19,7 +20,7 @@ from jaxpar.models.mlp import init_mlp, make_sgd_step, make_train_step
 from jaxpar.models.programs import PROGRAMS
 from jaxpar.search import recursive
 from jaxpar.search.exact import dynamic_programming
-from jaxpar.search.propagation import graph_cost, propagate
+from jaxpar.search.propagation import GraphPlan, graph_cost, propagate
 from jaxpar.search.recursive import main_ops, recursive_programming
 from jaxpar.search.refine import Refiner, refine
 from jaxpar.spec import MeshInfo
@@ -531,6 +532,47 @@ def test_refiner_moves_never_raise_the_total():
     assert model.score(graph_cost(graph, refiner.plan, model)) <= before * (1 + 1e-12)
     with pytest.raises(ValueError, match="start='forwards'"):
         refiner.replan([0], {}, {}, set(), "forwards")
+
+
+def test_a_run_after_kept_replans_visits_their_surroundings_and_plans_as_a_full_run(
+        monkeypatch):
+    # After unchain keeps replans, run() starts from the ops they touched and their
+    # neighbours (every other op is settled), in the order a full run would visit them: the
+    # quick MLP Adam step on 4 x 2 devices, whose second runs move ops, plans as it would
+    # with every second run in full, visiting a fraction of the ops.
+    full_run, runs = Refiner.run, []
+
+    def counted(refiner: Refiner) -> tuple[GraphPlan, int]:
+        visits, visit = [0], refiner._visit
+
+        def one(op):
+            visits[0] += 1
+            return visit(op)
+        refiner._visit = one
+        plan = full_run(refiner)
+        del refiner._visit
+        return plan, visits[0]
+
+    def checked(self: Refiner) -> GraphPlan:
+        if not (self.settled and self.dirty):
+            return full_run(self)
+        twin = copy.copy(self)  # the same state, run in full
+        twin.plan = GraphPlan(dict(self.plan.specs), dict(self.plan.choices))
+        twin.fixed_in, twin.settled = dict(self.fixed_in), False
+        before = {x: c.strategy for x, c in self.plan.choices.items()}
+        (full, everything), (mine, some) = counted(twin), counted(self)
+        runs.append((sum(before[x] != c.strategy for x, c in mine.choices.items()),
+                     some, everything, mine.specs == full.specs and
+                     all(c.strategy == full.choices[x].strategy
+                         for x, c in mine.choices.items())))
+        return mine
+    monkeypatch.setattr(Refiner, "run", checked)
+    step, args, mesh = _mlp_adam_4x2()
+    jaxpar.shard(step, mesh=mesh, search_mode=MODE, hardware="h100-nvlink", level=0,
+                 mem_coeff=0.1).plan(*args)
+    assert runs and all(same for *_, same in runs)
+    assert any(moved for moved, *_ in runs)  # second runs that change the plan
+    assert all(some < everything // 2 for _, some, everything, _ in runs)
 
 
 def test_a_training_step_is_searched_once():

@@ -8,6 +8,7 @@ some inputs and outputs in other specs, kept only if the total drops).
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 
@@ -67,22 +68,37 @@ class Refiner:
                 self.tied_in[v] = w
                 self.tied_out.setdefault(w, []).append(v)
         self.memo: dict = {}
+        self.settled = False  # run() last stopped with nothing left to move (not on budget)
+        self.dirty: set[int] = set()  # ops whose surroundings kept replans changed since
 
     def run(self) -> GraphPlan:
-        """Program order first, then whatever changed around; a budget of visits bounds it."""
+        """Program order first, then whatever changed around; a budget of visits bounds it.
+        Run again after kept replans (unchain), it starts from the ops those touched and their
+        neighbours when the run before settled: every other op is where a full run would
+        leave it (no move lowers the total with its surroundings unchanged), and the ops it
+        visits, it visits in the same order (the first sweep in program order, then the
+        queue), so the plan is the one a full run makes."""
         ops, readers, producer = self.g.ops, self.b.readers, self.b.producer
-        queue = deque(op.index for op in ops if not op.regions)
-        queued = set(queue)
+        budget = 8 * sum(not op.regions for op in ops) + 64
+        start = range(len(ops)) if not self.settled else sorted(self.dirty)
+        sweep = [x for x in start if not ops[x].regions]  # program order: a heap already
+        later: deque[int] = deque()  # enqueued behind the sweep, or after it
+        queued, at = set(sweep), -1
         free = [v for v in self.g.inputs if v not in self.fixed_in and v in readers]
-        budget = 8 * len(queue) + 64
 
         def enqueue(x: int) -> None:
             if x not in queued and not ops[x].regions:
                 queued.add(x)
-                queue.append(x)
-        while queue and budget > 0:
-            while queue and budget > 0:
-                x = queue.popleft()
+                if x > at and sweep:  # the sweep reaches it in program order
+                    heapq.heappush(sweep, x)
+                else:
+                    later.append(x)
+        while (sweep or later) and budget > 0:
+            while (sweep or later) and budget > 0:
+                if sweep:
+                    x = at = heapq.heappop(sweep)
+                else:
+                    x = later.popleft()
                 queued.discard(x)
                 budget -= 1
                 if self._visit(ops[x]):
@@ -98,6 +114,7 @@ class Refiner:
                         enqueue(r)
                     if v in self.tied_in and self.tied_in[v] in producer:
                         enqueue(producer[self.tied_in[v]])
+        self.settled, self.dirty = budget > 0, set()
         return self.plan
 
     def _demands(self, v: int) -> tuple:
@@ -191,6 +208,7 @@ class Refiner:
             if not sum(self._take(ops[x], keep, ()) for x in sorted(region)):
                 break
         if self._local(touched, priced) < before * (1 - 1e-9):
+            self._changed(touched, set(inputs) | free)
             return True
         plan.choices.update(saved[0])
         for v, spec in saved[1].items():
@@ -204,6 +222,19 @@ class Refiner:
             else:
                 self.out_needs[w] = needs
         return False
+
+    def _changed(self, ops: set[int], inputs: set[int]) -> None:
+        """A kept replan moved `ops` and placed `inputs` anew: they and the ops next to them
+        (their operands' producers, their results' readers, the producers of what comes back
+        in a moved carried input's spec) are where run() must look again."""
+        b, near = self.b, set(ops)
+        for x in ops:
+            op = self.g.ops[x]
+            near.update(b.producer[v] for v in op.inputs if isinstance(v, int) and v in b.producer)
+            near.update(r for v in op.outputs for r, _ in b.readers.get(v, ()))
+        near.update(b.producer[self.tied_in[v]] for v in inputs
+                    if v in self.tied_in and self.tied_in[v] in b.producer)
+        self.dirty |= near
 
     def unchain(self, fixed: set[int], longest: int = 8) -> int:
         """Chains of ops planned one at a time into a layout their consumer must gather: for

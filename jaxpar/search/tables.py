@@ -1,4 +1,5 @@
-"""OpGraph -> cost tables for the exact search: one node per op and per free input.
+"""OpGraph -> cost tables for the exact search: one node per op and per free input (or per
+class of them, repeated layers folded; or for a region's alone, the rest of a plan held).
 
 Before: an OpGraph, the specs the user fixed, a CostModel. After: `Tables`, holding what a solver
 `Problem` needs (node costs, edge cost matrices, per-node memory) and what each node and candidate
@@ -8,7 +9,8 @@ Edge costs depend only on the producer's output spec and the consumer's input sp
 has far fewer distinct specs than its ops have strategies, so every edge is priced over spec
 *classes*: `row[s]` / `col[t]` give the class of producer candidate s / consumer candidate t.
 Fixed inputs are no nodes: resharding from their spec is added to their consumers' node costs,
-and resharding into a fixed output spec to its producer's.
+and resharding into a fixed output spec to its producer's (so is what crosses a region's border:
+Region).
 
 Everything is priced once per distinct thing: ops with one signature share one candidate list
 (CostModel.options caches it), so their cost vectors, spec classes and the resharding matrices
