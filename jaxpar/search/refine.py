@@ -69,7 +69,7 @@ class Refiner:
                 self.tied_out.setdefault(w, []).append(v)
         self.memo: dict = {}
         self.settled = False  # run() last stopped with nothing left to move (not on budget)
-        self.dirty: set[int] = set()  # ops whose surroundings kept replans changed since
+        self.dirty: set[int] = set()  # ops around what kept replans changed since run()
 
     def run(self) -> GraphPlan:
         """Program order first, then whatever changed around; a budget of visits bounds it.
