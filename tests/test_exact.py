@@ -92,14 +92,32 @@ def test_impossible_memory_budget_is_a_clear_error(budget, match):
 SMALL = MeshInfo(("d0", "d1"), (2, 2))  # few specs per tensor: fast tables, same algorithm
 
 
+def _small_step(layers: int):
+    """A small GPT training step (Adam) and its abstract arguments."""
+    return abstract_train_step(GPTConfig(layers=layers, d_model=32, heads=2, vocab=64, seq=8), 4)
+
+
 def _small_gpt(layers: int = 2):
-    """A GPT training step (Adam) and the automatic modes' cost model on a 2 x 2 mesh."""
-    cfg = GPTConfig(layers=layers, d_model=32, heads=2, vocab=64, seq=8)
-    step, args = abstract_train_step(cfg, 4)
+    """_small_step's graph and the automatic modes' cost model on a 2 x 2 mesh."""
+    step, args = _small_step(layers)
     traced = trace(step, args)
     graph = build_graph(traced.closed_jaxpr, traced.in_paths)
     return graph, CostModel(SMALL, load_profile("h100-nvlink"), mem_coeff=0.1,
                             recompute_heavy=False)
+
+
+def _small_gpt_tied(layers: int):
+    """_small_gpt with the step's carried-state ties: (graph, model, ties)."""
+    graph, model = _small_gpt(layers)
+    step, args = _small_step(layers)
+    ties = tuple((graph.inputs[i], j) for i, j in carried_pairs(args, jax.eval_shape(step, *args)))
+    return graph, model, ties
+
+
+def _problem(tables) -> Problem:
+    """The solver's Problem of some tables, memory left out."""
+    return Problem(tuple(tables.node_cost), tuple((e.u, e.v, e.cost, e.row, e.col)
+                                                  for e in tables.edges))
 
 
 def _live_peak(graph, model, plan) -> float:
@@ -138,9 +156,7 @@ def test_tied_layers_share_strategies_and_lose_nothing_on_gpt():
 def test_folded_tables_price_every_agreeing_choice_alike():
     # Built folded, the tables give each tied group one node: any choice in which tied ops
     # and inputs agree costs the same on the folded problem as on the unfolded one.
-    graph, model = _small_gpt(layers=3)
-    step, args = abstract_train_step(GPTConfig(layers=3, d_model=32, heads=2, vocab=64, seq=8), 4)
-    ties = tuple((graph.inputs[i], j) for i, j in carried_pairs(args, jax.eval_shape(step, *args)))
+    graph, model, ties = _small_gpt_tied(3)
     assert ties  # carried state: tie edges into input nodes, folded too
     t = build_tables(graph, model, {}, {}, ties)
     folded = build_tables(graph, model, {}, {}, ties, classes=op_classes(graph))
@@ -155,11 +171,7 @@ def test_folded_tables_price_every_agreeing_choice_alike():
     assert len(folded.edges) < len(t.edges)
     assert max(folded.count) >= 3 and sum(folded.count) == len(t.cands)  # a layer each
     assert np.bincount(where).tolist() == folded.count
-
-    def problem(tables):
-        return Problem(tuple(tables.node_cost), tuple((e.u, e.v, e.cost, e.row, e.col)
-                                                      for e in tables.edges))
-    whole, small = problem(t), problem(folded)
+    whole, small = _problem(t), _problem(folded)
     assert sum(m[0] for m in folded.node_mem) == pytest.approx(sum(m[0] for m in t.node_mem))
     rng = np.random.default_rng(0)
     for _ in range(5):
@@ -176,9 +188,7 @@ def test_region_tables_price_its_choices_as_the_whole_graph_does():
     # crosses the border (held values read, searched values read by held ops, carried
     # state) is charged to the searched side. Any two choices of the region then differ in
     # cost by what they differ by on the whole graph's tables with the rest held.
-    graph, model = _small_gpt(layers=2)
-    step, args = abstract_train_step(GPTConfig(layers=2, d_model=32, heads=2, vocab=64, seq=8), 4)
-    ties = tuple((graph.inputs[i], j) for i, j in carried_pairs(args, jax.eval_shape(step, *args)))
+    graph, model, ties = _small_gpt_tied(2)
     plan, sol = dynamic_programming(graph, model, {}, {}, ties=ties, tie_repeats=False)
     t = build_tables(graph, model, {}, {}, ties)
     ops = frozenset(range(len(graph.ops) // 3, 2 * len(graph.ops) // 3))
@@ -197,20 +207,18 @@ def test_region_tables_price_its_choices_as_the_whole_graph_does():
             full[t.op_nodes[x]] = t.cands[t.op_nodes[x]].index(r.cands[node][pick[node]])
         for v, node in r.input_nodes.items():
             full[t.input_nodes[v]] = t.cands[t.input_nodes[v]].index(r.cands[node][pick[node]])
-        return objective(problem(t), full)
+        return objective(whole_problem, full)
 
-    def problem(tables):
-        return Problem(tuple(tables.node_cost), tuple((e.u, e.v, e.cost, e.row, e.col)
-                                                      for e in tables.edges))
+    whole_problem, region = _problem(t), _problem(r)
     held = np.array([r.cands[node].index(plan.choices[x].strategy)
                      for x, node in sorted(r.op_nodes.items(), key=lambda kv: kv[1])] +
                     [r.cands[node].index(plan.specs[v])
                      for v, node in sorted(r.input_nodes.items(), key=lambda kv: kv[1])])
-    assert objective(problem(r), held) > 0
+    assert objective(region, held) > 0
     rng = np.random.default_rng(0)
     for _ in range(5):  # every candidate an input node has is one its whole-graph node has
         pick = np.array([rng.integers(len(c)) for c in r.cands])
-        assert objective(problem(r), pick) - objective(problem(r), held) == pytest.approx(
+        assert objective(region, pick) - objective(region, held) == pytest.approx(
             whole(pick) - sol.cost, rel=1e-9, abs=1e-12 * sol.cost)
     found, _ = dynamic_programming(graph, model, {}, {}, ties=ties,
                                    region=Region(plan, ops, inputs), group_tail=False)
