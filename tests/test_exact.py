@@ -160,12 +160,14 @@ def test_folded_tables_price_every_agreeing_choice_alike():
     assert ties  # carried state: tie edges into input nodes, folded too
     t = build_tables(graph, model, {}, {}, ties)
     folded = build_tables(graph, model, {}, {}, ties, classes=op_classes(graph))
+    grouped = build_tables(graph, model, {}, {}, ties, classes=op_classes(graph), fold=False)
     where = np.full(len(t.cands), -1)
     for x, node in t.op_nodes.items():
         where[node] = folded.op_nodes[x]
     for v, node in t.input_nodes.items():
         where[node] = folded.input_nodes[v]
-    groups = exact._tied_groups(graph, t)  # what the solver ties with a memory budget
+    assert len(grouped.cands) == len(t.cands) and not grouped.count  # every op a node ...
+    groups = grouped.tied  # ... and what the solver ties with a memory budget
     assert all(len({where[n] for n in g}) == 1 for g in groups)
     assert len(folded.cands) == len(t.cands) - sum(len(g) - 1 for g in groups)
     assert len(folded.edges) < len(t.edges)
@@ -243,8 +245,9 @@ def test_memory_budget_holds_with_tied_layers(budget, proven):
     gp, sol = dynamic_programming(graph, model, {}, {}, memory_budget=budget, time_limit=2.0)
     assert _live_peak(graph, model, gp) <= budget
     assert peak_memory(graph, gp, SMALL) <= budget  # as the plan reports it
-    t = build_tables(graph, model, {}, {})
-    for g in exact._tied_groups(graph, t):
+    t = build_tables(graph, model, {}, {}, classes=op_classes(graph), fold=False)
+    assert len(t.tied) > 10  # a layer's ops and weights, each with the other layer's
+    for g in t.tied:
         assert len({sol.choice[n] for n in g}) == 1
     assert sol.cost >= free.cost * (1 - 1e-9)
     if proven:  # an optimum that fits exists at the unbudgeted cost; the bound proves it

@@ -14,7 +14,8 @@ is what a deep model is planned as by hand; the search costs about as much for 4
 2. Without a memory budget each tied group is one node of the tables as they are built
 (build_tables' `classes`: a 48-layer model's tables are built about as fast as a few layers'),
 and the Solution's `choice` is per node of those; with one, every op is a node and the solver
-ties them (its live sets count the layers apart).
+ties the nodes that folding would make one (build_tables' fold=False lists them: its live sets
+count the layers apart).
 tie_repeats=False searches every op on its own.
 
 A step's tail (gradient reductions, the optimizer) prices each reduction at a share of one
@@ -72,14 +73,13 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
     if region is not None and budget is not None:
         raise ValueError("dynamic_programming: a region is searched without a memory budget "
                          "(live sets count every op); pass memory_budget=None with it")
-    # No budget: no live sets to count copies in, so each tied group is one node as built.
-    folded = tie_repeats and budget is None
+    # No budget: no live sets to count copies in, so each tied group is one node as built;
+    # with one, every op is a node and the solver ties the groups (t.tied).
     t = build_tables(graph, model, fixed_in, fixed_out, tuple(ties), allow,
-                     op_classes(graph) if folded else None, region)
-    tied = _tied_groups(graph, t) if tie_repeats and not folded else None
+                     op_classes(graph) if tie_repeats else None, region, fold=budget is None)
     problem = Problem(tuple(t.node_cost),
                       tuple((e.u, e.v, e.cost, e.row, e.col) for e in t.edges),
-                      tuple(t.node_mem), None, budget, tied,
+                      tuple(t.node_mem), None, budget, t.tied or None,
                       live_ranges(graph, t) if budget is not None else None)
     try:
         solution = solve(problem, time_limit)
@@ -170,27 +170,6 @@ def _budget_left(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
                          f"strategy is fixed already take {fixed:.0f} bytes per device. Cut "
                          "them further, use a larger mesh, or raise the budget.")
     return memory_budget - fixed
-
-
-def _tied_groups(graph: OpGraph, t: Tables) -> tuple[tuple[int, ...], ...]:
-    """Op nodes by (class, candidate list); input nodes by how their readers read them."""
-    cls = op_classes(graph)
-    key: dict[int, tuple] = {node: ("op", cls[i], id(t.cands[node]))
-                             for i, node in t.op_nodes.items()}
-    reads: dict[int, list] = {node: [] for node in t.input_nodes.values()}
-    for e in t.edges:
-        if e.u in reads:
-            reads[e.u].append((key[e.v], e.port))
-        if e.v in reads:
-            reads[e.v].append((key[e.u], "carried"))
-    for v, node in t.input_nodes.items():
-        info = graph.values[v]
-        key[node] = ("in", id(t.cands[node]), info.shape, str(info.dtype),
-                     tuple(sorted(reads[node], key=repr)))
-    groups: dict[tuple, list[int]] = {}
-    for node, k in key.items():  # one candidate too: a group folds into one node all the same
-        groups.setdefault(k, []).append(node)
-    return tuple(tuple(g) for g in groups.values() if len(g) > 1)
 
 
 def live_ranges(graph: OpGraph, t: Tables) -> np.ndarray:

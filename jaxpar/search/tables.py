@@ -85,12 +85,14 @@ class Tables:
     regions: dict[int, tuple] = field(default_factory=dict)    # op index -> (plans, trips, cost)
     count: list[int] = field(default_factory=list)  # ops and inputs per node, built folded
                                                     # (build_tables' classes; else empty)
+    tied: tuple[tuple[int, ...], ...] = ()  # built with classes, not folded: the nodes that
+                                            # folding would make one (groups of two or more)
 
 
 def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
                  fixed_out: dict[int, Spec], ties: tuple[tuple[int, int], ...] = (),
                  allow: Allow | None = None, classes: Sequence[int] | None = None,
-                 region: Region | None = None) -> Tables:
+                 region: Region | None = None, fold: bool = True) -> Tables:
     """ties: (free input value, output position) pairs of carried state: the output is handed
     back in the input's spec, so the resharding from its producer into that spec is an edge
     between the producer and the input node, priced with everything else. allow: only the
@@ -104,10 +106,13 @@ def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     `Tables.count` holds each node's members. Any choice is then priced as on the unfolded
     tables with every member taking its node's candidate, and a 48-layer model's tables cost
     about what a few layers' do. None: one node per op and per free input.
+    fold: False keeps one node per op and per free input even with classes, and lists in
+    `Tables.tied` the nodes that folding would make one (a search with a memory budget ties
+    them: its live sets count the layers apart).
 
     region: only its ops and free inputs become nodes (Region); None: the whole graph.
     """
-    b = _Builder(graph, model, allow, classes)
+    b = _Builder(graph, model, allow, classes, fold)
     inside = range(len(graph.ops)) if region is None else region.ops
     ops = [op for op in graph.ops if op.index in inside]
     for op in ops:
@@ -165,9 +170,9 @@ class _Builder:
     and made into the tables by finish()."""
 
     def __init__(self, graph: OpGraph, model: CostModel, allow: Allow | None = None,
-                 classes: Sequence[int] | None = None):
+                 classes: Sequence[int] | None = None, fold: bool = True):
         self.graph, self.model, self.t, self.allow = graph, model, Tables(), allow
-        self.classes = classes
+        self.classes, self.fold = classes, fold
         self._kept: dict[tuple, tuple] = {}    # (id(list), indices kept) -> (list, costs)
         self._kept_specs: dict[tuple, tuple] = {}  # an input's allowed specs, one object each
         self.share = latency_shares(graph)
@@ -180,7 +185,8 @@ class _Builder:
         self._lines: dict[tuple, tuple] = {}   # spec lists' ids, share -> (lists, per byte,
                                                # fixed): every K between them is a line
         self._options: dict[tuple, tuple] = {}  # (class, share) -> model.options (folded)
-        self._groups: dict[tuple, int] = {}    # folded: what makes nodes one -> node
+        self._groups: dict[tuple, int] = {}    # what makes nodes one -> node (its first)
+        self._group: dict[int, int] = {}       # node -> its group's first node (grouped ones)
         self._count: list[int] = []            # members per node
         self._extra: dict[int, np.ndarray] = {}  # node -> fixed-spec charges and diagonals
         self._reads: dict[int, list] = {}      # free input -> [(node, port)] (-1: a tie)
@@ -190,21 +196,21 @@ class _Builder:
 
     def _add_node(self, cands, own, cost: np.ndarray, mem: np.ndarray, key=None) -> int:
         """A node for one op or free input; folded, the node of its kind (`key`) when there
-        is one already."""
-        if key is not None:
-            node = self._groups.get(key)
-            if node is not None:
-                self._count[node] += 1
-                return node
+        is one already (not folded, a node of its own in that kind's group)."""
+        first = None if key is None else self._groups.get(key)
+        if first is not None and self.fold:
+            self._count[first] += 1
+            return first
         t = self.t
         t.cands.append(cands)
         t.own.append(own)
         t.node_cost.append(cost)
         t.node_mem.append(mem)
         self._count.append(1)
+        node = len(t.cands) - 1
         if key is not None:
-            self._groups[key] = len(t.cands) - 1
-        return len(t.cands) - 1
+            self._group[node] = self._groups.setdefault(key, node)
+        return node
 
     def _candidates(self, op, share: float) -> tuple[list, list]:
         """model.options, asked once per class when folding (a class is one signature)."""
@@ -260,7 +266,8 @@ class _Builder:
             specs = self._kept_specs.setdefault(specs, specs)
         info = self.graph.values[v]
         key = None if self.classes is None else \
-            (id(specs), info.shape, str(info.dtype), tuple(sorted(self._reads[v])))
+            (id(specs), info.shape, str(info.dtype),
+             tuple(sorted((self._group.get(n, n), port) for n, port in self._reads[v])))
         mem = np.array([info.nbytes / s.shards(self.model.mesh) for s in specs], dtype=float)
         return self._add_node(specs, None, np.zeros(len(specs)), mem, key)
 
@@ -411,6 +418,11 @@ class _Builder:
                 t.node_mem[node] = k * t.node_mem[node]
         for node, extra in self._extra.items():
             t.node_cost[node] = t.node_cost[node] + extra
-        if self.classes is not None:
+        if self.classes is not None and self.fold:
             t.count = list(self._count)
+        elif self.classes is not None:
+            groups: dict[int, list[int]] = {}
+            for node, first in self._group.items():
+                groups.setdefault(first, []).append(node)
+            t.tied = tuple(tuple(g) for g in groups.values() if len(g) > 1)
         return t
