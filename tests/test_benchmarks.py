@@ -99,12 +99,15 @@ def test_megatron_layout(path, want):
 
 def test_search_time_tiny(tmp_path):
     cfg = search_time.Config(**TINY)
-    result = search_time.run([1], ["sharding_propagation", "no_such_mode"], cfg, 300.0, tmp_path)
+    result = search_time.run([1], ["sharding_propagation", "no_such_mode"], cfg, 300.0, tmp_path,
+                             repeat=2)
     saved = json.loads((tmp_path / "search_time.json").read_text())
     assert saved == json.loads(json.dumps(result))
     ok, missing = saved["rows"]
     assert missing["status"] == "unavailable"
     assert ok["status"] == "ok", ok.get("error")
+    assert ok["runs"] == 2 and ok["search_s"] == min(ok["search_s_runs"])  # the least of two
+    assert ok["search_cpu_s"] in ok["search_cpu_s_runs"] and ok["search_cpu_s"] > 0
     assert ok["ops"] >= ok["eqns"] > 100 and ok["layers"] == 1
     assert ok["plan_s"] >= ok["search_s"] >= 0 and ok["trace_s"] > 0 and ok["graph_s"] > 0
     assert math.isfinite(ok["cost"]) and ok["cost"] > 0
@@ -115,6 +118,13 @@ def test_search_time_tiny(tmp_path):
              if line.startswith("|")]
     assert table[0].startswith("| layers | mode |")
     assert len({line.count("|") for line in table}) == 1  # every row has every column
+
+
+@pytest.mark.parametrize("repeat", [0, 1.5, True])
+def test_search_time_rejects_a_bad_repeat(repeat):
+    with pytest.raises(ValueError, match="repeat="):
+        search_time.run([1], ["sharding_propagation"], search_time.Config(**TINY), 1.0, None,
+                        repeat=repeat)
 
 
 def test_search_time_records_timeouts_and_skips_larger_programs():
