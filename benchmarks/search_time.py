@@ -7,11 +7,12 @@ strategy given. Reported per run: jaxpr equations (top level) and graph ops (reg
 included), trace and graph-building time (first, cold), the search time (the whole `.plan()`
 minus a second, warm trace and graph build: `.plan()` traces again, so what is left is the
 strategy parsing, the search, a second search where carried state is tied, and assembling the
-Plan), the same in CPU time (`time.process_time`: steadier than the wall clock on a busy
-machine), the plan's modelled cost (the step's time) and objective (what the automatic searches
-minimise: at the default level 0 and mem_coeff 0.1, communication counts twice and memory is
-weighed too), and for dynamic_programming whether the solver proved the plan optimal or
-stopped at a gap (its note in `plan.notes`).
+Plan), the same in CPU time (`time.process_time`: below the wall clock when the process
+waits, equal to it when the machine just runs slow), the plan's modelled cost (the step's
+time) and objective (what the automatic searches minimise: at the default level 0 and
+mem_coeff 0.1, communication counts twice and memory is weighed too), and for
+dynamic_programming whether the solver proved the plan optimal or stopped at a gap (its note
+in `plan.notes`).
 
 Each run is its own process, killed after `--time-limit` seconds ("timeout") and limited to
 `--memory-limit` GB of address space ("out of memory"); a mode that ran out of either is not
