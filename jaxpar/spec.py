@@ -137,6 +137,11 @@ class Spec:
                                        for n, d in zip(shape, self.dims, strict=True))
         return hit
 
+    def placed_as(self, other: Spec) -> bool:
+        """True when a value in this spec is already in `other`: nothing waits on a
+        reduction and every dimension is cut alike, so resharding moves nothing."""
+        return not self.partial and self.dims == other.dims
+
     def resolved(self) -> Spec:
         """This spec without its partial axes (itself when it has none)."""
         if not self.partial:

@@ -200,6 +200,21 @@ def test_reshard_line_prices_every_size_as_reshard_does():
     assert model.reshard_line(S("d0", None), S("d0", None)) == (0.0, 0.0)
 
 
+def test_placed_as_is_where_resharding_moves_nothing():
+    # Spec.placed_as is the test every pricer makes before working out collectives.
+    model = CostModel(MESH, load_profile("tpu-v5e"))
+    pairs = [(S("d0", None), S("d0", None), True), (S("d0", None), S(None, "d0"), False),
+             (S(("d0", "d1"), None), S(("d1", "d0"), None), False),
+             (S(None, None, partial=("d0",)), S(None, None), False),
+             (S(None, None, partial=("d0",)), S(None, None, partial=("d0",)), False)]
+    for src, dst, placed in pairs:
+        assert src.placed_as(dst) is placed
+        if placed:
+            assert model.reshard(src, dst, (64, 64), jnp.float32).comm_bytes == 0
+        else:  # something moves (a pending reduction too, into the same partial spec)
+            assert model.reshard_line(src, dst) != (0.0, 0.0)
+
+
 def test_reduce_scatter_when_destination_cuts_the_partial_axis():
     cs = reshard(S(None, None, partial=("d0",)), S("d0", None), 1024, MESH)
     assert [(c.kind, c.bytes) for c in cs] == [("reduce-scatter", 1024)]

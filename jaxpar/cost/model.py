@@ -165,7 +165,7 @@ class CostModel:
     def reshard(self, src: Spec, dst: Spec, shape, dtype, share: float = 1.0) -> OpCost:
         """Moving a value from `src` to `dst`. share: the fraction of a latency its reductions
         pay (OpGraph.latency_share: below 1 in a step's tail, where XLA combines them)."""
-        if not src.partial and src.dims == dst.dims:
+        if src.placed_as(dst):
             return _FREE
         key = (src, dst, shape if type(shape) is tuple else tuple(shape), dtype, share)
         hit = self._reshard_cache.get(key)
@@ -190,7 +190,7 @@ class CostModel:
         key = (src, dst, share)
         hit = self._lines.get(key)
         if hit is None:
-            if not src.partial and src.dims == dst.dims:
+            if src.placed_as(dst):
                 hit = (0.0, 0.0)
             else:
                 fixed = self.score(self._moving(src, dst, 0.0, share))

@@ -174,7 +174,7 @@ class _Graph:
 
     def price(self, v: int, src: Spec, dst: Spec) -> float:
         """Score of resharding value v from src to dst."""
-        if src is dst or (not src.partial and src.dims == dst.dims):
+        if src is dst or src.placed_as(dst):
             return 0.0
         k = self.value_kind.get(v)
         if k is None:
@@ -470,9 +470,9 @@ def graph_cost(graph: OpGraph, plan: GraphPlan, model: CostModel,
         for v, need in zip(op.inputs, choice.strategy.ins, strict=True):
             if isinstance(v, int):
                 have = specs[v]
-                if have is need or (not have.partial and have.dims == need.dims):
-                    continue  # read as it is (CostModel.reshard's first test, inline: the
-                              # recursive search totals plans of 20k ops several times)
+                if have is need or have.placed_as(need):
+                    continue  # read as it is (CostModel.reshard's first test, before its
+                              # call: the recursive search totals plans of 20k ops often)
                 info = values[v]
                 parts.append(model.reshard(have, need, info.shape, info.dtype, share(v)))
     return _total(parts)

@@ -184,7 +184,7 @@ class _Builder:
         self._pairs: dict[tuple, tuple] = {}   # (spec id, spec id, share) -> reshard_line
         self._lines: dict[tuple, tuple] = {}   # spec lists' ids, share -> (lists, per byte,
                                                # fixed): every K between them is a line
-        self._options: dict[tuple, tuple] = {}  # (class, share) -> model.options (folded)
+        self._options: dict[tuple, tuple] = {}  # (class, share) -> model.options
         self._groups: dict[tuple, int] = {}    # what makes nodes one -> node (its first)
         self._group: dict[int, int] = {}       # node -> its group's first node (grouped ones)
         self._count: list[int] = []            # members per node
@@ -213,7 +213,8 @@ class _Builder:
         return node
 
     def _candidates(self, op, share: float) -> tuple[list, list]:
-        """model.options, asked once per class when folding (a class is one signature)."""
+        """model.options, asked once per class when there are classes (a class is one
+        signature)."""
         if self.classes is None:
             return self.model.options(OpInfo.of(op, self.graph), share)
         key = (self.classes[op.index], share)
