@@ -85,3 +85,61 @@ def test_specs_are_interned_and_survive_pickling():
     partial = Spec(a.dims, ("d2",))
     assert partial != a and partial.resolved() is a
     assert a.shards(MESH) == 4 and a.fits((8, 3), MESH) and not a.fits((6, 3), MESH)
+
+
+def _mlp_graph():
+    x, w1, w2 = jnp.ones((64, 128)), jnp.ones((128, 256)), jnp.ones((256, 128))
+    fn = lambda x, a, b: jnp.sum(jax.nn.relu(x @ a) @ b)  # noqa: E731
+    return build_graph(trace(fn, (x, w1, w2)).closed_jaxpr)
+
+
+def test_priced_equals_pricing_candidate_by_candidate():
+    from jaxpar.search.propagation import _Graph
+
+    graph = _mlp_graph()
+    model = CostModel(MESH, load_profile("h100-nvlink"))
+    g = _Graph(graph, model, None)
+    dot = next(op for op in graph.ops if op.name == "dot_general")
+    o = g.opts(dot)
+    ins = (S("d0", None), S(None, "d1"))
+    needs = ((S(("d0", "d1"), None), S(None, "d2")),)
+    want = [o.scores[n]
+            + g.price(dot.inputs[0], ins[0], s.ins[0]) + g.price(dot.inputs[1], ins[1], s.ins[1])
+            + sum(g.price(dot.outputs[0], s.outs[0], w) for w in needs[0])
+            for n, s in enumerate(o.cands)]
+    got = g.priced(dot, o, ins, needs)
+    assert len(set(want)) > 3  # the specs price the candidates apart
+    assert list(got) == want  # the same sums, added in the same order
+    assert list(g.priced(dot, o, ins, needs)) == want  # again, from the columns kept
+    assert list(g.priced(dot, o, (None, ins[1]), ((),))) == [
+        o.scores[n] + g.price(dot.inputs[1], ins[1], s.ins[1]) for n, s in enumerate(o.cands)]
+    other = S(None, "d0")  # operand 0 from another spec: priced anew, not from its column
+    assert list(g.priced(dot, o, (other, None), ((),))) == [
+        o.scores[n] + g.price(dot.inputs[0], other, s.ins[0]) for n, s in enumerate(o.cands)]
+
+
+def test_choice_takes_the_first_cheapest_and_the_first_cheapest_other():
+    from jaxpar.search.propagation import _Graph
+
+    graph = _mlp_graph()
+    g = _Graph(graph, CostModel(MESH, load_profile("h100-nvlink")), None)
+    o = g.opts(next(op for op in graph.ops if op.name == "dot_general"))
+    n = len(o.cands)
+    inf = float("inf")
+
+    def picked(totals):
+        c = g.choice(o, totals)
+        return o.cands.index(c.strategy), (o.cands.index(c.runner_up), c.score,
+                                           c.runner_score)
+
+    assert picked([5.0] * n)[0] == 0 and picked([5.0] * n)[1][0] == 1
+    totals = [9.0] * n
+    totals[3] = totals[5] = 1.0
+    assert picked(totals) == (3, (5, 1.0, 1.0))
+    totals[5], totals[7] = 2.0, 2.0
+    assert picked(totals) == (3, (5, 1.0, 2.0))
+    only = [inf] * n
+    only[4] = 3.0  # every other infinite (an op that may only move its results)
+    assert picked(only) == (4, (0, 3.0, inf))
+    only[4], only[0] = inf, 3.0
+    assert picked(only) == (0, (1, 3.0, inf))

@@ -34,6 +34,8 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from jaxpar.cost.model import CostModel, OpCost, flops
 from jaxpar.ir.graph import Lit, Op, OpGraph, itemsize
 from jaxpar.rules.registry import OpInfo, has_rule
@@ -87,9 +89,13 @@ class _Options:
                  rule: bool):
         self.key, self.cands, self.costs, self.rule = key, cands, costs, rule
         self.scores = [model.score(c) for c in costs]
+        self.score_vec = np.array(self.scores, dtype=float)
         self.ins = list(zip(*(s.ins for s in cands), strict=True)) if cands else []
         self.outs = list(zip(*(s.outs for s in cands), strict=True)) if cands else []
         self._index: dict | None = None
+        # (slot, value kind, spec or specs) -> resharding score per candidate (_Graph.priced);
+        # slot i >= 0: operand i from a spec, ~j: result j into the specs its readers need
+        self.columns: dict[tuple, np.ndarray] = {}
 
     @property
     def index(self) -> dict[OpStrategy, int]:
@@ -176,12 +182,7 @@ class _Graph:
         """Score of resharding value v from src to dst."""
         if src is dst or src.placed_as(dst):
             return 0.0
-        k = self.value_kind.get(v)
-        if k is None:
-            info = self.g.values[v]
-            k = self.value_kind[v] = self.kinds.setdefault(
-                (info.shape, info.dtype, self.shares(v)), len(self.kinds))
-        key = (k, src, dst)
+        key = (self.kind(v), src, dst)
         hit = self.prices.get(key)
         if hit is None:
             info = self.g.values[v]
@@ -189,37 +190,54 @@ class _Graph:
                 src, dst, info.shape, info.dtype, self.shares(v)))
         return hit
 
-    def priced(self, op: Op, o: _Options, ins: tuple, needs: tuple) -> list[float]:
+    def kind(self, v: int) -> int:
+        """What pricing a resharding of value v depends on (shape, dtype, latency share), as
+        a number: values of one kind cost alike."""
+        k = self.value_kind.get(v)
+        if k is None:
+            info = self.g.values[v]
+            k = self.value_kind[v] = self.kinds.setdefault(
+                (info.shape, info.dtype, self.shares(v)), len(self.kinds))
+        return k
+
+    def priced(self, op: Op, o: _Options, ins: tuple, needs: tuple) -> np.ndarray:
         """Each candidate's own score plus resharding from the operand specs `ins` (None:
-        unknown) and into the specs `needs` (per result) its consumers need."""
-        total = list(o.scores)
-        price = self.price
+        unknown) and into the specs `needs` (per result) its consumers need. Each term is a
+        vector over the candidates, priced once per slot, kind of value and spec(s) (ops of
+        a repeated layer ask the same), and the terms are added in that order: the sums are
+        those of adding candidate by candidate. Read-only (it may be `o.score_vec`)."""
+        total, columns, price = o.score_vec, o.columns, self.price
         for i, (v, spec) in enumerate(zip(op.inputs, ins, strict=True)):
             if spec is not None:
-                seen: dict = {}
-                for n, want in enumerate(o.ins[i]):
-                    c = seen.get(want)
-                    if c is None:
-                        c = seen[want] = price(v, spec, want)
-                    total[n] += c
+                key = (i, self.kind(v), spec)
+                col = columns.get(key)
+                if col is None:
+                    col = columns[key] = _column(o.ins[i], v, spec, None, price)
+                total = total + col
         for j, (v, wants) in enumerate(zip(op.outputs, needs, strict=True)):
             if wants:
-                seen = {}
-                for n, made in enumerate(o.outs[j]):
-                    c = seen.get(made)
-                    if c is None:
-                        c = seen[made] = sum(price(v, made, w) for w in wants)
-                    total[n] += c
+                key = (~j, self.kind(v), wants)
+                col = columns.get(key)
+                if col is None:
+                    col = columns[key] = _column(o.outs[j], v, None, wants, price)
+                total = total + col
         return total
 
     @staticmethod
-    def choice(o: _Options, totals: list[float]) -> Choice:
-        """The cheapest candidate (the first of equals) and its runner-up."""
-        order = sorted(range(len(totals)), key=totals.__getitem__)
-        best, runner = order[0], (order[1] if len(order) > 1 else None)
-        return Choice(o.cands[best], o.costs[best], totals[best],
+    def choice(o: _Options, totals) -> Choice:
+        """The cheapest candidate (the first of equals) and its runner-up (the first of the
+        cheapest others)."""
+        t = np.asarray(totals, dtype=float)
+        best, runner = int(np.argmin(t)), None
+        if len(t) > 1:
+            rest = t.copy()
+            rest[best] = math.inf
+            runner = int(np.argmin(rest))
+            if runner == best:  # every other is infinite: the first of them
+                runner = 1 if best == 0 else 0
+        return Choice(o.cands[best], o.costs[best], float(t[best]),
                       o.cands[runner] if runner is not None else None,
-                      totals[runner] if runner is not None else None, len(o.cands), o.rule)
+                      float(t[runner]) if runner is not None else None, len(o.cands), o.rule)
 
     def region(self, op: Op, known_specs: dict[int, Spec]) -> Choice:
         """A region op's one candidate: its bodies planned with the operand specs known."""
@@ -441,6 +459,22 @@ class _Propagation:
                  if x in choices]
         extra = self.out_needs.get(v)
         return tuple(needs + extra) if extra else tuple(needs)
+
+
+def _column(specs: tuple[Spec, ...], v: int, src: Spec | None, wants: tuple | None,
+            price) -> np.ndarray:
+    """For each of `specs` (one per candidate), the score of resharding value v from `src`
+    into it, or (src None) from it into every spec of `wants`; each distinct spec priced once
+    (`price`: _Graph.price)."""
+    seen: dict[Spec, float] = {}
+    out = np.empty(len(specs))
+    for n, spec in enumerate(specs):
+        c = seen.get(spec)
+        if c is None:
+            c = seen[spec] = price(v, src, spec) if src is not None else \
+                sum(price(v, spec, w) for w in wants)
+        out[n] = c
+    return out
 
 
 def _informed(context: tuple) -> bool:

@@ -304,9 +304,10 @@ class Refiner:
             k = o.index[current]
             others = sorted((t, i) for i, t in enumerate(totals) if i != k)
             runner = others[0] if others else None
-            hit = self.memo[key] = Choice(current, o.costs[k], totals[k],
+            hit = self.memo[key] = Choice(current, o.costs[k], float(totals[k]),
                                           o.cands[runner[1]] if runner else None,
-                                          runner[0] if runner else None, len(o.cands), o.rule)
+                                          float(runner[0]) if runner else None, len(o.cands),
+                                          o.rule)
         return hit
 
     def _take(self, op: Op, keep: set[int], unknown, blind: bool = False) -> bool:

@@ -64,6 +64,7 @@ class _OtherAxes:
         self.groups: dict[int, tuple[list, dict]] = {}  # id(list) -> (list, key -> indices)
         self.projected: dict[Spec, tuple] = {}
         self.keys: dict[int, tuple] = {}  # id(strategy) -> (strategy, its _key)
+        self.kept: dict[tuple, tuple] = {}  # ids of (list, chosen) -> (list, chosen, op())
 
     def _spec(self, s: Spec) -> tuple:
         """A spec's dims over the other axes."""
@@ -82,15 +83,21 @@ class _OtherAxes:
         return hit[1]
 
     def op(self, x: int, cands: list) -> tuple[int, ...]:
+        choice = self.plan.choices.get(x)
+        chosen = None if choice is None else choice.strategy
+        memo = self.kept.get((id(cands), id(chosen)))  # ops alike chose alike: asked once
+        if memo is not None and memo[0] is cands and memo[1] is chosen:
+            return memo[2]
         hit = self.groups.get(id(cands))
         if hit is None:
             by: dict[tuple, list[int]] = {}
             for i, s in enumerate(cands):
                 by.setdefault(self._key(s), []).append(i)
             hit = self.groups[id(cands)] = (cands, {k: tuple(v) for k, v in by.items()})
-        choice = self.plan.choices.get(x)
-        kept = hit[1].get(self._key(choice.strategy)) if choice is not None else None
-        return kept if kept else tuple(range(len(cands)))
+        kept = hit[1].get(self._key(chosen)) if chosen is not None else None
+        kept = kept or tuple(range(len(cands)))
+        self.kept[(id(cands), id(chosen))] = (cands, chosen, kept)
+        return kept
 
     def specs(self, v: int, specs: tuple[Spec, ...]) -> tuple[Spec, ...]:
         now = self.plan.specs.get(v)
