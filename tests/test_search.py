@@ -143,3 +143,43 @@ def test_choice_takes_the_first_cheapest_and_the_first_cheapest_other():
     assert picked(only) == (4, (0, 3.0, inf))
     only[4], only[0] = inf, 3.0
     assert picked(only) == (0, (1, 3.0, inf))
+
+
+class _NeverAgain(dict):
+    """A memo that remembers nothing: every op priced afresh."""
+
+    def get(self, key, default=None):
+        return default
+
+
+def _same_plan(a, b):
+    return a.specs == b.specs and {x: c.strategy for x, c in a.choices.items()} == \
+        {x: c.strategy for x, c in b.choices.items()}
+
+
+def test_ops_alike_in_one_context_are_priced_once_with_the_same_plan(monkeypatch):
+    # A 3-layer GPT training step: its layers' ops meet the same specs around them, so most
+    # choices come from the memo; planning each op afresh must give the very same plan.
+    from jaxpar.models.gpt import GPTConfig, abstract_train_step
+    from jaxpar.search import propagation
+
+    step, args = abstract_train_step(GPTConfig(layers=3, d_model=32, heads=2, vocab=64,
+                                               seq=8), 4)
+    graph = build_graph(trace(step, args).closed_jaxpr)
+    model = CostModel(MESH, load_profile("h100-nvlink"))
+    fixed = {graph.inputs[-2]: S(("d0", "d1"), None)}  # the tokens cut on the batch
+    priced = []
+    original = propagation._Graph.priced
+    monkeypatch.setattr(propagation._Graph, "priced",
+                        lambda self, *a: priced.append(1) or original(self, *a))
+    memo = propagate(graph, model, fixed)
+    once = len(priced)
+    init = propagation._Propagation.__init__
+
+    def forgetful(self, *a, **k):
+        init(self, *a, **k)
+        self.chosen = _NeverAgain()
+    monkeypatch.setattr(propagation._Propagation, "__init__", forgetful)
+    fresh = propagate(graph, model, fixed)
+    assert len(priced) - once > 1.5 * once  # the memo saved most of the pricing
+    assert _same_plan(memo, fresh)

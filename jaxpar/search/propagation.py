@@ -154,6 +154,7 @@ class _Graph:
         self.prices: dict = {}
         self.options_of: dict = {}
         self.op_options: dict[int, _Options] = {}
+        self.op_kinds: dict[int, tuple] = {}
 
     def share(self, op: Op) -> float:
         return max((self.shares(v) for v in op.outputs), default=1.0)
@@ -199,6 +200,15 @@ class _Graph:
             k = self.value_kind[v] = self.kinds.setdefault(
                 (info.shape, info.dtype, self.shares(v)), len(self.kinds))
         return k
+
+    def kinds_of(self, op: Op) -> tuple:
+        """kind() of each value op reads and makes (None: a literal): with its options, its
+        operand specs and what its readers need, all that priced() depends on."""
+        hit = self.op_kinds.get(op.index)
+        if hit is None:
+            hit = self.op_kinds[op.index] = tuple(
+                self.kind(v) if isinstance(v, int) else None for v in op.inputs + op.outputs)
+        return hit
 
     def priced(self, op: Op, o: _Options, ins: tuple, needs: tuple) -> np.ndarray:
         """Each candidate's own score plus resharding from the operand specs `ins` (None:
@@ -277,6 +287,7 @@ class _Propagation:
                     self.out_needs.setdefault(w, []).append(fixed_in[v])
         self.flops: dict[int, float] = {}
         self.seen: dict = {}  # (kind, context) -> Choice, with classes
+        self.chosen: dict = {}  # (kind, operand specs, needs, value kinds) -> Choice
         # Each op is planned as its class: `unit` maps an op to its class's first op.
         self.unit = list(range(len(graph.ops)))
         self.members = {i: [i] for i in self.unit}
@@ -415,7 +426,7 @@ class _Propagation:
         if op.regions:
             return self.b.region(op, self.plan.specs)
         o = self.b.opts(op)
-        key = (o.key, context)
+        key = (o.key, context, self.b.kinds_of(op))
         if context is not None and key in self.seen:
             return self.seen[key]
         specs = self.plan.specs
@@ -428,8 +439,11 @@ class _Propagation:
                 self.model.op(OpInfo.of(op, self.g), fixed, self.b.share(op))
             solo = _Options(o.key, [fixed], [cost], self.model, o.rule)
             choice = self.b.choice(solo, self.b.priced(op, solo, ins, needs))
-        else:
-            choice = self.b.choice(o, self.b.priced(op, o, ins, needs))
+        else:  # ops alike, in the same specs around them, choose alike: priced once
+            alike = (o.key, ins, needs, self.b.kinds_of(op))
+            choice = self.chosen.get(alike)
+            if choice is None:
+                choice = self.chosen[alike] = self.b.choice(o, self.b.priced(op, o, ins, needs))
         if context is not None:
             self.seen[key] = choice
         return choice

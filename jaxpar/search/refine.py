@@ -132,7 +132,7 @@ class Refiner:
         specs, o = self.plan.specs, self.b.opts(op)
         ins = tuple(specs.get(v) if isinstance(v, int) else None for v in op.inputs)
         needs = tuple(self._demands(v) for v in op.outputs)
-        key = (o.key, ins, needs)
+        key = (o.key, ins, needs, self.b.kinds_of(op))
         hit = self.memo.get(key)
         if hit is None:
             totals = self.b.priced(op, o, ins, needs)
@@ -297,7 +297,7 @@ class Refiner:
         o, current = self.b.opts(op), self.plan.choices[x].strategy
         ins = tuple(specs.get(v) if isinstance(v, int) else None for v in op.inputs)
         needs = tuple(self._demands(v) for v in op.outputs)
-        key = (o.key, ins, needs, current, "report")
+        key = (o.key, ins, needs, self.b.kinds_of(op), current, "report")
         hit = self.memo.get(key)
         if hit is None:
             totals = self.b.priced(op, o, ins, needs)
@@ -320,7 +320,7 @@ class Refiner:
         needs = tuple(() if blind else self._demands(v) for v in op.outputs)
         current = self.plan.choices[op.index].strategy
         only = (current.ins, current.partial) if op.index in keep else None
-        key = (o.key, ins, needs, only)
+        key = (o.key, ins, needs, self.b.kinds_of(op), only)
         best = self.memo.get(key)
         if best is None:
             totals = self.b.priced(op, o, ins, needs)
