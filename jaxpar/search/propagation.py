@@ -286,8 +286,10 @@ class _Propagation:
                 if v in fixed_in:
                     self.out_needs.setdefault(w, []).append(fixed_in[v])
         self.flops: dict[int, float] = {}
-        self.seen: dict = {}  # (kind, context) -> Choice, with classes
-        self.chosen: dict = {}  # (kind, operand specs, needs, value kinds) -> Choice
+        # (options, context, value kinds) -> Choice, with classes
+        self.seen: dict = {}
+        # (options, operand specs, what readers need, value kinds) -> Choice (_choice)
+        self.chosen: dict = {}
         # Each op is planned as its class: `unit` maps an op to its class's first op.
         self.unit = list(range(len(graph.ops)))
         self.members = {i: [i] for i in self.unit}
