@@ -79,7 +79,7 @@ def propagate(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec] | None
     output position) pairs of carried state: whichever of the two gets a spec first, the
     other is asked for it too. index: the graph's GraphIndex, when the caller has one."""
     return _Propagation(_Graph(graph, model, classes, index), fixed_in or {}, fixed_out or {},
-                        fixed_ops or {}, classes is not None, ties).run()
+                        fixed_ops or {}, ties).run()
 
 
 class _Options:
@@ -265,11 +265,11 @@ class _Graph:
 
 
 class _Propagation:
-    def __init__(self, base: _Graph, fixed_in, fixed_out, fixed_ops, classed: bool, ties):
+    def __init__(self, base: _Graph, fixed_in, fixed_out, fixed_ops, ties):
         self.b, self.g, self.model = base, base.g, base.model
         graph = self.g
         self.plan = GraphPlan(specs=dict(fixed_in))
-        self.fixed_out, self.fixed_ops, self.classed = fixed_out, fixed_ops, classed
+        self.fixed_out, self.fixed_ops = fixed_out, fixed_ops
         self.heap: list = []
         self.queued: dict[int, tuple] = {}  # unit -> the best priority it waits in the heap with
         self.tick = itertools.count()
@@ -286,9 +286,7 @@ class _Propagation:
                 if v in fixed_in:
                     self.out_needs.setdefault(w, []).append(fixed_in[v])
         self.flops: dict[int, float] = {}
-        # (options, context, value kinds) -> Choice, with classes
-        self.seen: dict = {}
-        # (options, operand specs, what readers need, value kinds) -> Choice (_choice)
+        # (options, fixed strategy, operand specs, what readers need, value kinds) -> Choice
         self.chosen: dict = {}
         # Each op is planned as its class: `unit` maps an op to its class's first op.
         self.unit = list(range(len(graph.ops)))
@@ -320,7 +318,7 @@ class _Propagation:
             self._plan_op(op)
         for op in reversed(self.g.ops):  # what only replicated values reach, consumers first
             if op.index not in self.plan.choices:
-                self._apply(op, self._choice(op, self._context(op) if self.classed else None))
+                self._apply(op, self._choice(op))
         for v in self.g.inputs:  # inputs no op reads keep the replicated default
             self.plan.specs.setdefault(v, Spec.replicated(len(self.g.values[v].shape)))
         return self.plan
@@ -397,7 +395,7 @@ class _Propagation:
         be planned on its own when the front reaches it."""
         members = self.members[op.index]
         if len(members) == 1:
-            self._apply(op, self._choice(op, self._context(op) if self.classed else None))
+            self._apply(op, self._choice(op))
             return
         groups: dict = {}
         ops = self.g.ops
@@ -411,7 +409,7 @@ class _Propagation:
                     self.unit[i], self.members[i] = i, [i]
                     self.remaining.add(i)
                 continue
-            choice = self._choice(ops[group[0]], key)
+            choice = self._choice(ops[group[0]])
             for i in group:
                 self._apply(ops[i], choice)
 
@@ -423,31 +421,26 @@ class _Propagation:
                 tuple(specs.get(v) if isinstance(v, int) else None for v in op.inputs),
                 tuple(self._demands(v) for v in op.outputs))
 
-    def _choice(self, op: Op, context: tuple | None) -> Choice:
-        """op's choice; with classes, ops of one kind in one context share it."""
+    def _choice(self, op: Op) -> Choice:
+        """op's choice. Ops alike (options, fixed strategy, kinds of values) that meet the
+        same specs around them (operand specs, what readers need) choose alike: priced once
+        (the repeated layers of a deep model, a class planned together)."""
         if op.regions:
             return self.b.region(op, self.plan.specs)
-        o = self.b.opts(op)
-        key = (o.key, context, self.b.kinds_of(op))
-        if context is not None and key in self.seen:
-            return self.seen[key]
-        specs = self.plan.specs
+        o, specs = self.b.opts(op), self.plan.specs
         ins = tuple(specs.get(v) if isinstance(v, int) else None for v in op.inputs)
         needs = tuple(self._demands(v) for v in op.outputs)
         fixed = self.fixed_ops.get(op.index)
+        alike = (o.key, fixed, ins, needs, self.b.kinds_of(op))
+        choice = self.chosen.get(alike)
+        if choice is not None:
+            return choice
         if fixed is not None:
             k = o.index.get(fixed)
             cost = o.costs[k] if k is not None else \
                 self.model.op(OpInfo.of(op, self.g), fixed, self.b.share(op))
-            solo = _Options(o.key, [fixed], [cost], self.model, o.rule)
-            choice = self.b.choice(solo, self.b.priced(op, solo, ins, needs))
-        else:  # ops alike, in the same specs around them, choose alike: priced once
-            alike = (o.key, ins, needs, self.b.kinds_of(op))
-            choice = self.chosen.get(alike)
-            if choice is None:
-                choice = self.chosen[alike] = self.b.choice(o, self.b.priced(op, o, ins, needs))
-        if context is not None:
-            self.seen[key] = choice
+            o = _Options(o.key, [fixed], [cost], self.model, o.rule)
+        choice = self.chosen[alike] = self.b.choice(o, self.b.priced(op, o, ins, needs))
         return choice
 
     def _apply(self, op: Op, choice: Choice) -> None:
