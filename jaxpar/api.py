@@ -25,7 +25,7 @@ from jaxpar.mesh import make_mesh
 from jaxpar.plan import Plan, build_plan
 from jaxpar.search import paused_gc
 from jaxpar.search.exact import dynamic_programming
-from jaxpar.search.propagation import out_spec, propagate
+from jaxpar.search.propagation import GraphIndex, out_spec, propagate
 from jaxpar.spec import MeshInfo, Spec
 
 SEARCH_MODES = ("sharding_propagation", "recursive_programming", "dynamic_programming")
@@ -228,8 +228,9 @@ class ShardedFunction:
         fixed_in = {graph.inputs[i]: s for i, s in enumerate(fixed) if s}
         fixed_out = {i: s for i, s in enumerate(out_fixed) if s}
         ties = [(i, j) for i, j in carried_pairs(args, out_shapes) if out_fixed[j] is None]
+        index = GraphIndex(graph)  # shared by the searches below: each prices a thing once
         gp, notes, decisions = self._search(graph, model, fixed_in, fixed_out,
-                                            [(graph.inputs[i], j) for i, j in ties])
+                                            [(graph.inputs[i], j) for i, j in ties], index)
         if ties:  # each carried output takes the spec of the input it replaces
             spec = {i: gp.specs[graph.inputs[i]] for i, _ in ties}
             fixed_out |= {j: spec[i] for i, j in ties}
@@ -238,7 +239,8 @@ class ShardedFunction:
             # does not, so it plans again with the carried state pinned.
             if o.search_mode not in AUTOMATIC_MODES:
                 fixed_in |= {graph.inputs[i]: spec[i] for i, _ in ties}
-                gp, notes, decisions = self._search(graph, model, fixed_in, fixed_out, [])
+                gp, notes, decisions = self._search(graph, model, fixed_in, fixed_out, [],
+                                                    index)
             notes.append(f"carried state: {len(ties)} outputs keep the sharding of the input "
                          "they replace, so the step can be called in a loop without resharding")
         in_specs = [gp.specs[v] for v in graph.inputs]
@@ -253,9 +255,10 @@ class ShardedFunction:
         _check_budget(plan, o.memory_budget)
         return self._finish(graph, plan, args)
 
-    def _search(self, graph, model, fixed_in, fixed_out, ties):
+    def _search(self, graph, model, fixed_in, fixed_out, ties, index: GraphIndex):
         """(GraphPlan, notes, decisions) from the chosen search mode; ties: (input value,
-        output position) pairs of carried state (the automatic searches price them)."""
+        output position) pairs of carried state (the automatic searches price them); index:
+        the graph's GraphIndex, shared by the searches of one build."""
         mode = self.opts.search_mode
         if mode == "dynamic_programming":
             gp, sol = dynamic_programming(graph, model, fixed_in, fixed_out,
@@ -267,7 +270,7 @@ class ShardedFunction:
             gp, decisions = recursive_programming(graph, model, fixed_in, fixed_out,
                                                   self.opts.memory_budget, ties)
             return gp, [], decisions
-        return propagate(graph, model, fixed_in, fixed_out), [], []
+        return propagate(graph, model, fixed_in, fixed_out, index=index), [], []
 
     def _finish(self, graph, plan: Plan, args) -> _Compiled:
         if plan.in_tree is None:  # a loaded plan: take the structure from these arguments

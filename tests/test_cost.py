@@ -242,3 +242,15 @@ def test_partial_sum_onto_several_dims_matches_compiled(out):
         predicted[c.kind] = predicted.get(c.kind, 0) + c.bytes
     assert predicted == measured
 
+
+
+def test_an_ops_signature_is_worked_out_once_and_none_when_unhashable():
+    from jaxpar.cost.model import _signature
+
+    info = OpInfo(jax.lax.add_p, {}, ((4, 8), (4, 8)), ((4, 8),))
+    key = _signature(info)
+    assert key == (jax.lax.add_p, (), ((4, 8), (4, 8)), ((4, 8),), (), ())
+    assert _signature(info) is key  # remembered on the info, not built again
+    assert _signature(OpInfo(jax.lax.add_p, {}, ((4, 8), (4, 8)), ((4, 8),))) == key
+    region = OpInfo(jax.lax.add_p, {"body": {"unhashable": []}}, ((4,),), ((4,),))
+    assert _signature(region) is None and _signature(region) is None

@@ -183,3 +183,24 @@ def test_ops_alike_in_one_context_are_priced_once_with_the_same_plan(monkeypatch
     fresh = propagate(graph, model, fixed)
     assert len(priced) - once > 1.5 * once  # the memo saved most of the pricing
     assert _same_plan(memo, fresh)
+
+
+def test_planners_of_one_graph_and_model_share_its_pricing_through_the_index():
+    # Two propagations (as jaxpar.shard's default mode runs: the second with the carried
+    # state pinned) share one _Graph through the GraphIndex, and plan as apart.
+    from jaxpar.search.propagation import GraphIndex, _Graph
+
+    graph = _mlp_graph()
+    model, index = CostModel(MESH, load_profile("h100-nvlink")), GraphIndex(graph)
+    base = _Graph.of(graph, model, None, index)
+    assert _Graph.of(graph, model, None, index) is base
+    assert _Graph.of(graph, CostModel(MESH, load_profile("h100-nvlink")), None,
+                     index) is not base  # another model prices apart
+    assert _Graph.of(graph, model, [0] * len(graph.ops), index) is not base  # with classes
+    assert _Graph.of(graph, model, None) is not base  # no index: one of its own
+    first = propagate(graph, model, {graph.inputs[0]: S("d0", None)}, index=index)
+    pinned = {graph.inputs[0]: S(None, "d1"), graph.inputs[1]: S("d1", None)}
+    again = propagate(graph, model, pinned, index=index)
+    assert base.op_options  # the first propagation priced through the shared _Graph
+    alone = propagate(graph, CostModel(MESH, load_profile("h100-nvlink")), pinned)
+    assert _same_plan(again, alone) and not _same_plan(first, again)

@@ -272,11 +272,19 @@ class _Io:
 
 def _signature(info: OpInfo):
     """A hashable key for everything a rule and the cost model read of an op, or None when its
-    params hold something unhashable (region ops carry jaxprs; those are never cached)."""
+    params hold something unhashable (region ops carry jaxprs; those are never cached).
+    Remembered on the info (OpInfo.of keeps one per op; the searches ask per visit)."""
+    memo = info.__dict__.get("_signature", _UNSET)
+    if memo is not _UNSET:
+        return memo
     try:
         key = (info.primitive, tuple(sorted(info.params.items())), info.in_shapes,
                info.out_shapes, info.in_dtypes, info.out_dtypes)
         hash(key)
     except TypeError:
-        return None
+        key = None
+    object.__setattr__(info, "_signature", key)  # a frozen dataclass: not a field
     return key
+
+
+_UNSET = object()

@@ -78,8 +78,8 @@ def propagate(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec] | None
     (the repeated layers of a deep model) take one choice, made once. ties: (input value,
     output position) pairs of carried state: whichever of the two gets a spec first, the
     other is asked for it too. index: the graph's GraphIndex, when the caller has one."""
-    return _Propagation(_Graph(graph, model, classes, index), fixed_in or {}, fixed_out or {},
-                        fixed_ops or {}, ties).run()
+    return _Propagation(_Graph.of(graph, model, classes, index), fixed_in or {},
+                        fixed_out or {}, fixed_ops or {}, ties).run()
 
 
 class _Options:
@@ -125,6 +125,7 @@ class GraphIndex:
                 self.port[v] = j
         self.shares = latency_shares(graph)
         self.sizes: dict[int, float] = {}
+        self.priced: dict[tuple, _Graph] = {}  # (id(model), classes) -> _Graph.of()
 
     def nbytes(self, v: int) -> float:
         hit = self.sizes.get(v)
@@ -155,6 +156,21 @@ class _Graph:
         self.options_of: dict = {}
         self.op_options: dict[int, _Options] = {}
         self.op_kinds: dict[int, tuple] = {}
+
+    @staticmethod
+    def of(graph: OpGraph, model: CostModel, classes: list[int] | None,
+           index: GraphIndex | None = None) -> _Graph:
+        """The _Graph of (graph, model, classes), shared through `index`: what it remembers
+        (options, prices, value kinds) depends on nothing else, so the planners that run
+        one after another on one graph (two propagations, a refinement) price each thing
+        once. Without an index of `graph`, a _Graph of its own."""
+        if index is None or index.g is not graph:
+            return _Graph(graph, model, classes, index)
+        key = (id(model), None if classes is None else tuple(classes))
+        hit = index.priced.get(key)
+        if hit is None or hit.model is not model:  # it holds the model: its id stays its own
+            hit = index.priced[key] = _Graph(graph, model, classes, index)
+        return hit
 
     def share(self, op: Op) -> float:
         return max((self.shares(v) for v in op.outputs), default=1.0)

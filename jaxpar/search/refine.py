@@ -52,7 +52,7 @@ class Refiner:
                  fixed_in: dict[int, Spec], fixed_out: dict[int, Spec],
                  classes: list[int] | None = None, ties: tuple[tuple[int, int], ...] = (),
                  index: GraphIndex | None = None):
-        base = _Graph(graph, model, classes, index)
+        base = _Graph.of(graph, model, classes, index)
         self.b, self.g = base, base.g
         self.plan = GraphPlan(dict(plan.specs), dict(plan.choices))
         self.fixed_in = dict(fixed_in)
