@@ -243,7 +243,6 @@ def test_partial_sum_onto_several_dims_matches_compiled(out):
     assert predicted == measured
 
 
-
 def test_an_ops_signature_is_worked_out_once_and_none_when_unhashable():
     from jaxpar.cost.model import _signature
 
