@@ -268,7 +268,7 @@ class ShardedFunction:
         if mode == "recursive_programming":
             from jaxpar.search.recursive import recursive_programming
             gp, decisions = recursive_programming(graph, model, fixed_in, fixed_out,
-                                                  self.opts.memory_budget, ties)
+                                                  self.opts.memory_budget, ties, index)
             return gp, [], decisions
         return propagate(graph, model, fixed_in, fixed_out, index=index), [], []
 

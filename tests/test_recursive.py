@@ -706,3 +706,19 @@ def _info(graph, index):
     from jaxpar.rules.registry import OpInfo
     op = graph.ops[index]
     return OpInfo.of(op, graph), graph.op_latency_share(op)
+
+
+def test_the_callers_graph_index_carries_its_pricing():
+    # jaxpar.shard hands its GraphIndex in: the search's propagations and refinements price
+    # through it (one _Graph per model and classes), and plan as with an index of their own.
+    from jaxpar.search.propagation import GraphIndex
+
+    args = mlp_args(32, 256, layers=2)
+    graph, model, ties = _tied(mlp_step, args, jaxpar.make_mesh((4,), ("x",)))
+    index = GraphIndex(graph)
+    gp, lines = recursive_programming(graph, model, {}, {}, ties=ties, index=index)
+    assert [g.model for g in index.priced.values()] == [model]
+    alone, again = recursive_programming(graph, model, {}, {}, ties=ties)
+    assert alone.specs == gp.specs and again == lines
+    assert {x: c.strategy for x, c in alone.choices.items()} == \
+        {x: c.strategy for x, c in gp.choices.items()}

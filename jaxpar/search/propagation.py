@@ -302,7 +302,8 @@ class _Propagation:
                 if v in fixed_in:
                     self.out_needs.setdefault(w, []).append(fixed_in[v])
         self.flops: dict[int, float] = {}
-        # (options, fixed strategy, operand specs, what readers need, value kinds) -> Choice
+        # (options, context (fixed strategy, operand specs, what readers need), value kinds)
+        # -> Choice
         self.chosen: dict = {}
         # Each op is planned as its class: `unit` maps an op to its class's first op.
         self.unit = list(range(len(graph.ops)))
@@ -425,7 +426,7 @@ class _Propagation:
                     self.unit[i], self.members[i] = i, [i]
                     self.remaining.add(i)
                 continue
-            choice = self._choice(ops[group[0]])
+            choice = self._choice(ops[group[0]], key)
             for i in group:
                 self._apply(ops[i], choice)
 
@@ -437,17 +438,15 @@ class _Propagation:
                 tuple(specs.get(v) if isinstance(v, int) else None for v in op.inputs),
                 tuple(self._demands(v) for v in op.outputs))
 
-    def _choice(self, op: Op) -> Choice:
-        """op's choice. Ops alike (options, fixed strategy, kinds of values) that meet the
-        same specs around them (operand specs, what readers need) choose alike: priced once
-        (the repeated layers of a deep model, a class planned together)."""
+    def _choice(self, op: Op, context: tuple | None = None) -> Choice:
+        """op's choice. Ops alike (options, kinds of values) in one context (_context: fixed
+        strategy, operand specs, what readers need) choose alike: priced once (the repeated
+        layers of a deep model, a class planned together). context: op's, when known."""
         if op.regions:
             return self.b.region(op, self.plan.specs)
-        o, specs = self.b.opts(op), self.plan.specs
-        ins = tuple(specs.get(v) if isinstance(v, int) else None for v in op.inputs)
-        needs = tuple(self._demands(v) for v in op.outputs)
-        fixed = self.fixed_ops.get(op.index)
-        alike = (o.key, fixed, ins, needs, self.b.kinds_of(op))
+        o = self.b.opts(op)
+        fixed, ins, needs = context = context or self._context(op)
+        alike = (o.key, context, self.b.kinds_of(op))
         choice = self.chosen.get(alike)
         if choice is not None:
             return choice

@@ -110,8 +110,8 @@ _HOPS = 3             # the ops this many def-use hops from the largest carried 
 
 def recursive_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
                           fixed_out: dict[int, Spec], memory_budget: float | None = None,
-                          ties: Sequence[tuple[int, int]] = ()
-                          ) -> tuple[GraphPlan, list[str]]:
+                          ties: Sequence[tuple[int, int]] = (),
+                          index: GraphIndex | None = None) -> tuple[GraphPlan, list[str]]:
     """Plan `graph` the SAPP way (see the module docstring).
 
     Args:
@@ -122,6 +122,7 @@ def recursive_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, 
       ties: (input value, output position) pairs of carried state (a training step's
         parameters and optimizer state): the output comes back in the input's spec; the
         plan prices that (see the module docstring) and gives the input its spec.
+      index: the graph's GraphIndex, when the caller has one.
 
     Returns:
       (GraphPlan, decision log lines); each line also goes to the "jaxpar.search.recursive"
@@ -132,16 +133,18 @@ def recursive_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, 
       >>> [d for d in decisions if "Choose NOT to cut" in d]
     """
     with paused_gc():
-        return _search(graph, model, fixed_in, fixed_out, memory_budget, tuple(ties))
+        return _search(graph, model, fixed_in, fixed_out, memory_budget, tuple(ties),
+                       index if index is not None and index.g is graph else GraphIndex(graph))
 
 
 def _search(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
             fixed_out: dict[int, Spec], memory_budget: float | None,
-            ties: tuple[tuple[int, int], ...]) -> tuple[GraphPlan, list[str]]:
+            ties: tuple[tuple[int, int], ...], index: GraphIndex
+            ) -> tuple[GraphPlan, list[str]]:
     from jaxpar.plan import peak_memory
 
     _check_fixed(graph, model.mesh, fixed_in, memory_budget)
-    classes, index = op_classes(graph), GraphIndex(graph)
+    classes = op_classes(graph)
     lines: list[str] = []
     peaks = []
     for attempt in range(_RETRIES + 1):
