@@ -204,3 +204,45 @@ def test_planners_of_one_graph_and_model_share_its_pricing_through_the_index():
     assert base.op_options  # the first propagation priced through the shared _Graph
     alone = propagate(graph, CostModel(MESH, load_profile("h100-nvlink")), pinned)
     assert _same_plan(again, alone) and not _same_plan(first, again)
+
+
+class _Node:
+    def __init__(self):
+        self.me = [self]  # a cycle: only the cyclic collector frees it
+
+
+def test_paused_gc_leaves_what_the_search_kept_out_of_the_young_generation():
+    import gc
+    import weakref
+
+    from jaxpar.search import paused_gc
+
+    assert gc.isenabled()
+    gc.collect()
+    with paused_gc():
+        assert not gc.isenabled()
+        kept = [_Node() for _ in range(20000)]
+        dropped = weakref.ref(_Node())  # garbage: a cycle no one refers to
+    assert gc.isenabled()
+    # Without the move to the oldest generation the next allocation would walk 40k objects.
+    assert gc.get_count()[0] < 1000
+    assert dropped() is not None
+    gc.collect()
+    assert dropped() is None and len(kept) == 20000  # garbage still goes in a full collection
+
+    gc.freeze()  # the caller's own frozen objects stay frozen
+    try:
+        frozen = gc.get_freeze_count()
+        with paused_gc():
+            more = [_Node() for _ in range(100)]
+        assert gc.get_freeze_count() == frozen and gc.isenabled() and len(more) == 100
+    finally:
+        gc.unfreeze()
+
+    gc.disable()  # a caller that turned the collector off keeps it off
+    try:
+        with paused_gc():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
