@@ -26,9 +26,9 @@ def paused_gc():
 
     On the way out, what the search left alive (its caches, the plan: close to a million
     objects for a 48-layer GPT) joins the oldest generation unscanned (gc.freeze, then
-    gc.unfreeze), where a young collection would walk it all once more (0.3 s). Garbage among
-    it goes at the next full collection. Not when the caller froze objects of its own (before
-    a fork, say): unfreeze would release theirs too."""
+    gc.unfreeze), where a young collection would walk it all once more (0.3 to 0.5 s).
+    Garbage among it goes at the next full collection. Not when the caller froze objects of
+    its own (before a fork, say): unfreeze would release theirs too."""
     collecting = gc.isenabled()
     gc.disable()
     try:
