@@ -228,7 +228,9 @@ class ShardedFunction:
         fixed_in = {graph.inputs[i]: s for i, s in enumerate(fixed) if s}
         fixed_out = {i: s for i, s in enumerate(out_fixed) if s}
         ties = [(i, j) for i, j in carried_pairs(args, out_shapes) if out_fixed[j] is None]
-        index = GraphIndex(graph)  # shared by the searches below: each prices a thing once
+        # Shared by the searches below (each prices a thing once); dynamic_programming
+        # builds its own tables and reads none.
+        index = None if o.search_mode == "dynamic_programming" else GraphIndex(graph)
         gp, notes, decisions = self._search(graph, model, fixed_in, fixed_out,
                                             [(graph.inputs[i], j) for i, j in ties], index)
         if ties:  # each carried output takes the spec of the input it replaces
@@ -255,10 +257,10 @@ class ShardedFunction:
         _check_budget(plan, o.memory_budget)
         return self._finish(graph, plan, args)
 
-    def _search(self, graph, model, fixed_in, fixed_out, ties, index: GraphIndex):
+    def _search(self, graph, model, fixed_in, fixed_out, ties, index: GraphIndex | None):
         """(GraphPlan, notes, decisions) from the chosen search mode; ties: (input value,
         output position) pairs of carried state (the automatic searches price them); index:
-        the graph's GraphIndex, shared by the searches of one build."""
+        the graph's GraphIndex, shared by the searches of one build (None: each its own)."""
         mode = self.opts.search_mode
         if mode == "dynamic_programming":
             gp, sol = dynamic_programming(graph, model, fixed_in, fixed_out,

@@ -127,6 +127,11 @@ class GraphIndex:
         self.sizes: dict[int, float] = {}
         self.priced: dict[tuple, _Graph] = {}  # (id(model), classes) -> _Graph.of()
 
+    @staticmethod
+    def of(graph: OpGraph, index: GraphIndex | None = None) -> GraphIndex:
+        """`index` when it indexes `graph`, else a new GraphIndex of it."""
+        return index if index is not None and index.g is graph else GraphIndex(graph)
+
     def nbytes(self, v: int) -> float:
         hit = self.sizes.get(v)
         if hit is None:
@@ -146,7 +151,7 @@ class _Graph:
 
     def __init__(self, graph: OpGraph, model: CostModel, classes: list[int] | None,
                  index: GraphIndex | None = None):
-        index = index if index is not None and index.g is graph else GraphIndex(graph)
+        index = GraphIndex.of(graph, index)
         self.g, self.model, self.classes, self.index = graph, model, classes, index
         self.producer, self.readers, self.shares = index.producer, index.readers, index.shares
         self.nbytes = index.nbytes

@@ -134,7 +134,7 @@ def recursive_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, 
     """
     with paused_gc():
         return _search(graph, model, fixed_in, fixed_out, memory_budget, tuple(ties),
-                       index if index is not None and index.g is graph else GraphIndex(graph))
+                       GraphIndex.of(graph, index))
 
 
 def _search(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
