@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
+from jaxpar import progress
 from jaxpar.cost.hardware import load_profile
 from jaxpar.cost.model import CostModel
 from jaxpar.ir import build_graph, leaf_paths, trace
@@ -56,6 +57,7 @@ class _Compiled:
     build: Any
     _jitted: Any = None
     shardings: tuple | None = None  # the inputs' NamedShardings, made on the first call
+    called: bool = False  # the first call compiles
 
     @property
     def jitted(self):
@@ -169,7 +171,12 @@ class ShardedFunction:
         if c.shardings is None:
             c.shardings = tuple(NamedSharding(self.mesh, s.to_pspec()) for s in c.plan.in_specs)
         flat = [_placed(x, s) for x, s in zip(leaves, c.shardings, strict=True)]
-        out = c.jitted(*flat)
+        if c.called:
+            out = c.jitted(*flat)
+        else:
+            with progress.activity(f"compiling {_name(self.fn)} (first call)"):
+                out = c.jitted(*flat)
+            c.called = True
         return jax.tree_util.tree_unflatten(c.plan.out_tree, list(out))
 
     def plan(self, *args) -> Plan:
@@ -196,7 +203,7 @@ class ShardedFunction:
             leaves, tree = jax.tree_util.tree_flatten(args)
         key = (tree, tuple((tuple(x.shape), x.dtype) for x in leaves))
         if key not in self._cache:
-            with paused_gc():
+            with progress.activity(f"planning {_name(self.fn)}"), paused_gc():
                 self._cache[key] = self._build(args)
         return self._cache[key]
 
@@ -213,12 +220,14 @@ class ShardedFunction:
         for i, j in optimizer_followers(paths, shapes).items():
             if fixed[i] is None and fixed[j] is not None:
                 fixed[i] = fixed[j]  # optimizer state follows its parameter's fixed strategy
-        traced = trace(self.fn, args)
+        with progress.stage("tracing"):
+            traced = trace(self.fn, args)
         out_shapes = jax.tree_util.tree_unflatten(
             traced.out_tree, [jax.ShapeDtypeStruct(tuple(v.aval.shape), v.aval.dtype)
                               for v in traced.closed_jaxpr.jaxpr.outvars])
         out_fixed = strat.parse_out_strategy(o.out_strategy, out_shapes, mesh)
-        graph = build_graph(traced.closed_jaxpr, traced.in_paths)
+        with progress.stage("building the op graph"):
+            graph = build_graph(traced.closed_jaxpr, traced.in_paths)
         profile = load_profile(o.hardware)
         model = CostModel(MeshInfo.of(mesh), profile, o.level, o.mem_coeff,
                           recompute_heavy=o.search_mode not in AUTOMATIC_MODES)
@@ -251,8 +260,9 @@ class ShardedFunction:
         # Weights, for the layout report: carried state, else all but the first argument.
         first = len(jax.tree_util.tree_leaves(args[0])) if args else 0
         weights = {graph.inputs[i] for i, _ in ties} if ties else set(graph.inputs[first:])
-        plan = build_plan(graph, gp, model, traced, in_specs, out_specs, o.search_mode,
-                          profile.name, weights)
+        with progress.stage("building the plan"):
+            plan = build_plan(graph, gp, model, traced, in_specs, out_specs, o.search_mode,
+                              profile.name, weights)
         plan.notes, plan.decisions = notes, decisions
         _check_budget(plan, o.memory_budget)
         return self._finish(graph, plan, args)
@@ -262,6 +272,11 @@ class ShardedFunction:
         output position) pairs of carried state (the automatic searches price them); index:
         the graph's GraphIndex, shared by the searches of one build (None: each its own)."""
         mode = self.opts.search_mode
+        with progress.stage(f"searching ({mode})"):
+            return self._run_search(mode, graph, model, fixed_in, fixed_out, ties, index)
+
+    def _run_search(self, mode, graph, model, fixed_in, fixed_out, ties, index):
+        """_search's work, under its progress stage."""
         if mode == "dynamic_programming":
             gp, sol = dynamic_programming(graph, model, fixed_in, fixed_out,
                                           self.opts.memory_budget, ties=ties)
@@ -290,6 +305,11 @@ class ShardedFunction:
                              f"{self.mesh.size} devices: it only plans (`.plan(...)`). Shard it "
                              "over a Mesh of real devices (jaxpar.make_mesh) to run it.")
 
+
+
+def _name(fn) -> str:
+    """fn's name for the progress line (a partial or callable object: its type's)."""
+    return getattr(fn, "__name__", type(fn).__name__)
 
 
 def leaf_owners(args: tuple) -> list[int]:

@@ -30,6 +30,7 @@ import dataclasses
 
 import numpy as np
 
+from jaxpar import progress
 from jaxpar.cost.comm import Collective
 from jaxpar.cost.model import CostModel, OpCost
 from jaxpar.ir.graph import OpGraph
@@ -73,21 +74,26 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
     if region is not None and budget is not None:
         raise ValueError("dynamic_programming: a region is searched without a memory budget "
                          "(live sets count every op); pass memory_budget=None with it")
-    # No budget: no live sets to count copies in, so each tied group is one node as built;
-    # with one, every op is a node and the solver ties the groups (t.tied).
-    t = build_tables(graph, model, fixed_in, fixed_out, tuple(ties), allow,
-                     op_classes(graph) if tie_repeats else None, region, fold=budget is None)
-    problem = Problem(tuple(t.node_cost),
-                      tuple((e.u, e.v, e.cost, e.row, e.col) for e in t.edges),
-                      tuple(t.node_mem), None, budget, t.tied or None,
-                      live_ranges(graph, t) if budget is not None else None)
-    try:
-        solution = solve(problem, time_limit)
-        if group_tail:
-            solution = _one_latency_per_group(graph, model, t, problem, solution, time_limit)
-    except ValueError as err:  # no assignment fits: say it in the user's terms
-        raise ValueError(f"memory_budget={memory_budget:.0f} bytes per device cannot be met "
-                         f"once the fixed inputs are placed: {err}") from None
+    with progress.stage(""):
+        progress.step("pricing strategies and resharding")
+        # No budget: no live sets to count copies in, so each tied group is one node as
+        # built; with one, every op is a node and the solver ties the groups (t.tied).
+        t = build_tables(graph, model, fixed_in, fixed_out, tuple(ties), allow,
+                         op_classes(graph) if tie_repeats else None, region,
+                         fold=budget is None)
+        problem = Problem(tuple(t.node_cost),
+                          tuple((e.u, e.v, e.cost, e.row, e.col) for e in t.edges),
+                          tuple(t.node_mem), None, budget, t.tied or None,
+                          live_ranges(graph, t) if budget is not None else None)
+        progress.step("solving")
+        try:
+            solution = solve(problem, time_limit)
+            if group_tail:
+                solution = _one_latency_per_group(graph, model, t, problem, solution,
+                                                  time_limit)
+        except ValueError as err:  # no assignment fits: say it in the user's terms
+            raise ValueError(f"memory_budget={memory_budget:.0f} bytes per device cannot be "
+                             f"met once the fixed inputs are placed: {err}") from None
     return _to_plan(graph, t, solution.choice, fixed_in, region), solution
 
 
@@ -104,6 +110,7 @@ def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem:
         return solution
     keep = {kind: max((g for g in groups if g[0] == kind), key=lambda g: (groups[g], g))
             for kind in kinds}
+    progress.step("solving again, the tail's reductions over fewer device groups")
     penalty = 1.0 + 10.0 * float(np.max([c.max() for c in problem.node_cost]))
     costs = [c.copy() for c in problem.node_cost]
     for node in _tail_nodes(graph, t):

@@ -79,6 +79,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxpar import progress
 from jaxpar.cost.comm import reshard as comm_reshard
 from jaxpar.cost.model import CostModel
 from jaxpar.ir.graph import Lit, Op, OpGraph
@@ -277,7 +278,14 @@ class _Sapp:
         return out
 
     def run(self) -> GraphPlan:
+        axes = self.mesh.names
+        steps = 1 + 2 * (len(axes) + 1) + 1 + len({axes[0], axes[-1]}) + 1
+        with progress.stage("", total=steps):
+            return self._run()
+
+    def _run(self) -> GraphPlan:
         g, model = self.g, self.model
+        progress.step("pricing the units' cuts and links")
         links = self._link_classes()
         self.cands, self.scores, self.alive = {}, {}, {}
         for c, xs in self.members.items():
@@ -304,11 +312,13 @@ class _Sapp:
         # exact objective is kept (joint moves can mislead).
         passes = {"with joint moves": (True, {}), "with shared reads": (False, shared)}
         alive, outer, done = {c: list(a) for c, a in self.alive.items()}, self.lines, []
-        for how, (self.joint, self.divisor) in passes.items():
+        for n, (how, (self.joint, self.divisor)) in enumerate(passes.items(), 1):
             self.alive = {c: list(a) for c, a in alive.items()}
             self.factor, self.lines = {}, []
             for k, axis in enumerate(self.mesh.names):
+                progress.step(f"axis {axis}, pass {n} of {len(passes)}")
                 self._axis(k, axis, order)
+            progress.step(f"planning the other ops, pass {n} of {len(passes)}")
             decided = self._decided()
             if any(decided == d[0] for d in done):
                 continue
@@ -323,6 +333,7 @@ class _Sapp:
             _note(outer, f"kept the plan {best[4]}: it scores {best[2]:.6g} ({others})")
         self.lines = outer
         refiner = best[1]
+        progress.step("placing the carried state")
         place_state(refiner, self.units, self.members.values(), self.fixed_in, self.mesh)
         for x in self.mains:  # as propagate() reports them: with the runner-up
             refiner.plan.choices[x] = refiner.report(x)
@@ -336,6 +347,7 @@ class _Sapp:
         ties = tuple((v, pos) for v, pos, _ in self.units.carried if v not in self.fixed_in)
         before = self._score(plan, self.fixed_out)
         for axis in dict.fromkeys((self.mesh.names[-1], self.mesh.names[0])):
+            progress.step(f"axis {axis} solved again exactly")
             found = solve_axis(self.g, self.model, plan, self.fixed_in, self.fixed_out, ties,
                                axis)
             after = self._score(found, self.fixed_out)
@@ -359,6 +371,7 @@ class _Sapp:
         carried = [x for xs in self.members.values() for x in xs if x >= n]
         if not carried:
             return plan
+        progress.step("the largest carried state's neighbourhood solved again exactly")
         x = max(carried, key=lambda x: (max(index.nbytes(v) for v, _, _ in units.state(x)), -x))
         seeds = set(units.update_region(x))
         seeds.update(r for v, _, _ in units.state(x) for r, _ in index.readers.get(v, ()))

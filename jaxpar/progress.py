@@ -1,0 +1,213 @@
+"""What jaxpar is doing, shown on the terminal while it plans or compiles: one progress line.
+
+Planning a deep model takes seconds (a 48-layer GPT step: 2 to 11 s by search mode) and its
+first compile longer. A user at a terminal then sees the stage and the step it is at, with a
+bar where the number of steps is known, rather than silence:
+
+  ⠏ planning step · searching (recursive_programming) · axis d1, pass 2 of 2 ━━━━╺━━━━ 6/13 4.5 s
+
+The line appears only once the work has run DELAY seconds (a quick plan shows nothing), goes
+to stderr, and is erased when the work ends. JAXPAR_PROGRESS decides whether it shows: "1"
+always, "0" never; unset, when stderr is a terminal and the "jaxpar" logger is not at debug
+level (recursive_programming's decisions are logged there: the log is the progress then).
+
+Library code reports through three calls, which cost next to nothing when nothing is shown:
+
+    with progress.activity("planning train_step"):   # the outermost owns the line; one
+        with progress.stage("tracing"):              # inside another becomes a stage of it
+            ...
+        with progress.stage("searching", total=12):
+            progress.step("axis d0, pass 1")         # the stage's next step begins
+            ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Task, TextColumn
+from rich.text import Text
+
+ENV = "JAXPAR_PROGRESS"
+DELAY = 0.5  # seconds of work before the line appears
+
+_current: contextvars.ContextVar[_Activity | None] = contextvars.ContextVar(
+    "jaxpar_progress", default=None)
+
+
+def _console() -> Console:
+    """The console the line goes to (tests replace this)."""
+    return Console(stderr=True)
+
+
+def enabled(console: Console) -> bool:
+    """Whether a line shows on `console`, from JAXPAR_PROGRESS (see the module doc).
+
+    Raises:
+      ValueError: JAXPAR_PROGRESS is set to something other than "0" or "1".
+    """
+    raw = os.environ.get(ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{ENV}={raw!r}: set it to 1 (always show jaxpar's progress line), "
+                         "0 (never), or leave it unset (show it on a terminal).")
+    if raw:
+        return raw == "1"
+    return console.is_terminal and not logging.getLogger("jaxpar").isEnabledFor(logging.DEBUG)
+
+
+@contextlib.contextmanager
+def activity(title: str) -> Iterator[None]:
+    """One piece of long work (planning or compiling a function). Outermost, it owns the line
+    (shown after DELAY seconds, erased on exit); inside another activity it is a stage of it."""
+    outer = _current.get()
+    if outer is not None:
+        with stage(title):
+            yield
+        return
+    console = _console()
+    if not enabled(console):
+        yield
+        return
+    act = _Activity(title, console)
+    token = _current.set(act)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+        act.close()
+
+
+@contextlib.contextmanager
+def stage(name: str, total: int | None = None) -> Iterator[None]:
+    """A stage of the current activity (none: nothing shows). name: "" adds none to the line
+    (a search counting the steps of the stage its caller named). total: its number of steps
+    (step() begins each), for a bar; None: a stage without steps."""
+    act = _current.get()
+    if act is None:
+        yield
+        return
+    act.push(name, total)
+    try:
+        yield
+    finally:
+        act.pop()
+
+
+def step(name: str) -> None:
+    """The current stage's next step begins (the one before it is done)."""
+    act = _current.get()
+    if act is not None:
+        act.begin(name)
+
+
+@dataclass
+class _Stage:
+    name: str
+    total: int | None
+    done: int = -1  # steps begun before the one running (-1: none begun yet)
+    now: str = ""   # the step running
+
+
+@dataclass
+class _Activity:
+    """The line's state, and the rich Progress that draws it once DELAY has passed (started
+    by a timer thread, so a long step that reports nothing still shows)."""
+
+    title: str
+    console: Console
+    start: float = field(default_factory=time.perf_counter)
+    stages: list[_Stage] = field(default_factory=list)
+
+    def __post_init__(self):
+        self._lock = threading.Lock()
+        self._progress: Progress | None = None
+        self._task = None
+        self._closed = False
+        self._timer = threading.Timer(DELAY, self._show)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def push(self, name: str, total: int | None) -> None:
+        with self._lock:
+            self.stages.append(_Stage(name, total))
+            self._draw()
+
+    def pop(self) -> None:
+        with self._lock:
+            self.stages.pop()
+            self._draw()
+
+    def begin(self, name: str) -> None:
+        with self._lock:
+            if self.stages:
+                s = self.stages[-1]
+                s.done, s.now = s.done + 1, name
+                self._draw()
+
+    def text(self) -> str:
+        parts = [self.title]
+        for s in self.stages:
+            parts += [p for p in (s.name, s.now) if p]
+        return " · ".join(parts)
+
+    def bar(self) -> tuple[int | None, int]:
+        """(total, completed) of the outermost stage that counts its steps (the exact
+        searches recursive_programming runs inside its own steps show as text only)."""
+        for s in self.stages:
+            if s.total is not None:
+                return s.total, max(s.done, 0)
+        return None, 0
+
+    def _show(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._progress = Progress(
+                SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20),
+                _Count(), _Elapsed(self.start), console=self.console, transient=True,
+                redirect_stdout=False, redirect_stderr=False)
+            total, completed = self.bar()
+            self._task = self._progress.add_task(self.text(), total=total, completed=completed)
+            self._progress.start()
+
+    def _draw(self) -> None:
+        if self._progress is not None:
+            total, completed = self.bar()
+            self._progress.update(self._task, description=self.text(), total=total,
+                                  completed=completed, refresh=True)  # every step drawn
+
+    def close(self) -> None:
+        self._timer.cancel()
+        with self._lock:
+            self._closed = True
+            if self._progress is not None:
+                self._progress.stop()
+                self._progress = None
+
+
+class _Count(ProgressColumn):
+    """"5/12" when the stage counts its steps, else nothing."""
+
+    def render(self, task: Task) -> Text:
+        if task.total is None:
+            return Text("")
+        return Text(f"{int(task.completed)}/{int(task.total)}", style="progress.download")
+
+
+class _Elapsed(ProgressColumn):
+    """Seconds since the activity began (the line itself appears DELAY later)."""
+
+    def __init__(self, start: float):
+        super().__init__()
+        self.start = start
+
+    def render(self, task: Task) -> Text:
+        return Text(f"{time.perf_counter() - self.start:.1f} s", style="progress.elapsed")

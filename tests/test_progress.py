@@ -1,0 +1,157 @@
+"""The progress line jaxpar shows while it plans and compiles (jaxpar/progress.py)."""
+
+import io
+import logging
+import re
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from rich.console import Console
+
+import jaxpar
+from jaxpar import progress
+from jaxpar.models.mlp import init_mlp, make_sgd_step
+
+
+def _frames(buf: io.StringIO) -> list[str]:
+    """Every text the line was drawn with, control codes removed."""
+    text = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "\n", buf.getvalue())
+    return [line.strip() for line in re.split(r"[\r\n]", text) if line.strip()]
+
+
+@pytest.fixture
+def debug_log():
+    """The "jaxpar" logger at debug level for one test."""
+    logger = logging.getLogger("jaxpar")
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    yield
+    logger.setLevel(level)
+
+
+@pytest.fixture
+def terminal(monkeypatch) -> io.StringIO:
+    """A terminal that records what is drawn on it; the line shows at once."""
+    buf = io.StringIO()
+    monkeypatch.setattr(progress, "_console",
+                        lambda: Console(file=buf, force_terminal=True, width=300))
+    monkeypatch.setattr(progress, "DELAY", 0.0)
+    monkeypatch.delenv(progress.ENV, raising=False)
+    return buf
+
+
+def _sgd_problem():
+    params = init_mlp(jax.random.PRNGKey(0), [32, 64, 64, 16])
+    x = jax.random.normal(jax.random.PRNGKey(1), (64, 32))
+    y = jax.random.normal(jax.random.PRNGKey(2), (64, 16))
+    return make_sgd_step(0.1), (params, x, y)
+
+
+def _no_refresh_thread() -> bool:
+    """rich's drawing threads end once the line is stopped (it does not wait for them)."""
+    drawing = [t for t in threading.enumerate() if type(t).__name__ == "_RefreshThread"]
+    for t in drawing:
+        t.join(timeout=5)
+    return not any(t.is_alive() for t in drawing)
+
+
+def test_planning_shows_each_stage_and_step_of_the_search(terminal):
+    step, args = _sgd_problem()
+    f = jaxpar.shard(step, mesh=jaxpar.make_mesh(4), search_mode="recursive_programming")
+    f.plan(*args)
+    frames = _frames(terminal)
+    for want in ("planning step · tracing", "planning step · building the op graph",
+                 "planning step · searching (recursive_programming) · axis d0, pass 1 of 2",
+                 "searching (recursive_programming) · axis d1, pass 2 of 2",
+                 "placing the carried state",
+                 "axis d1 solved again exactly · pricing strategies and resharding",
+                 "planning step · building the plan"):
+        assert any(want in fr for fr in frames), want
+    # The bar counts recursive_programming's steps (the exact searches inside them do not
+    # count): 1 + 2 x (2 axes + 1) + 1 + 2 + 1 = 11 on a 2 x 2 mesh.
+    counts = {m.group(0) for fr in frames for m in [re.search(r"\b\d+/11\b", fr)] if m}
+    assert {"0/11", "3/11", "10/11"} <= counts
+    assert _no_refresh_thread()  # the line is gone with the work
+    assert progress._current.get() is None
+
+
+def test_dynamic_programming_shows_its_steps(terminal):
+    step, args = _sgd_problem()
+    jaxpar.shard(step, mesh=jaxpar.make_mesh(4), search_mode="dynamic_programming").plan(*args)
+    frames = _frames(terminal)
+    assert any("searching (dynamic_programming) · pricing strategies and resharding" in fr
+               for fr in frames)
+    assert any("searching (dynamic_programming) · solving" in fr for fr in frames)
+
+
+def test_the_first_call_shows_the_compile_and_later_calls_nothing(terminal):
+    f = jaxpar.shard(lambda x, w: jnp.tanh(x @ w), mesh=jaxpar.make_mesh(8))
+    x, w = jnp.ones((16, 8)), jnp.ones((8, 8))
+    want = np.tanh(np.ones((16, 8)) @ np.ones((8, 8)))
+    np.testing.assert_allclose(f(x, w), want, rtol=1e-6)
+    assert any("compiling <lambda> (first call)" in fr for fr in _frames(terminal))
+    terminal.truncate(0)
+    terminal.seek(0)
+    np.testing.assert_allclose(f(x, w), want, rtol=1e-6)
+    assert terminal.getvalue() == ""
+
+
+def test_a_quick_plan_shows_nothing(terminal, monkeypatch):
+    monkeypatch.setattr(progress, "DELAY", 60.0)
+    step, args = _sgd_problem()
+    jaxpar.shard(step, mesh=jaxpar.make_mesh(4)).plan(*args)
+    assert terminal.getvalue() == ""
+    timers = [t for t in threading.enumerate() if isinstance(t, threading.Timer)]
+    for t in timers:  # cancelled with the work, each ends without waiting out the delay
+        t.join(timeout=5)
+    assert not any(t.is_alive() for t in timers)
+
+
+@pytest.mark.parametrize("how", ["off", "not a terminal", "debug log"])
+def test_nothing_shows_when_switched_off(terminal, monkeypatch, request, how):
+    if how == "off":
+        monkeypatch.setenv(progress.ENV, "0")
+    elif how == "not a terminal":
+        monkeypatch.setattr(progress, "_console",
+                            lambda: Console(file=terminal, force_terminal=False))
+    else:  # recursive_programming's decisions are logged: the log is the progress then
+        request.getfixturevalue("debug_log")
+    step, args = _sgd_problem()
+    jaxpar.shard(step, mesh=jaxpar.make_mesh(4), search_mode="recursive_programming"
+                 ).plan(*args)
+    assert terminal.getvalue() == ""
+
+
+def test_forced_on_it_shows_off_a_terminal_and_with_a_debug_log(monkeypatch, debug_log):
+    monkeypatch.setenv(progress.ENV, "1")
+    assert progress.enabled(Console(file=io.StringIO(), force_terminal=False))
+
+
+def test_a_bad_setting_is_a_clear_error_before_tracing(terminal, monkeypatch):
+    monkeypatch.setenv(progress.ENV, "yes")
+
+    def never_traced(x):
+        raise AssertionError("traced")
+
+    with pytest.raises(ValueError, match=r"JAXPAR_PROGRESS='yes': set it to 1 .*0 .*unset"):
+        jaxpar.shard(never_traced, mesh=jaxpar.make_mesh(8)).plan(jnp.ones(8))
+
+
+def test_an_activity_inside_another_is_one_of_its_stages(terminal):
+    with progress.activity("outer"):
+        with progress.stage("counted", total=4):
+            progress.step("first")
+            with progress.activity("inner"):
+                with progress.stage("", total=9):  # an inner count does not take the bar
+                    progress.step("deep")
+                    act = progress._current.get()
+                    assert act.text() == "outer · counted · first · inner · deep"
+                    assert act.bar() == (4, 0)
+            progress.step("second")
+            assert act.bar() == (4, 1)
+        assert act.text() == "outer"
+    assert progress._current.get() is None
+    progress.step("outside any activity: nothing happens")
