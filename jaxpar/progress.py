@@ -179,10 +179,15 @@ class _Activity:
             self._progress.start()
 
     def _draw(self) -> None:
-        if self._progress is not None:
-            total, completed = self.bar()
-            self._progress.update(self._task, description=self.text(), total=total,
-                                  completed=completed, refresh=True)  # every step drawn
+        if self._progress is None:
+            return
+        total, completed = self.bar()
+        p = self._progress
+        if total != p.tasks[0].total:  # rich's update cannot take a total away: a new task
+            p.remove_task(self._task)
+            self._task = p.add_task(self.text(), total=total, completed=completed)
+        p.update(self._task, description=self.text(), completed=completed,
+                 refresh=True)  # every step drawn
 
     def close(self) -> None:
         self._timer.cancel()

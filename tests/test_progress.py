@@ -74,6 +74,7 @@ def test_planning_shows_each_stage_and_step_of_the_search(terminal):
     # count): 1 + 2 x (2 axes + 1) + 1 + 2 + 1 = 11 on a 2 x 2 mesh.
     counts = {m.group(0) for fr in frames for m in [re.search(r"\b\d+/11\b", fr)] if m}
     assert {"0/11", "3/11", "10/11"} <= counts
+    assert not any("building the plan" in fr and "/11" in fr for fr in frames)  # count gone
     assert _no_refresh_thread()  # the line is gone with the work
     assert progress._current.get() is None
 
