@@ -51,6 +51,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import progress
 from jaxpar.cost.hardware import HardwareProfile, Link, save_profile
 from jaxpar.mesh import make_mesh
 
@@ -141,17 +142,26 @@ def calibrate(mesh: Mesh | None = None, *, name: str | None = None, quick: bool 
         s = replace(s, matmul_dtype=matmul_dtype)
     s = _platform_sizes(s, mesh.devices.flat[0].platform)
     trips = _trips(mesh)
-    measured = tuple(_measure_axis(mesh, axis, kind, s, trips) for axis in mesh.axis_names
-                     if mesh.shape[axis] > 1 for kind in KINDS)
+    links = [(axis, kind) for axis in mesh.axis_names if mesh.shape[axis] > 1 for kind in KINDS]
+    devices = f"{mesh.size} device" + ("s" if mesh.size > 1 else "")
+    with progress.activity(f"calibrating {devices}"), \
+            progress.stage("", total=len(links) + 2):
+        measured = []
+        for axis, kind in links:
+            progress.step(f"{kind} over {axis}")
+            measured.append(_measure_axis(mesh, axis, kind, s, trips))
+        progress.step("peak flops")
+        peak = _peak_flops(mesh, s, trips)
+        progress.step("memory bandwidth")
+        bandwidth = _memory_bandwidth(mesh, s, trips)
     memory, notes = _memory_per_device(mesh, memory_bytes)
     notes.append(f"peak_flops: {s.matmul_dtype} matmuls of {s.matmul_size}^2 at JAX's default "
                  "precision")
     if not measured:
         notes.append("one device: no link to measure; intra is the device's memory bandwidth")
-    profile = build_profile(mesh, measured, name=name, peak_flops=_peak_flops(mesh, s, trips),
-                            memory_bandwidth=_memory_bandwidth(mesh, s, trips),
-                            memory_bytes=memory)
-    return Calibration(profile, measured, time.perf_counter() - start, tuple(notes))
+    profile = build_profile(mesh, measured, name=name, peak_flops=peak,
+                            memory_bandwidth=bandwidth, memory_bytes=memory)
+    return Calibration(profile, tuple(measured), time.perf_counter() - start, tuple(notes))
 
 
 def default_mesh() -> Mesh:
