@@ -32,6 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 import jaxpar
+from jaxpar import progress as jaxpar_progress
 from jaxpar.analysis import memory_stats
 from jaxpar.api import optimizer_followers
 from jaxpar.auto_parallel import PARALLEL_MODES
@@ -261,7 +262,8 @@ class _Demo:
         params, opt_state, *batch = self.args
         ref_params, ref_opt, *ref_batch = ref_args
         got, want = [], []
-        with self._progress() as progress:
+        # The first step compiles: jaxpar's own progress line would overwrite this bar.
+        with self._progress() as progress, jaxpar_progress.quiet():
             task = progress.add_task("training", total=steps, loss=float("nan"),
                                      ref=float("nan"))
             for _ in range(steps):

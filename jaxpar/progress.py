@@ -11,6 +11,9 @@ to stderr, and is erased when the work ends. JAXPAR_PROGRESS decides whether it 
 always, "0" never; unset, when stderr is a terminal and the "jaxpar" logger is not at debug
 level (recursive_programming's decisions are logged there: the log is the progress then).
 
+Code drawing its own live display (a training loop's progress bar, whose first step plans and
+compiles) keeps jaxpar's line off it with `with progress.quiet(): ...`.
+
 Library code reports through three calls, which cost next to nothing when nothing is shown:
 
     with progress.activity("planning train_step"):   # the outermost owns the line; one
@@ -39,7 +42,7 @@ from rich.text import Text
 ENV = "JAXPAR_PROGRESS"
 DELAY = 0.5  # seconds of work before the line appears
 
-_current: contextvars.ContextVar[_Activity | None] = contextvars.ContextVar(
+_current: contextvars.ContextVar[_Activity | _Quiet | None] = contextvars.ContextVar(
     "jaxpar_progress", default=None)
 
 
@@ -99,6 +102,17 @@ def stage(name: str, total: int | None = None) -> Iterator[None]:
         yield
     finally:
         act.pop()
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Nothing jaxpar does inside shows a line (the caller draws a live display of its own:
+    two on one terminal overwrite each other)."""
+    token = _current.set(_Quiet())
+    try:
+        yield
+    finally:
+        _current.reset(token)
 
 
 def step(name: str) -> None:
@@ -196,6 +210,19 @@ class _Activity:
             if self._progress is not None:
                 self._progress.stop()
                 self._progress = None
+
+
+class _Quiet:
+    """An activity that shows nothing (quiet())."""
+
+    def push(self, name: str, total: int | None) -> None:
+        pass
+
+    def pop(self) -> None:
+        pass
+
+    def begin(self, name: str) -> None:
+        pass
 
 
 class _Count(ProgressColumn):

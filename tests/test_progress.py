@@ -129,6 +129,16 @@ def test_nothing_shows_when_switched_off(terminal, monkeypatch, request, how):
     assert terminal.getvalue() == ""
 
 
+def test_nothing_shows_inside_quiet_even_forced_on(terminal, monkeypatch):
+    monkeypatch.setenv(progress.ENV, "1")
+    step, args = _sgd_problem()
+    with progress.quiet():  # a caller drawing its own live display
+        jaxpar.shard(step, mesh=jaxpar.make_mesh(4), search_mode="recursive_programming"
+                     ).plan(*args)
+    assert terminal.getvalue() == ""
+    assert progress._current.get() is None
+
+
 def test_forced_on_it_shows_off_a_terminal_and_with_a_debug_log(monkeypatch, debug_log):
     monkeypatch.setenv(progress.ENV, "1")
     assert progress.enabled(Console(file=io.StringIO(), force_terminal=False))
