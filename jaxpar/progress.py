@@ -8,8 +8,9 @@ bar where the number of steps is known, rather than silence:
 
 The line appears only once the work has run DELAY seconds (a quick plan shows nothing), goes
 to stderr, and is erased when the work ends. JAXPAR_PROGRESS decides whether it shows: "1"
-always, "0" never; unset, when stderr is a terminal and the "jaxpar" logger is not at debug
-level (recursive_programming's decisions are logged there: the log is the progress then).
+always, "0" never; unset, when stderr is a terminal, the "jaxpar" logger is not at debug level
+(recursive_programming's decisions are logged there: the log is the progress then) and this is
+the first process of a multi-process run (the others plan the same program at the same time).
 
 Code drawing its own live display (a training loop's progress bar, whose first step plans and
 compiles) keeps jaxpar's line off it with `with progress.quiet(): ...`.
@@ -35,6 +36,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import jax
 from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Task, TextColumn
 from rich.text import Text
@@ -63,7 +65,8 @@ def enabled(console: Console) -> bool:
                          "0 (never), or leave it unset (show it on a terminal).")
     if raw:
         return raw == "1"
-    return console.is_terminal and not logging.getLogger("jaxpar").isEnabledFor(logging.DEBUG)
+    return (console.is_terminal and not logging.getLogger("jaxpar").isEnabledFor(logging.DEBUG)
+            and jax.process_index() == 0)
 
 
 @contextlib.contextmanager

@@ -114,15 +114,17 @@ def test_a_quick_plan_shows_nothing(terminal, monkeypatch):
     assert not any(t.is_alive() for t in timers)
 
 
-@pytest.mark.parametrize("how", ["off", "not a terminal", "debug log"])
+@pytest.mark.parametrize("how", ["off", "not a terminal", "debug log", "not process 0"])
 def test_nothing_shows_when_switched_off(terminal, monkeypatch, request, how):
     if how == "off":
         monkeypatch.setenv(progress.ENV, "0")
     elif how == "not a terminal":
         monkeypatch.setattr(progress, "_console",
                             lambda: Console(file=terminal, force_terminal=False))
-    else:  # recursive_programming's decisions are logged: the log is the progress then
+    elif how == "debug log":  # recursive_programming's decisions: the log is the progress
         request.getfixturevalue("debug_log")
+    else:  # the other processes of a multi-process run plan the same program at once
+        monkeypatch.setattr(jax, "process_index", lambda: 1)
     step, args = _sgd_problem()
     jaxpar.shard(step, mesh=jaxpar.make_mesh(4), search_mode="recursive_programming"
                  ).plan(*args)
