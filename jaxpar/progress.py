@@ -150,7 +150,10 @@ class _Activity:
         self._closed = False
         self._timer = threading.Timer(DELAY, self._show)
         self._timer.daemon = True
-        self._timer.start()
+        if DELAY > 0:
+            self._timer.start()
+        else:  # no delay: shown at once
+            self._show()
 
     def push(self, name: str, total: int | None) -> None:
         with self._lock:
@@ -207,7 +210,7 @@ class _Activity:
                  refresh=True)  # every step drawn
 
     def close(self) -> None:
-        self._timer.cancel()
+        self._timer.cancel()  # (a timer never started cancels too)
         with self._lock:
             self._closed = True
             if self._progress is not None:

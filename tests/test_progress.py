@@ -4,6 +4,7 @@ import io
 import logging
 import re
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -112,6 +113,13 @@ def test_a_quick_plan_shows_nothing(terminal, monkeypatch):
     for t in timers:  # cancelled with the work, each ends without waiting out the delay
         t.join(timeout=5)
     assert not any(t.is_alive() for t in timers)
+
+
+def test_a_long_step_that_reports_nothing_shows_once_the_delay_passes(terminal, monkeypatch):
+    monkeypatch.setattr(progress, "DELAY", 0.05)
+    with progress.activity("waiting"), progress.stage("one long step"):
+        time.sleep(0.5)  # (XLA compiling, HiGHS solving: nothing reports meanwhile)
+    assert any("waiting · one long step" in fr for fr in _frames(terminal))
 
 
 @pytest.mark.parametrize("how", ["off", "not a terminal", "debug log", "not process 0"])
