@@ -105,6 +105,7 @@ _NEAR = 2e-2          # relative: a class's cuts this close count as equal, the 
 _CLOSE = 1.05         # a first decision's runner-up this close is tried as a second start
 _EXACT_CLASSES = 64   # up to this many classes an axis's joint choice is solved exactly
 _SWEEPS = 50          # coordinate descent over classes: at most this many sweeps
+_PASSES = ("with joint moves", "with shared reads")  # the two passes over the axes (run)
 _HOPS = 3             # the ops this many def-use hops from the largest carried state's
                       # readers and update are solved again exactly (over every axis)
 
@@ -278,8 +279,10 @@ class _Sapp:
         return out
 
     def run(self) -> GraphPlan:
-        axes = self.mesh.names
-        steps = 1 + 2 * (len(axes) + 1) + 1 + len({axes[0], axes[-1]}) + 1
+        # Pricing; each pass's axes and the plan of the other ops; the carried state; the
+        # axes solved again; the region around the largest carried state.
+        steps = (1 + len(_PASSES) * (len(self.mesh.names) + 1) + 1 + len(self._again())
+                 + 1)
         with progress.stage("", total=steps):
             return self._run()
 
@@ -310,7 +313,7 @@ class _Sapp:
         # value's main readers sharing its resharding. The links price a cut roughly; when
         # the passes decide differently each is planned in full and the plan with the lower
         # exact objective is kept (joint moves can mislead).
-        passes = {"with joint moves": (True, {}), "with shared reads": (False, shared)}
+        passes = dict(zip(_PASSES, [(True, {}), (False, shared)], strict=True))
         alive, outer, done = {c: list(a) for c, a in self.alive.items()}, self.lines, []
         for n, (how, (self.joint, self.divisor)) in enumerate(passes.items(), 1):
             self.alive = {c: list(a) for c, a in alive.items()}
@@ -346,7 +349,7 @@ class _Sapp:
         found is kept where its exact objective is lower."""
         ties = tuple((v, pos) for v, pos, _ in self.units.carried if v not in self.fixed_in)
         before = self._score(plan, self.fixed_out)
-        for axis in dict.fromkeys((self.mesh.names[-1], self.mesh.names[0])):
+        for axis in self._again():
             progress.step(f"axis {axis} solved again exactly")
             found = solve_axis(self.g, self.model, plan, self.fixed_in, self.fixed_out, ties,
                                axis)
@@ -358,6 +361,10 @@ class _Sapp:
                               "taken instead")
             plan, before = found, after
         return self._solve_around_state(plan, before, ties)
+
+    def _again(self) -> list[str]:
+        """The mesh axes _solve_again solves again, in order: the last, then the first."""
+        return list(dict.fromkeys((self.mesh.names[-1], self.mesh.names[0])))
 
     def _solve_around_state(self, plan: GraphPlan, before: float, ties: tuple) -> GraphPlan:
         """The ops within _HOPS of the largest carried state (the ops reading it and its
