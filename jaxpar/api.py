@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
@@ -167,6 +168,7 @@ class ShardedFunction:
     def __call__(self, *args):
         self._check_concrete("call")
         leaves, tree = jax.tree_util.tree_flatten(args)
+        args, leaves = array_arguments(self.fn, args, leaves, tree)
         c = self._compiled(args, leaves, tree)
         if c.shardings is None:
             c.shardings = tuple(NamedSharding(self.mesh, s.to_pspec()) for s in c.plan.in_specs)
@@ -180,12 +182,14 @@ class ShardedFunction:
         return jax.tree_util.tree_unflatten(c.plan.out_tree, list(out))
 
     def plan(self, *args) -> Plan:
-        """The plan for these arguments (arrays or ShapeDtypeStructs); nothing runs."""
-        return self._compiled(args).plan
+        """The plan for these arguments (arrays, ShapeDtypeStructs or Python scalars); nothing
+        runs."""
+        return self._compiled(array_arguments(self.fn, args)[0]).plan
 
     def lower(self, *args) -> jax.stages.Lowered:
         """The lowered program (call `.compile()` on it)."""
         self._check_concrete("lower")
+        args = array_arguments(self.fn, args)[0]
         c = self._compiled(args)
         flat = [jax.ShapeDtypeStruct(x.shape, x.dtype,
                                      sharding=NamedSharding(self.mesh, s.to_pspec()))
@@ -201,7 +205,7 @@ class ShardedFunction:
     def _compiled(self, args: tuple, leaves: list | None = None, tree=None) -> _Compiled:
         if leaves is None:
             leaves, tree = jax.tree_util.tree_flatten(args)
-        key = (tree, tuple((tuple(x.shape), x.dtype) for x in leaves))
+        key = (tree, signature(leaves))
         if key not in self._cache:
             with progress.activity(f"planning {_name(self.fn)}"), paused_gc():
                 self._cache[key] = self._build(args)
@@ -310,6 +314,42 @@ class ShardedFunction:
 def _name(fn) -> str:
     """fn's name for the progress line (a partial or callable object: its type's)."""
     return getattr(fn, "__name__", type(fn).__name__)
+
+
+def array_arguments(fn, args: tuple, leaves: list | None = None, tree=None
+                    ) -> tuple[tuple, list]:
+    """(args, their leaves) with each Python scalar leaf (bool, int, float, complex) made a 0-d
+    array, weakly typed as jax.jit traces it (`x * 2.0` stays bfloat16); arrays, numpy scalars
+    and ShapeDtypeStructs pass as they are. Any other leaf is a TypeError naming its path."""
+    if leaves is None:
+        leaves, tree = jax.tree_util.tree_flatten(args)
+    if all(hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves):
+        return args, leaves
+    names = arg_names(fn, len(args))
+    paths = [p for n, a in zip(names, args, strict=True) for p in leaf_paths(a, n)]
+    out = []
+    for x, path in zip(leaves, paths, strict=True):
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            out.append(x)
+        elif isinstance(x, bool | int | float | complex):
+            try:
+                out.append(jnp.asarray(x))
+            except OverflowError:
+                raise ValueError(f"argument {path}={x!r}: a Python int too large for "
+                                 f"{jnp.asarray(0).dtype}. Pass an array of a wider dtype "
+                                 "(with jax_enable_x64) or a smaller number.") from None
+        else:
+            raise TypeError(f"argument {path}={x!r} (a {type(x).__name__}): jaxpar.shard "
+                            "takes arrays, jax.ShapeDtypeStructs and Python scalars. Pass it "
+                            "as an array, or bind it into the function (functools.partial) "
+                            "when it is a setting rather than data.")
+    return jax.tree_util.tree_unflatten(tree, out), out
+
+
+def signature(leaves: list) -> tuple:
+    """What a plan depends on in the argument leaves: shapes, dtypes and weak typing (a weak
+    float32 scalar times a bfloat16 array stays bfloat16; a float32 one promotes it)."""
+    return tuple((tuple(x.shape), x.dtype, getattr(x, "weak_type", False)) for x in leaves)
 
 
 def leaf_owners(args: tuple) -> list[int]:

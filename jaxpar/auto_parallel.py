@@ -43,7 +43,15 @@ import jax
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from jaxpar import strategy as strat
-from jaxpar.api import ShardedFunction, carried_pairs, leaf_owners, optimizer_followers, shard
+from jaxpar.api import (
+    ShardedFunction,
+    array_arguments,
+    carried_pairs,
+    leaf_owners,
+    optimizer_followers,
+    shard,
+    signature,
+)
 from jaxpar.context import ParallelContext, current_context
 from jaxpar.ir import leaf_paths
 from jaxpar.ir.trace import arg_names
@@ -304,7 +312,8 @@ class AutoParallel:
     def _program(self, args: tuple) -> tuple[_Program, tuple]:
         pure, flat_args, unwrap = _purify(self.network, args)
         leaves, tree = jax.tree_util.tree_flatten(flat_args)
-        key = (tree, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
+        flat_args, leaves = array_arguments(pure, flat_args, leaves, tree)
+        key = (tree, signature(leaves))
         if key not in self._functions:
             self._functions[key] = self._build(pure, flat_args, unwrap)
         program = self._functions[key]

@@ -215,6 +215,50 @@ def test_memory_budget_too_small_is_a_clear_error():
         jaxpar.shard(dense_relu, memory_budget=100).plan(X, W, B)
 
 
+@pytest.mark.parametrize("mode", ["sharding_propagation", "recursive_programming"])
+def test_python_scalars_are_arguments_as_under_jit(mode):
+    def fn(x, scale, shift, flip):
+        y = x * scale + shift
+        return jnp.where(flip, -y, y)
+
+    x = jnp.asarray(RNG.standard_normal((16, 8)), jnp.bfloat16)
+    f = jaxpar.shard(fn, search_mode=mode)
+    for scale, shift, flip in [(2.0, 3, True), (0.5, -1, False)]:
+        got, want = f(x, scale, shift, flip), jax.jit(fn)(x, scale, shift, flip)
+        assert got.dtype == want.dtype == jnp.bfloat16  # weakly typed, as jit traces them
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert len(f._cache) == 1  # new values, one program
+    plan = f.plan(x, 2.0, 3, True)
+    assert [s.dims for s in plan.in_specs[1:]] == [(), (), ()]
+    assert f.lower(x, 2.0, 3, True).compile() is not None
+
+
+def test_a_weak_scalar_and_a_float32_one_plan_apart():
+    x = jnp.ones((16, 8), jnp.bfloat16)
+    f = jaxpar.shard(lambda x, s: x * s)
+    assert f(x, 2.0).dtype == jnp.bfloat16
+    assert f(x, np.float32(2.0)).dtype == jnp.float32  # promotes, as under jit
+    assert len(f._cache) == 2
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    ("fast", TypeError, r"argument options/mode='fast' \(a str\).*functools.partial"),
+    (2 ** 40, ValueError, r"argument options/mode=1099511627776.*too large"),
+])
+def test_a_leaf_that_is_no_array_is_named_before_tracing(bad, exc, match):
+    traced = []
+
+    def fn(x, options):
+        traced.append(1)
+        return x
+
+    f = jaxpar.shard(fn)
+    for call in (f, f.plan, f.lower):
+        with pytest.raises(exc, match=match):
+            call(X, {"mode": bad})
+    assert not traced
+
+
 def test_carried_pairs_match_state_returned_in_place():
     from jaxpar.api import carried_pairs
 

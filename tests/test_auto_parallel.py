@@ -250,6 +250,23 @@ def test_a_new_shape_plans_again():
     assert a.in_specs[1] != b.in_specs[1] or a.fingerprint != b.fingerprint
 
 
+def test_a_python_scalar_argument_is_a_weak_array():
+    def step(w, x, lr):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+        return w - lr * g, loss
+
+    net = AutoParallel(step, "recursive_programming")
+    w, x = jnp.ones((16, 16), jnp.bfloat16) * 0.1, jnp.ones((8, 16), jnp.bfloat16)
+    for lr in (0.5, 0.25):
+        (got, loss), (want, ref) = net(w, x, lr), jax.jit(step)(w, x, lr)
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   rtol=1e-2)
+    assert len(net._functions) == 1
+    with pytest.raises(TypeError, match=r"argument lr='fast'"):
+        net(w, x, "fast")
+
+
 def test_fp32_communication_reduces_in_float32():
     x = jnp.ones((16, 64), jnp.bfloat16)
     w = jnp.ones((64, 32), jnp.bfloat16)
