@@ -8,6 +8,7 @@ cached per input signature (pytree structure, shapes, dtypes).
 
 from __future__ import annotations
 
+import inspect
 import numbers
 from dataclasses import dataclass, replace
 from typing import Any
@@ -165,8 +166,9 @@ class ShardedFunction:
     def mesh(self) -> Mesh | AbstractMesh:
         return self.opts.mesh
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         self._check_concrete("call")
+        args = positional_arguments(self.fn, args, kwargs)
         leaves, tree = jax.tree_util.tree_flatten(args)
         args, leaves = array_arguments(self.fn, args, leaves, tree)
         c = self._compiled(args, leaves, tree)
@@ -181,15 +183,16 @@ class ShardedFunction:
             c.called = True
         return jax.tree_util.tree_unflatten(c.plan.out_tree, list(out))
 
-    def plan(self, *args) -> Plan:
+    def plan(self, *args, **kwargs) -> Plan:
         """The plan for these arguments (arrays, ShapeDtypeStructs or Python scalars); nothing
         runs."""
+        args = positional_arguments(self.fn, args, kwargs)
         return self._compiled(array_arguments(self.fn, args)[0]).plan
 
-    def lower(self, *args) -> jax.stages.Lowered:
+    def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """The lowered program (call `.compile()` on it)."""
         self._check_concrete("lower")
-        args = array_arguments(self.fn, args)[0]
+        args = array_arguments(self.fn, positional_arguments(self.fn, args, kwargs))[0]
         c = self._compiled(args)
         flat = [jax.ShapeDtypeStruct(x.shape, x.dtype,
                                      sharding=NamedSharding(self.mesh, s.to_pspec()))
@@ -314,6 +317,38 @@ class ShardedFunction:
 def _name(fn) -> str:
     """fn's name for the progress line (a partial or callable object: its type's)."""
     return getattr(fn, "__name__", type(fn).__name__)
+
+
+def positional_arguments(fn, args: tuple, kwargs: dict) -> tuple:
+    """args followed by the keyword arguments that name fn's next positional parameters, in
+    the signature's order (`f(x, w=w)` is `f(x, w)`: in_strategy counts positions). A keyword
+    fn cannot take by position (keyword-only, **kwargs, after a parameter left to its
+    default) is a TypeError saying how to pass it."""
+    if not kwargs:
+        return args
+    name = _name(fn)
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}(...) got keyword arguments {sorted(kwargs)}, but its "
+                        "signature cannot be read to place them; pass them by position.") \
+            from None
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{name}(...): {e}") from None
+    out, left = list(args), dict(kwargs)
+    for p in list(sig.parameters.values())[len(args):]:
+        if p.kind is not p.POSITIONAL_OR_KEYWORD or p.name not in left:
+            break
+        out.append(left.pop(p.name))
+    if left:
+        raise TypeError(
+            f"{name}(...): keyword argument(s) {sorted(left)} do not follow the arguments "
+            f"before them in {name}'s signature {sig}. jaxpar passes arguments by position "
+            "(in_strategy counts them so): give every parameter before them too, or bind "
+            "settings into the function with functools.partial.")
+    return tuple(out)
 
 
 def array_arguments(fn, args: tuple, leaves: list | None = None, tree=None

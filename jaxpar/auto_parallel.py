@@ -49,6 +49,7 @@ from jaxpar.api import (
     carried_pairs,
     leaf_owners,
     optimizer_followers,
+    positional_arguments,
     shard,
     signature,
 )
@@ -165,19 +166,19 @@ class AutoParallel:
         self._check_now()
 
     # -- calling ---------------------------------------------------------------------------
-    def __call__(self, *args):
-        program, flat = self._program(args)
+    def __call__(self, *args, **kwargs):
+        program, flat = self._program(positional_arguments(self.network, args, kwargs))
         out = program.sharded(*flat)
         return program.unwrap(out)
 
-    def plan(self, *args) -> Plan:
+    def plan(self, *args, **kwargs) -> Plan:
         """The plan for these arguments (arrays, ShapeDtypeStructs or nnx objects)."""
-        program, flat = self._program(args)
+        program, flat = self._program(positional_arguments(self.network, args, kwargs))
         return program.sharded.plan(*flat)
 
-    def lower(self, *args) -> jax.stages.Lowered:
+    def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """The lowered program for these arguments (call `.compile()` on it)."""
-        program, flat = self._program(args)
+        program, flat = self._program(positional_arguments(self.network, args, kwargs))
         return program.sharded.lower(*flat)
 
     # -- MindSpore's methods -------------------------------------------------------------------

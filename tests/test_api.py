@@ -259,6 +259,32 @@ def test_a_leaf_that_is_no_array_is_named_before_tracing(bad, exc, match):
     assert not traced
 
 
+def test_keyword_arguments_are_placed_by_the_signature():
+    f = jaxpar.shard(dense_relu, in_strategy=((4, 2), None, None))
+    want = jax.jit(dense_relu)(X, W, B)
+    np.testing.assert_allclose(f(X, bias=B, weight=W), want, rtol=1e-6)
+    np.testing.assert_allclose(f(x=X, weight=W, bias=B), want, rtol=1e-6)
+    assert len(f._cache) == 1  # the same program as f(X, W, B)
+    assert f.plan(X, W, bias=B) is f.plan(X, W, B)
+    assert "dot" in f.lower(X, weight=W, bias=B).as_text()
+
+
+def _scaled(x, w=None, *, scale=1.0):
+    return x @ w * scale
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda f: f(X, W, weight=W), r"multiple values for argument 'weight'"),
+    (lambda f: f(X, W, bais=B), r"dense_relu\(\.\.\.\): missing a required argument: 'bias'"),
+    (lambda f: f(X, W, B, bais=B), r"unexpected keyword argument 'bais'"),
+    (lambda f: jaxpar.shard(_scaled)(X, W, scale=2.0), r"\['scale'\].*functools.partial"),
+    (lambda f: jaxpar.shard(_scaled)(X, scale=2.0), r"\['scale'\].*give every parameter"),
+])
+def test_keyword_arguments_that_cannot_be_placed_are_named(call, match):
+    with pytest.raises(TypeError, match=match):
+        call(jaxpar.shard(dense_relu))
+
+
 def test_carried_pairs_match_state_returned_in_place():
     from jaxpar.api import carried_pairs
 
