@@ -56,16 +56,24 @@ class _Compiled:
     """A plan and its jitted program, built on first use (`.plan()` needs none)."""
 
     plan: Plan
-    build: Any
+    build: Any  # build(traced) -> lower.jit.build_callable's function
     _jitted: Any = None
+    _traced: Any = None
     shardings: tuple | None = None  # the inputs' NamedShardings, made on the first call
     called: bool = False  # the first call compiles
 
     @property
     def jitted(self):
         if self._jitted is None:
-            self._jitted = self.build()
+            self._jitted = self.build(False)
         return self._jitted
+
+    @property
+    def traced(self):
+        """The program for tracer inputs (build_callable's `traced`)."""
+        if self._traced is None:
+            self._traced = self.build(True)
+        return self._traced
 
 
 def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=None, level=0, *,
@@ -172,6 +180,10 @@ class ShardedFunction:
         leaves, tree = jax.tree_util.tree_flatten(args)
         args, leaves = array_arguments(self.fn, args, leaves, tree)
         c = self._compiled(args, leaves, tree)
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            # Inside jax.jit, grad, vmap...: the program is one more jitted call in the
+            # caller's trace (jit's in_shardings place its operands).
+            return jax.tree_util.tree_unflatten(c.plan.out_tree, list(c.traced(*leaves)))
         if c.shardings is None:
             c.shardings = tuple(NamedSharding(self.mesh, s.to_pspec()) for s in c.plan.in_specs)
         flat = [_placed(x, s) for x, s in zip(leaves, c.shardings, strict=True)]
@@ -302,9 +314,9 @@ class ShardedFunction:
             plan.out_tree = jax.tree_util.tree_structure(jax.eval_shape(self.fn, *args))
         donate = tuple(i for i, owner in enumerate(leaf_owners(args))
                        if owner in self.opts.donate_argnums)
-        return _Compiled(plan, lambda: build_callable(
+        return _Compiled(plan, lambda traced: build_callable(
             graph, plan.graph_plan, self.mesh, plan.in_specs, plan.out_specs, donate,
-            self.opts.fp32_communication))
+            self.opts.fp32_communication, traced))
 
     def _check_concrete(self, what: str) -> None:
         if isinstance(self.mesh, AbstractMesh):

@@ -262,6 +262,7 @@ def test_a_python_scalar_argument_is_a_weak_array():
         assert got.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                    rtol=1e-2)
+        np.testing.assert_allclose(loss, ref, rtol=1e-2)
     assert len(net._functions) == 1
     assert net.plan(w, x, lr=0.5) is net.plan(w, x, 0.5)
     with pytest.raises(TypeError, match=r"argument lr='fast'"):

@@ -128,13 +128,23 @@ _REGIONS = {"scan": _scan, "while": _while, "cond": _cond}
 
 def build_callable(graph: OpGraph, plan: GraphPlan, mesh: Mesh, in_specs: list[Spec],
                    out_specs: list[Spec], donate: tuple[int, ...] = (),
-                   fp32_communication: bool = False) -> Callable:
+                   fp32_communication: bool = False, traced: bool = False) -> Callable:
     """A jitted function of the flat inputs returning the flat outputs, placed per the specs
-    (fp32_communication: see the module docstring)."""
+    (fp32_communication: see the module docstring).
+
+    traced: for inputs that are tracers of an enclosing transformation (jax.jit, grad,
+    vmap): the inputs are constrained to their specs inside the program rather than by
+    in_shardings, which jit checks against the concrete values a transformation carries (a
+    committed array laid out otherwise would be refused), and nothing is donated."""
     in_sh = tuple(NamedSharding(mesh, s.to_pspec()) for s in in_specs)
     out_sh = tuple(NamedSharding(mesh, s.to_pspec()) for s in out_specs)
 
     def run(*flat):
+        if traced:
+            flat = [jax.lax.with_sharding_constraint(x, s) for x, s in
+                    zip(flat, in_sh, strict=True)]
         return tuple(replay(graph, plan, mesh, list(flat), fp32_communication))
 
+    if traced:
+        return jax.jit(run, out_shardings=out_sh)
     return jax.jit(run, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
