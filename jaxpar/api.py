@@ -180,7 +180,7 @@ class ShardedFunction:
         leaves, tree = jax.tree_util.tree_flatten(args)
         args, leaves = array_arguments(self.fn, args, leaves, tree)
         c = self._compiled(args, leaves, tree)
-        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        if "tracer" in _kinds(leaves):
             # Inside jax.jit, grad, vmap...: the program is one more jitted call in the
             # caller's trace (jit's in_shardings place its operands).
             return jax.tree_util.tree_unflatten(c.plan.out_tree, list(c.traced(*leaves)))
@@ -363,40 +363,69 @@ def positional_arguments(fn, args: tuple, kwargs: dict) -> tuple:
     return tuple(out)
 
 
+_KINDS: dict[type, str] = {bool: "scalar", int: "scalar", float: "scalar", complex: "scalar"}
+
+
+def _kind(x) -> str:
+    """"array" (an array, numpy scalar or ShapeDtypeStruct), "tracer" (an array inside a
+    transformation), "scalar" (a Python number) or "other"; remembered per type, as the
+    checks behind it are slow and a call asks for every leaf."""
+    t = type(x)
+    kind = _KINDS.get(t)
+    if kind is None:
+        kind = _KINDS[t] = ("tracer" if isinstance(x, jax.core.Tracer) else
+                            "array" if hasattr(x, "shape") and hasattr(x, "dtype") else
+                            "scalar" if isinstance(x, bool | int | float | complex) else
+                            "other")
+    return kind
+
+
+def _kinds(leaves: list) -> set[str]:
+    """The _kind of each leaf, as a set (known types looked up at C speed)."""
+    kinds = set(map(_KINDS.get, map(type, leaves)))
+    return {_kind(x) for x in leaves} if None in kinds else kinds
+
+
 def array_arguments(fn, args: tuple, leaves: list | None = None, tree=None
                     ) -> tuple[tuple, list]:
     """(args, their leaves) with each Python scalar leaf (bool, int, float, complex) made a 0-d
-    array, weakly typed as jax.jit traces it (`x * 2.0` stays bfloat16); arrays, numpy scalars
-    and ShapeDtypeStructs pass as they are. Any other leaf is a TypeError naming its path."""
+    array, weakly typed as jax.jit traces it (`x * 2.0` stays bfloat16); arrays, tracers, numpy
+    scalars and ShapeDtypeStructs pass as they are. Any other leaf is a TypeError naming its
+    path."""
     if leaves is None:
         leaves, tree = jax.tree_util.tree_flatten(args)
-    if all(hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves):
+    if _kinds(leaves) <= {"array", "tracer"}:
         return args, leaves
     names = arg_names(fn, len(args))
     paths = [p for n, a in zip(names, args, strict=True) for p in leaf_paths(a, n)]
     out = []
     for x, path in zip(leaves, paths, strict=True):
-        if hasattr(x, "shape") and hasattr(x, "dtype"):
-            out.append(x)
-        elif isinstance(x, bool | int | float | complex):
+        kind = _kind(x)
+        if kind == "scalar":
             try:
-                out.append(jnp.asarray(x))
+                x = jnp.asarray(x)
             except OverflowError:
                 raise ValueError(f"argument {path}={x!r}: a Python int too large for "
                                  f"{jnp.asarray(0).dtype}. Pass an array of a wider dtype "
                                  "(with jax_enable_x64) or a smaller number.") from None
-        else:
+        elif kind == "other":
             raise TypeError(f"argument {path}={x!r} (a {type(x).__name__}): jaxpar.shard "
                             "takes arrays, jax.ShapeDtypeStructs and Python scalars. Pass it "
                             "as an array, or bind it into the function (functools.partial) "
                             "when it is a setting rather than data.")
+        out.append(x)
     return jax.tree_util.tree_unflatten(tree, out), out
 
 
 def signature(leaves: list) -> tuple:
     """What a plan depends on in the argument leaves: shapes, dtypes and weak typing (a weak
     float32 scalar times a bfloat16 array stays bfloat16; a float32 one promotes it)."""
-    return tuple((tuple(x.shape), x.dtype, getattr(x, "weak_type", False)) for x in leaves)
+    out = []
+    for x in leaves:
+        aval = getattr(x, "aval", None)  # jax arrays and tracers: one lookup
+        out.append((aval.shape, aval.dtype, aval.weak_type) if aval is not None else
+                   (tuple(x.shape), x.dtype, getattr(x, "weak_type", False)))
+    return tuple(out)
 
 
 def leaf_owners(args: tuple) -> list[int]:
