@@ -3,7 +3,10 @@
 shard(fn, in_strategy, ...) returns a ShardedFunction. Calling it (or .plan/.lower) validates the
 strategies against the arguments, traces fn, plans every op by the chosen search, and runs the
 replayed program under jax.jit with the planned shardings. Plans and compiled programs are
-cached per input signature (pytree structure, shapes, dtypes).
+cached per input signature (pytree structure, shapes, dtypes, weak typing). Arguments are
+pytrees of arrays or ShapeDtypeStructs; Python scalars become weakly typed 0-d arrays and
+keyword arguments are placed by fn's signature, as under jax.jit. Called on tracers (inside
+jax.jit, grad, vmap) the program is one more jitted call in the caller's trace.
 """
 
 from __future__ import annotations
@@ -182,7 +185,7 @@ class ShardedFunction:
         c = self._compiled(args, leaves, tree)
         if "tracer" in _kinds(leaves):
             # Inside jax.jit, grad, vmap...: the program is one more jitted call in the
-            # caller's trace (jit's in_shardings place its operands).
+            # caller's trace, its operands constrained to the plan's specs inside it.
             return jax.tree_util.tree_unflatten(c.plan.out_tree, list(c.traced(*leaves)))
         if c.shardings is None:
             c.shardings = tuple(NamedSharding(self.mesh, s.to_pspec()) for s in c.plan.in_specs)
@@ -367,9 +370,9 @@ _KINDS: dict[type, str] = {bool: "scalar", int: "scalar", float: "scalar", compl
 
 
 def _kind(x) -> str:
-    """"array" (an array, numpy scalar or ShapeDtypeStruct), "tracer" (an array inside a
-    transformation), "scalar" (a Python number) or "other"; remembered per type, as the
-    checks behind it are slow and a call asks for every leaf."""
+    """A leaf's kind: "array" (an array, numpy scalar or ShapeDtypeStruct), "tracer" (an
+    array inside a transformation), "scalar" (a Python number) or "other"; remembered per
+    type, as the checks behind it are slow and a call asks for every leaf."""
     t = type(x)
     kind = _KINDS.get(t)
     if kind is None:
