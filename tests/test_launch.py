@@ -66,10 +66,10 @@ def test_two_processes_train_like_one_process(tmp_path):
 
     ts = _train_step_module()
     f = ts.sharded_step()  # the same program in this process, on its 8 devices
-    w1, w2, x, y = ts.problem()
+    w1, w2, x, y, lr = ts.problem()
     losses = []
     for _ in range(ts.STEPS):
-        w1, w2, loss = f(w1, w2, x, y)
+        w1, w2, loss = f(w1, w2, x, y, lr)
         losses.append(float(loss))
     np.testing.assert_allclose(multi["losses"], losses, rtol=1e-5)
     np.testing.assert_allclose(multi["w1"], np.asarray(w1), rtol=1e-5, atol=1e-7)
@@ -84,7 +84,7 @@ def test_train_step_reduces_across_the_process_axis():
     ts = _train_step_module()
     f = ts.sharded_step()
     plan = f.plan(*ts.problem())
-    assert [s.to_pspec() for s in plan.in_specs] == [P("dp", "tp"), P("tp"), P("dp"), P("dp")]
+    assert [s.to_pspec() for s in plan.in_specs] == [P("dp", "tp"), P("tp"), P("dp"), P("dp"), P()]
     groups = [g for op in collective_ops(f.lower(*ts.problem()).compile())
               if op.kind == "all-reduce" for g in (op.groups or ())]
     assert any(min(g) < 4 <= max(g) for g in groups), groups
