@@ -156,13 +156,18 @@ def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, sea
     if parameter_plan is not None and not isinstance(parameter_plan, dict):
         raise TypeError(f"shard(parameter_plan={parameter_plan!r}): must be a dict mapping "
                         "parameter paths to strategies, e.g. {'params/w': (1, 8)}.")
-    donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    donate = (donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums
+    if isinstance(donate_argnums, bool) or not isinstance(donate, tuple | list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in donate):
+        raise TypeError(f"shard(donate_argnums={donate_argnums!r}): give an int or a tuple of "
+                        "ints, the positions of the arguments whose buffers a call may reuse, "
+                        "e.g. (0, 1).")
     load_profile(hardware)  # unknown profiles fail here, before any tracing
     if mesh is None:
         platform = {"CPU": "cpu", "GPU": "gpu", "TPU": "tpu"}.get(device)
         mesh = make_mesh(len(jax.devices(platform) if platform else jax.devices()), device=device)
     return ShardOptions(in_strategy, out_strategy, parameter_plan, level, mesh, mode, hardware,
-                        memory_budget, float(mem_coeff), donate)
+                        memory_budget, float(mem_coeff), tuple(donate))
 
 
 class ShardedFunction:
@@ -233,6 +238,7 @@ class ShardedFunction:
         from jaxpar import strategy as strat
 
         o, mesh = self.opts, self.opts.mesh
+        self._donated(len(args))  # before anything is traced
         fixed = strat.parse_in_strategy(o.in_strategy, args, mesh)
         names = arg_names(self.fn, len(args))
         paths = [p for n, a in zip(names, args, strict=True) for p in leaf_paths(a, n)]
@@ -315,11 +321,23 @@ class ShardedFunction:
         if plan.in_tree is None:  # a loaded plan: take the structure from these arguments
             plan.in_tree = jax.tree_util.tree_structure(args)
             plan.out_tree = jax.tree_util.tree_structure(jax.eval_shape(self.fn, *args))
-        donate = tuple(i for i, owner in enumerate(leaf_owners(args))
-                       if owner in self.opts.donate_argnums)
+        donated = self._donated(len(args))
+        donate = tuple(i for i, owner in enumerate(leaf_owners(args)) if owner in donated)
         return _Compiled(plan, lambda traced: build_callable(
             graph, plan.graph_plan, self.mesh, plan.in_specs, plan.out_specs, donate,
             self.opts.fp32_communication, traced))
+
+    def _donated(self, n_args: int) -> set[int]:
+        """The positions donate_argnums names among n_args arguments (negative ones count
+        from the end, as for jax.jit); one naming none is a ValueError."""
+        given = self.opts.donate_argnums
+        bad = [i for i in given if not -n_args <= i < n_args]
+        if bad:
+            raise ValueError(f"shard(donate_argnums={given}): {_name(self.fn)} is called with "
+                             f"{n_args} positional argument(s), so {bad} name(s) none; give "
+                             f"positions from 0 to {n_args - 1}, or negative ones counting "
+                             "from the end.")
+        return {i % n_args for i in given}
 
     def _check_concrete(self, what: str) -> None:
         if isinstance(self.mesh, AbstractMesh):

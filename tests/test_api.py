@@ -140,6 +140,15 @@ def test_donation_and_cache():
     assert len(f._cache) == 2  # a new shape plans again
 
 
+def test_a_negative_donation_counts_from_the_end():
+    f = jaxpar.shard(lambda s, x: (s * 0.5, x + 1), in_strategy=((8, 1), (8, 1)),
+                     donate_argnums=-1)
+    s, x = (jax.device_put(jnp.ones((16, 4)), NamedSharding(f.mesh, P(("d0", "d1", "d2"))))
+            for _ in range(2))
+    f(s, x)
+    assert x.is_deleted() and not s.is_deleted()
+
+
 def test_a_steps_outputs_go_back_in_without_being_moved(monkeypatch):
     # A training loop feeds each step's outputs back: they already lie where the plan wants
     # them, so the call neither moves them nor runs the slower equivalence check.
@@ -168,6 +177,9 @@ BAD_CALLS = [
     ({"out_strategy": ((3, 1),)}, (X, W, B), ValueError, r"out_strategy\[0\]"),
     ({"parameter_plan": {"wieght": (2, 1)}}, (X, W, B), ValueError, r"wieght.*weight"),
     ({"parameter_plan": {"weight": (2, 1, 1)}}, (X, W, B), ValueError, r"parameter_plan"),
+    ({"donate_argnums": (0, 5)}, (X, W, B), ValueError,
+     r"donate_argnums=\(0, 5\).*3 positional argument.*\[5\]"),
+    ({"donate_argnums": -4}, (X, W, B), ValueError, r"donate_argnums=\(-4,\)"),
 ]
 
 
@@ -196,6 +208,9 @@ BAD_OPTIONS = [
     ({"memory_budget": -1}, ValueError, r"memory_budget=-1"),
     ({"mem_coeff": -0.5}, ValueError, r"mem_coeff=-0.5"),
     ({"parameter_plan": [("w", (1, 8))]}, TypeError, r"parameter_plan.*dict"),
+    ({"donate_argnums": "x"}, TypeError, r"donate_argnums='x'.*int"),
+    ({"donate_argnums": (0, 1.0)}, TypeError, r"donate_argnums=\(0, 1.0\)"),
+    ({"donate_argnums": True}, TypeError, r"donate_argnums=True"),
 ]
 
 
