@@ -23,6 +23,13 @@ per device, the larger of its operand and result buffers:
   all-reduce (XLA's combiner merges a training step's gradient reductions into one) is split
   by element: the elements whose every use slices them are one reduce-scatter, the others one
   all-reduce, each with the bytes of its elements.
+- XLA:CPU reduces 16-bit floats (bf16, f16) in float32: it widens such an all-reduce's
+  operands and clones its reducer as `<name>_promoted` (the combiner may then merge f32
+  reductions into it). Such an all-reduce counts its f32 buffer in `bytes` (what this backend
+  moves) and half of it in `CollectiveOp.widened`: what widening added at most, as the HLO no
+  longer tells which elements were 16-bit. A backend that reduces 16-bit floats natively
+  (GPU, TPU) moves between `bytes - widened` and `bytes`; `Plan.verify` accepts a plan
+  within that range.
 - A collective that moves nothing is left out: a collective-permute whose source-target pairs
   are all `{i,i}`, or a collective whose every replica group has one device. So `{}` means the
   program does not communicate. A permute with some identity pairs counts its whole buffer
@@ -113,6 +120,8 @@ class CollectiveOp:
     count: int                              # executions per run of the program
     groups: tuple[tuple[int, ...], ...] | None  # device groups; None: unreadable (all devices)
     pairs: tuple[tuple[int, int], ...] = ()     # a collective-permute's (source, target) pairs
+    widened: int = 0  # of `bytes`, at most this was added by widening 16-bit floats to f32
+                      # (XLA:CPU; see the module doc)
 
     def times(self, k: int) -> CollectiveOp:
         return replace(self, count=self.count * k)
@@ -187,7 +196,7 @@ def _collectives(mod: Module, comp: str, ins: Instr) -> list[CollectiveOp]:
     op = CollectiveOp(ins.name, kind, shape_bytes(_result_type(mod, comp, ins)), 1,
                       None if groups is None else tuple(map(tuple, groups)))
     if kind == "all-reduce":
-        return _split_sliced(mod, comp, ins, op)
+        return _split_sliced(mod, comp, ins, op, _widened(ins))
     if kind == "reduce-scatter":
         operands = sum(shape_bytes(mod.type_of(comp, o)) for o in ins.operands)
         return [replace(op, bytes=max(op.bytes * (len(groups[0]) if groups else 1), operands))]
@@ -196,13 +205,16 @@ def _collectives(mod: Module, comp: str, ins: Instr) -> list[CollectiveOp]:
     return [op]
 
 
-def _split_sliced(mod: Module, comp: str, ins: Instr, op: CollectiveOp) -> list[CollectiveOp]:
+def _split_sliced(mod: Module, comp: str, ins: Instr, op: CollectiveOp,
+                  wide: bool) -> list[CollectiveOp]:
     """An all-reduce as the reduce-scatter of the elements every use slices and the all-reduce
-    of the others (XLA's combiner merges a step's gradient reductions into one tuple)."""
+    of the others (XLA's combiner merges a step's gradient reductions into one tuple); wide:
+    whether XLA:CPU may have widened its elements from 16 bits (_widened)."""
     elements = tuple_elements(ins.type)
     users = mod.users(comp, ins.name)
     if not ins.type.lstrip().startswith("(") or not all(
             u.opcode == "get-tuple-element" for u in users):
+        op = replace(op, widened=op.bytes // 2 if wide else 0)
         return [replace(op, kind="reduce-scatter") if _only_sliced(mod, comp, ins.name) else op]
     uses: dict[int, list[Instr]] = {}
     for u in users:
@@ -211,7 +223,15 @@ def _split_sliced(mod: Module, comp: str, ins: Instr, op: CollectiveOp) -> list[
               for i in range(len(elements))]
     parts = {"all-reduce": [e for e, s in zip(elements, sliced, strict=True) if not s],
              "reduce-scatter": [e for e, s in zip(elements, sliced, strict=True) if s]}
-    return [replace(op, kind=k, bytes=sum(map(shape_bytes, es))) for k, es in parts.items() if es]
+    return [replace(op, kind=k, bytes=sum(map(shape_bytes, es)),
+                    widened=sum(shape_bytes(e) // 2 for e in es) if wide else 0)
+            for k, es in parts.items() if es]
+
+
+def _widened(ins: Instr) -> bool:
+    """Whether XLA:CPU widened an all-reduce from 16-bit floats to float32: its reducer is a
+    `*_promoted` clone (float normalization names it so)."""
+    return any(name.endswith("_promoted") for name in ins.attr_names("to_apply"))
 
 
 def _moves_nothing(mod: Module, ins: Instr, kind: str) -> bool:

@@ -77,6 +77,16 @@ def test_native_reduce_scatter_counts_the_full_input():
     assert collective_stats(c) == {"reduce-scatter": stat(1, 64 * 4 * F32)}
 
 
+def test_cpu_widens_a_bf16_all_reduce_and_says_by_how_much_at_most():
+    fn = jax.shard_map(lambda x: lax.psum(x, "d"), mesh=mesh(), in_specs=P("d"), out_specs=P())
+    c = jax.jit(fn).lower(jnp.ones((64, 16), jnp.bfloat16)).compile()
+    assert "_promoted" in c.as_text(), "XLA:CPU no longer widens bf16 all-reduces"
+    (op,) = collective_ops(c)
+    assert (op.kind, op.bytes, op.widened) == ("all-reduce", 8 * 16 * F32, 8 * 16 * 2)
+    f32 = jax.jit(fn).lower(jnp.ones((64, 16), jnp.float32)).compile()
+    assert collective_ops(f32)[0].widened == 0
+
+
 def test_all_to_all_reshard():
     c = compiled(lambda x: x * 2, P("d", None), P(None, "d"), (64, 64))
     assert collective_stats(c) == {"all-to-all": stat(1, 64 * 64 * F32 // 8)}
@@ -224,6 +234,23 @@ def test_tuple_collectives_sum_their_elements():
                   f"%ar = (f32[8]{{0}}, f32[4]{{0}}) all-reduce(%p, %q), {ALL}, to_apply=%add",
                   f"%a2a = (f32[8]{{0}}, f32[8]{{0}}) all-to-all(%p, %p), {ALL}")
     assert collective_stats(text) == {"all-reduce": stat(1, 48), "all-to-all": stat(1, 64)}
+
+
+def test_a_promoted_tuple_all_reduce_splits_its_widened_bytes():
+    extra = ("%add_promoted (a: f32[], b: f32[]) -> f32[] {\n  %a = f32[] parameter(0)\n"
+             "  %b = f32[] parameter(1)\n  ROOT %s = f32[] add(%a, %b)\n}\n")
+    text = module("%p = f32[64]{0} parameter(0)", "%q = f32[8]{0} parameter(1)",
+                  "%z = s32[] parameter(2)",
+                  f"%ar = (f32[64]{{0}}, f32[8]{{0}}) all-reduce(%p, %q), {ALL}, "
+                  "to_apply=%add_promoted",
+                  "%g0 = f32[64]{0} get-tuple-element(%ar), index=0",
+                  "%g1 = f32[8]{0} get-tuple-element(%ar), index=1",
+                  "%ds = f32[8]{0} dynamic-slice(%g0, %z), dynamic_slice_sizes={8}",
+                  "ROOT %t = (f32[8]{0}, f32[8]{0}) tuple(%ds, %g1)", extra=extra)
+    ops = {op.kind: (op.bytes, op.widened) for op in collective_ops(text)}
+    assert ops == {"reduce-scatter": (256, 128), "all-reduce": (32, 16)}
+    plain = text.replace("to_apply=%add_promoted", "to_apply=%add")
+    assert all(op.widened == 0 for op in collective_ops(plain))
 
 
 ASYNC = {

@@ -7,6 +7,7 @@ what the compiled program really moves (jaxpar.collective_stats).
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -62,3 +63,32 @@ def test_verification_allows_a_few_bytes_and_ten_percent():
     assert Verification(ar(1, 1e6), ar(1, 1.09e6)).bytes_ok
     assert not Verification(ar(1, 1e6), ar(1, 1.2e6)).bytes_ok
     assert not Verification(ar(1, 4.0), ar(3, 1000)).bytes_ok
+
+
+def test_verification_of_bf16_reductions_widened_by_xla_cpu():
+    ar = lambda nbytes: {"all-reduce": {"count": 1, "bytes": nbytes}}  # noqa: E731
+    # Half of a 2000-byte f32 all-reduce may have been bf16: 1000 to 2000 bytes on a GPU.
+    for planned in (1000, 1500, 2000):
+        assert Verification(ar(planned), ar(2000), widened=1000).bytes_ok
+    assert not Verification(ar(600), ar(2000), widened=1000).bytes_ok
+    assert not Verification(ar(1000), ar(2000)).bytes_ok
+    assert "widened, at most" in str(Verification(ar(1000), ar(2000), widened=1000))
+
+
+def test_a_bf16_training_step_verifies_on_cpu():
+    def step(w, x):
+        def loss(w):
+            h = jnp.tanh(x.astype(jnp.bfloat16) @ w["a"].astype(jnp.bfloat16))
+            return jnp.mean((h @ w["b"].astype(jnp.bfloat16)).astype(jnp.float32) ** 2)
+        g = jax.grad(loss)(w)
+        return jax.tree.map(lambda p, d: p - 0.1 * d, w, g)
+
+    rng = np.random.default_rng(0)
+    w = {"a": jnp.asarray(rng.standard_normal((64, 128)), jnp.float32),
+         "b": jnp.asarray(rng.standard_normal((128, 16)), jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+    f = jaxpar.shard(step, in_strategy=(None, (8, 1)), hardware="h100-nvlink",
+                     search_mode="recursive_programming")  # data parallel: bf16 gradients
+    check = f.plan(w, x).verify(f.lower(w, x).compile())
+    assert check.widened > 0 and check.measured_bytes > 1.5 * check.predicted_bytes
+    assert check.bytes_ok, str(check)
