@@ -92,3 +92,26 @@ def test_a_bf16_training_step_verifies_on_cpu():
     check = f.plan(w, x).verify(f.lower(w, x).compile())
     assert check.widened > 0 and check.measured_bytes > 1.5 * check.predicted_bytes
     assert check.bytes_ok, str(check)
+
+
+def test_a_scan_trained_through_moves_what_its_plan_says():
+    """A scan over stacked weights and its backward scan, which reads the forward's residuals:
+    each loop's state (carry, xs slices) is laid out as its plan says, so the partitioner
+    neither gathers the residuals before the backward loop nor moves the carry again after
+    the forward one (it did: 131,076 bytes for a plan of 98,308)."""
+    def loss(ws, x):
+        x, _ = jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), None), x, ws)
+        return x.mean()
+
+    def step(ws, x):
+        value, grad = jax.value_and_grad(loss)(ws, x)
+        return ws - 0.1 * grad, value
+
+    rng = np.random.default_rng(0)
+    ws = jnp.asarray(rng.standard_normal((3, 64, 64)) * 0.1, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((8, 16, 64)) * 0.1, jnp.float32)
+    f = jaxpar.shard(step, hardware="h100-nvlink")
+    for got, want in zip(f(ws, x), jax.jit(step)(ws, x), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    check = f.plan(ws, x).verify(f.lower(ws, x).compile())
+    assert check.measured_bytes == check.predicted_bytes > 0, str(check)

@@ -3,7 +3,9 @@
 Every operand whose spec differs from what the chosen strategy needs is constrained to the
 needed spec first, and every result is constrained to its planned spec, so the SPMD partitioner
 has no freedom left to pick other layouts. Region ops are rebuilt with `lax.scan`,
-`lax.while_loop` and `lax.switch` around replays of their bodies.
+`lax.while_loop` and `lax.switch` around replays of their bodies, each body's arguments and a
+loop's new carry constrained to the specs the body's plan gives them (the loop state is laid out
+as planned: otherwise the partitioner picks its own layout and moves it around the loop).
 
 With `fp32` (MindSpore's fp32 communication), an op whose chosen strategy leaves a bf16/f16
 result partial (a matmul or sum cut along its reduction) computes that result in float32, is
@@ -92,14 +94,31 @@ def _region(op: Op, plans: tuple[GraphPlan, ...], ins: list, mesh: Mesh, fp32: b
     return _REGIONS[op.name](op, plans, ins, mesh, fp32)
 
 
+def _pinned(graph: OpGraph, plan: GraphPlan, args: list, mesh: Mesh) -> list:
+    """A region body's arguments constrained to the specs its plan gives its inputs: a loop's
+    state (carry, the slices of a scan's xs) is otherwise laid out as the partitioner
+    likes, which may gather it where the plan does not (a backward scan reading its
+    residuals)."""
+    return [_constrain(a, plan.specs[v], mesh) if v in plan.specs else a
+            for v, a in zip(graph.inputs, args, strict=True)]
+
+
+def _carried(outs: list, graph: OpGraph, plan: GraphPlan, first: int, mesh: Mesh) -> list:
+    """A loop body's new carry constrained to the specs of the carry it replaces (graph
+    inputs from `first` on, one per output): the plan prices the move at the end of each turn, and the
+    partitioner would otherwise keep the body's layout and move it after the loop too."""
+    return [_constrain(a, plan.specs[v], mesh) if v in plan.specs else a
+            for v, a in zip(graph.inputs[first:first + len(outs)], outs, strict=True)]
+
+
 def _scan(op: Op, plans, ins, mesh, fp32) -> list:
     nc, ncar = scan_counts(op.params)
     consts, init, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
     body, plan = op.regions[0], plans[0]
 
     def step(carry, x):
-        outs = replay(body, plan, mesh, [*consts, *carry, *x], fp32)
-        return outs[:ncar], outs[ncar:]
+        outs = replay(body, plan, mesh, _pinned(body, plan, [*consts, *carry, *x], mesh), fp32)
+        return _carried(outs[:ncar], body, plan, nc, mesh), outs[ncar:]
 
     carry, ys = jax.lax.scan(step, init, xs, length=op.params["length"],
                              reverse=op.params["reverse"], unroll=op.params["unroll"])
@@ -110,15 +129,21 @@ def _while(op: Op, plans, ins, mesh, fp32) -> list:
     cn, bn = op.params["cond_nconsts"], op.params["body_nconsts"]
     cconsts, bconsts, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
     (cond, body), (cond_plan, body_plan) = op.regions, plans
+
+    def turn(c):
+        outs = replay(body, body_plan, mesh, _pinned(body, body_plan, [*bconsts, *c], mesh),
+                      fp32)
+        return _carried(outs, body, body_plan, bn, mesh)
+
     out = jax.lax.while_loop(
-        lambda c: replay(cond, cond_plan, mesh, [*cconsts, *c], fp32)[0],
-        lambda c: replay(body, body_plan, mesh, [*bconsts, *c], fp32),
-        list(init))
+        lambda c: replay(cond, cond_plan, mesh, _pinned(cond, cond_plan, [*cconsts, *c], mesh),
+                         fp32)[0],
+        turn, list(init))
     return list(out)
 
 
 def _cond(op: Op, plans, ins, mesh, fp32) -> list:
-    branches = [lambda *a, b=b, p=p: replay(b, p, mesh, list(a), fp32)
+    branches = [lambda *a, b=b, p=p: replay(b, p, mesh, _pinned(b, p, list(a), mesh), fp32)
                 for b, p in zip(op.regions, plans, strict=True)]
     return list(jax.lax.switch(ins[0], branches, *ins[1:]))
 
