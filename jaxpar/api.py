@@ -258,7 +258,8 @@ class ShardedFunction:
             graph = build_graph(traced.closed_jaxpr, traced.in_paths)
         profile = load_profile(o.hardware)
         model = CostModel(MeshInfo.of(mesh), profile, o.level, o.mem_coeff,
-                          recompute_heavy=o.search_mode not in AUTOMATIC_MODES)
+                          recompute_heavy=o.search_mode not in AUTOMATIC_MODES,
+                          search_bodies=o.search_mode in AUTOMATIC_MODES)
         if self._pinned is not None:
             self._pinned.check_matches(traced.fingerprint, model.mesh)
             return self._finish(graph, self._pinned, args)

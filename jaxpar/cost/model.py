@@ -88,9 +88,14 @@ class CostModel:
     """Prices strategies and reshardings on one mesh and hardware profile."""
 
     def __init__(self, mesh: MeshInfo, profile: HardwareProfile, level: int = 0,
-                 mem_coeff: float = 0.0, recompute_heavy: bool = True):
+                 mem_coeff: float = 0.0, recompute_heavy: bool = True,
+                 search_bodies: bool = False):
         self.mesh, self.profile, self.level, self.mem_coeff = mesh, profile, level, mem_coeff
         self.recompute_heavy = recompute_heavy
+        # Loop bodies also solved exactly (search.regions.region_candidates): the automatic
+        # searches' models say so.
+        self.search_bodies = search_bodies
+        self.regions_cache: dict = {}  # (id(op), operand specs) -> (op, region candidates)
         self.links = profile.axis_links(mesh)
         # Bytes per second at which the memory term prices memory (see the module doc).
         self.memory_rate = min((link.bandwidth for link in self.links.values()),

@@ -105,8 +105,9 @@ def _pinned(graph: OpGraph, plan: GraphPlan, args: list, mesh: Mesh) -> list:
 
 def _carried(outs: list, graph: OpGraph, plan: GraphPlan, first: int, mesh: Mesh) -> list:
     """A loop body's new carry constrained to the specs of the carry it replaces (graph
-    inputs from `first` on, one per output): the plan prices the move at the end of each turn, and the
-    partitioner would otherwise keep the body's layout and move it after the loop too."""
+    inputs from `first` on, one per output): the plan prices the move at the end of each
+    turn, and the partitioner would otherwise keep the body's layout and move it after the
+    loop too."""
     return [_constrain(a, plan.specs[v], mesh) if v in plan.specs else a
             for v, a in zip(graph.inputs[first:first + len(outs)], outs, strict=True)]
 

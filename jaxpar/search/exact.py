@@ -94,7 +94,29 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
         except ValueError as err:  # no assignment fits: say it in the user's terms
             raise ValueError(f"memory_budget={memory_budget:.0f} bytes per device cannot be "
                              f"met once the fixed inputs are placed: {err}") from None
-    return _to_plan(graph, t, solution.choice, fixed_in, region), solution
+        plan = _to_plan(graph, t, solution.choice, fixed_in, region)
+        loops = [op for op in graph.ops if op.name in ("scan", "while")]
+        if model.search_bodies and loops and budget is None and region is None and \
+                allow is None:
+            # Each loop's body was solved for free operands; solved again for the operand
+            # specs this plan gives it, the loops of a step (forward and backward scans)
+            # can agree on what passes between them. Its candidates are a superset: the
+            # optimum can only drop.
+            progress.step("solving again, loop bodies planned for their neighbours")
+            seeds = {op.index: [plan.specs.get(v) if isinstance(v, int) else None
+                                for v in op.inputs] for op in loops}
+            t = build_tables(graph, model, fixed_in, fixed_out, tuple(ties), allow,
+                             op_classes(graph) if tie_repeats else None, region, fold=True,
+                             region_seeds=seeds)
+            problem = Problem(tuple(t.node_cost),
+                              tuple((e.u, e.v, e.cost, e.row, e.col) for e in t.edges),
+                              tuple(t.node_mem), None, None, t.tied or None, None)
+            again = solve(problem, time_limit)
+            if group_tail:
+                again = _one_latency_per_group(graph, model, t, problem, again, time_limit)
+            solution = dataclasses.replace(again, seconds=solution.seconds + again.seconds)
+            plan = _to_plan(graph, t, solution.choice, fixed_in, region)
+    return plan, solution
 
 
 def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem: Problem,
@@ -236,7 +258,7 @@ def _to_plan(graph: OpGraph, t: Tables, choice: np.ndarray, fixed_in: dict[int, 
                 t.cands[node][runner] if runner is not None else None,
                 float(local[runner]) if runner is not None else None, len(t.cands[node]),
                 has_rule(op.primitive) or bool(op.regions))
-        plans, trips, _ = t.regions.get(op.index, ((), 1, None))
+        plans, trips, _ = t.regions.get(op.index, {}).get(id(hit[0]), ((), 1, None))
         plan.choices[op.index] = Choice(*hit, plans, trips)
         plan.specs.update(zip(op.outputs, hit[0].outs, strict=True))
     for v in graph.inputs:

@@ -271,17 +271,23 @@ class _Graph:
                       float(t[runner]) if runner is not None else None, len(o.cands), o.rule)
 
     def region(self, op: Op, known_specs: dict[int, Spec]) -> Choice:
-        """A region op's one candidate: its bodies planned with the operand specs known."""
-        from jaxpar.search.regions import plan_region
+        """A region op's choice: its bodies planned with the operand specs known
+        (regions.region_candidates: by propagation, and for a loop in the automatic searches
+        also solved exactly), the cheapest with the moves into its operand specs."""
+        from jaxpar.search.regions import region_candidates
 
         info = OpInfo.of(op, self.g)
         known = [known_specs.get(v) if isinstance(v, int) else Spec.replicated(len(sh))
                  for v, sh in zip(op.inputs, info.in_shapes, strict=True)]
-        s, regions, body_cost, trips = plan_region(op, info, known, self.model)
-        edges = sum(self.price(v, k, need) for v, k, need in zip(op.inputs, known, s.ins,
-                                                                 strict=True)
-                    if isinstance(v, int) and k is not None)
-        return Choice(s, body_cost, self.model.score(body_cost) + edges, None, None, 1, True,
+        found = region_candidates(op, info, known, self.model)
+        totals = [self.model.score(cost) + sum(
+            self.price(v, k, need) for v, k, need in zip(op.inputs, known, s.ins, strict=True)
+            if isinstance(v, int) and k is not None) for s, _, cost, _ in found]
+        order = sorted(range(len(found)), key=totals.__getitem__)  # stable: the first wins ties
+        s, regions, body_cost, trips = found[order[0]]
+        runner = found[order[1]][0] if len(order) > 1 else None
+        return Choice(s, body_cost, totals[order[0]], runner,
+                      totals[order[1]] if runner is not None else None, len(found), True,
                       regions, trips)
 
 

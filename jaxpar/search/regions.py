@@ -6,6 +6,11 @@ trip count is unknown and counted once; a cond costs its most expensive branch).
 
 Carried values keep one spec across iterations: the body is planned once with the unknown
 carries free, then again with every carry fixed, in and out, to the spec the first pass gave it.
+
+With `CostModel.search_bodies` (the automatic searches set it), a loop's body (scan, while) is
+also solved by dynamic_programming, exactly, the carries tied in and out and the known operand
+specs fixed: `region_candidates` then offers both plans and the search around the loop picks by
+its own costs (a scan over a GPT's layers is otherwise planned by propagation alone).
 """
 
 from __future__ import annotations
@@ -20,6 +25,22 @@ from jaxpar.spec import OpStrategy, Spec
 def plan_region(op: Op, info: OpInfo, known: list[Spec | None], model: CostModel):
     """(strategy, body plans, cost, trips) for a region op given its known operand specs."""
     return _PLANNERS[op.name](op, info, known, model)
+
+
+def region_candidates(op: Op, info: OpInfo, known: list[Spec | None],
+                      model: CostModel) -> list[tuple]:
+    """plan_region's answer, then (with model.search_bodies, for a loop) the one whose body
+    dynamic_programming solved, unless it is the same strategy and no cheaper."""
+    if not model.search_bodies or op.name not in _SEARCHED:
+        return [plan_region(op, info, known, model)]
+    key = (id(op), tuple(known))  # the searches ask again for the same operand specs
+    hit = model.regions_cache.get(key)
+    if hit is None or hit[0] is not op:
+        first = plan_region(op, info, known, model)
+        found = _SEARCHED[op.name](op, info, known, model)
+        same = found[0] == first[0] and model.score(found[2]) >= model.score(first[2])
+        hit = model.regions_cache[key] = (op, [first] if same else [first, found])
+    return hit[1]
 
 
 def _fixed(inputs: tuple[int, ...], specs: list[Spec | None]) -> dict[int, Spec]:
@@ -37,16 +58,30 @@ def _loop_body(body: OpGraph, known: list[Spec | None], n_lead: int, n_carry: in
     return plan, carry
 
 
+def _solved_body(body: OpGraph, known: list[Spec | None], n_lead: int, n_carry: int,
+                 model: CostModel) -> tuple[GraphPlan, list[Spec]]:
+    """_loop_body by dynamic_programming: the cheapest body plan whose new carries come back
+    in the specs the carries went in (a known carry: in that spec)."""
+    from jaxpar.search.exact import dynamic_programming
+
+    fixed = _fixed(body.inputs, known)
+    carry_vs = body.inputs[n_lead:n_lead + n_carry]
+    fixed_out = {i: fixed[v] for i, v in enumerate(carry_vs) if v in fixed}
+    ties = [(v, i) for i, v in enumerate(carry_vs) if v not in fixed]
+    plan, _ = dynamic_programming(body, model, fixed, fixed_out, ties=ties)
+    return plan, [plan.specs[v].resolved() for v in carry_vs]
+
+
 def _stacked(spec: Spec) -> Spec:
     return Spec(((),) + spec.dims)
 
 
-def _scan(op: Op, info: OpInfo, known, model: CostModel):
+def _scan(op: Op, info: OpInfo, known, model: CostModel, plan_body=_loop_body):
     (nc, ncar), length = scan_counts(op.params), op.params["length"]
     body = op.regions[0]
     per_iter = [k if (k is None or i < nc + ncar) else Spec(k.dims[1:])
                 for i, k in enumerate(known)]
-    plan, carry = _loop_body(body, per_iter, nc, ncar, model)
+    plan, carry = plan_body(body, per_iter, nc, ncar, model)
     ins = [plan.specs[v] for v in body.inputs]
     ins = ins[:nc + ncar] + [_stacked(s) for s in ins[nc + ncar:]]
     ys = [_stacked(out_spec(body, plan, v)) for v in body.outputs[ncar:]]
@@ -54,11 +89,11 @@ def _scan(op: Op, info: OpInfo, known, model: CostModel):
     return _strategy(ins, carry + ys), (plan,), cost, length
 
 
-def _while(op: Op, info: OpInfo, known, model: CostModel):
+def _while(op: Op, info: OpInfo, known, model: CostModel, plan_body=_loop_body):
     cn, bn = op.params["cond_nconsts"], op.params["body_nconsts"]
     cond, body = op.regions
     carry_known = known[cn + bn:]
-    plan, carry = _loop_body(body, known[cn:cn + bn] + carry_known, bn, len(carry_known), model)
+    plan, carry = plan_body(body, known[cn:cn + bn] + carry_known, bn, len(carry_known), model)
     cond_plan = propagate(cond, model, _fixed(cond.inputs, known[:cn] + carry))
     ins = [cond_plan.specs[v] for v in cond.inputs[:cn]] + \
         [plan.specs[v] for v in body.inputs[:bn]] + carry
@@ -85,3 +120,5 @@ def _strategy(ins: list[Spec], outs: list[Spec]) -> OpStrategy:
 
 
 _PLANNERS = {"scan": _scan, "while": _while, "cond": _cond}
+_SEARCHED = {"scan": lambda *a: _scan(*a, plan_body=_solved_body),
+             "while": lambda *a: _while(*a, plan_body=_solved_body)}

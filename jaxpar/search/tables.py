@@ -29,7 +29,7 @@ from jaxpar.cost.model import CostModel, nbytes
 from jaxpar.ir.graph import Lit, OpGraph
 from jaxpar.rules.registry import OpInfo
 from jaxpar.search.propagation import GraphPlan
-from jaxpar.search.regions import plan_region
+from jaxpar.search.regions import region_candidates
 from jaxpar.spec import Spec
 
 
@@ -82,7 +82,8 @@ class Tables:
     node_cost: list[np.ndarray] = field(default_factory=list)
     node_mem: list[np.ndarray] = field(default_factory=list)
     edges: list[Edge] = field(default_factory=list)
-    regions: dict[int, tuple] = field(default_factory=dict)    # op index -> (plans, trips, cost)
+    regions: dict[int, dict] = field(default_factory=dict)  # op index -> {id(candidate):
+                                                            # (plans, trips, cost)}
     count: list[int] = field(default_factory=list)  # ops and inputs per node, built folded
                                                     # (build_tables' classes; else empty)
     tied: tuple[tuple[int, ...], ...] = ()  # built with classes, not folded: the nodes that
@@ -92,7 +93,8 @@ class Tables:
 def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
                  fixed_out: dict[int, Spec], ties: tuple[tuple[int, int], ...] = (),
                  allow: Allow | None = None, classes: Sequence[int] | None = None,
-                 region: Region | None = None, fold: bool = True) -> Tables:
+                 region: Region | None = None, fold: bool = True,
+                 region_seeds: dict[int, list] | None = None) -> Tables:
     """ties: (free input value, output position) pairs of carried state: the output is handed
     back in the input's spec, so the resharding from its producer into that spec is an edge
     between the producer and the input node, priced with everything else. allow: only the
@@ -111,8 +113,11 @@ def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     them: its live sets count the layers apart).
 
     region: only its ops and free inputs become nodes (Region); None: the whole graph.
+    region_seeds: {region op index: operand specs (None: free)}: the op also takes the
+    candidates regions.region_candidates plans from those specs (dynamic_programming seeds
+    them from a first solution, so that a loop's body can be solved for its neighbours).
     """
-    b = _Builder(graph, model, allow, classes, fold)
+    b = _Builder(graph, model, allow, classes, fold, region_seeds or {})
     inside = range(len(graph.ops)) if region is None else region.ops
     ops = [op for op in graph.ops if op.index in inside]
     for op in ops:
@@ -170,8 +175,10 @@ class _Builder:
     and made into the tables by finish()."""
 
     def __init__(self, graph: OpGraph, model: CostModel, allow: Allow | None = None,
-                 classes: Sequence[int] | None = None, fold: bool = True):
+                 classes: Sequence[int] | None = None, fold: bool = True,
+                 region_seeds: dict[int, list] | None = None):
         self.graph, self.model, self.t, self.allow = graph, model, Tables(), allow
+        self.region_seeds = region_seeds or {}
         self.classes, self.fold = classes, fold
         self._kept: dict[tuple, tuple] = {}    # (id(list), indices kept) -> (list, costs)
         self._kept_specs: dict[tuple, tuple] = {}  # an input's allowed specs, one object each
@@ -226,12 +233,18 @@ class _Builder:
     def op_node(self, op) -> int:
         model = self.model
         share = max((self.share(v) for v in op.outputs), default=1.0)
-        if op.regions:  # bodies planned by propagation from free operands; one candidate
-            s, plans, cost, trips = plan_region(op, OpInfo.of(op, self.graph),
-                                                [None] * len(op.inputs), model)
-            self.t.regions[op.index] = (plans, trips, cost)
-            return self._add_node([s], [cost], np.array([model.score(cost)]),
-                                  np.array([float(cost.memory_bytes)]))
+        if op.regions:  # bodies planned from free operands (regions.region_candidates)
+            info = OpInfo.of(op, self.graph)
+            found = region_candidates(op, info, [None] * len(op.inputs), model)
+            if op.index in self.region_seeds:
+                found += [f for f in region_candidates(op, info, self.region_seeds[op.index],
+                                                       model)
+                          if not any(f[0] == g[0] for g in found)]
+            self.t.regions[op.index] = {id(s): (plans, trips, cost)
+                                        for s, plans, cost, trips in found}
+            return self._add_node([f[0] for f in found], [f[2] for f in found],
+                                  np.array([model.score(f[2]) for f in found]),
+                                  np.array([float(f[2].memory_bytes) for f in found]))
         cands, own = self._candidates(op, share)
         if self.allow is not None:
             cands, own = self._subset(cands, own, self.allow.op(op.index, cands))
