@@ -384,11 +384,20 @@ def peak_memory(graph, gp: GraphPlan, mesh: MeshInfo) -> float:
     for op in graph.ops:
         inner = 0.0
         if op.regions:
-            inner = max(peak_memory(b, p, mesh) for b, p in
-                        zip(op.regions, gp.choices[op.index].regions, strict=True))
+            inner = body_memory(op, gp.choices[op.index].regions, mesh)
         for v in op.outputs:
             live += size(v)
         peak = max(peak, live + inner)
         for v in freed.get(op.index, ()):
             live -= size(v)
     return peak
+
+
+def body_memory(op, plans, mesh: MeshInfo) -> float:
+    """Per-device bytes a region op's bodies add while it runs: the largest body peak less
+    that body's arguments, which the enclosing graph holds as the op's operands already."""
+    def held(graph, gp) -> float:
+        return sum(graph.values[v].nbytes / gp.specs[v].shards(mesh) if v in gp.specs else
+                   graph.values[v].nbytes for v in graph.inputs)
+    return max([0.0, *(peak_memory(b, p, mesh) - held(b, p) for b, p in
+                       zip(op.regions, plans, strict=True))])

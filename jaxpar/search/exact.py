@@ -18,6 +18,12 @@ ties the nodes that folding would make one (build_tables' fold=False lists them:
 count the layers apart).
 tie_repeats=False searches every op on its own.
 
+A loop (scan, while) is one node whose candidates are plans of its bodies
+(regions.region_candidates): by propagation, and with `CostModel.search_bodies` (the automatic
+modes) also solved exactly, for free operands. Such a graph is then solved again with each
+loop also offering its bodies solved for the operand specs the first answer gives it, so that a
+step's forward and backward scans agree on the residuals passed between them.
+
 A step's tail (gradient reductions, the optimizer) prices each reduction at a share of one
 latency, as if XLA combined them all; it combines those of one kind over one device group.
 A plan whose tail reduces over several groups is searched again with each kind kept to its
@@ -76,44 +82,42 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
                          "(live sets count every op); pass memory_budget=None with it")
     with progress.stage(""):
         progress.step("pricing strategies and resharding")
-        # No budget: no live sets to count copies in, so each tied group is one node as
-        # built; with one, every op is a node and the solver ties the groups (t.tied).
-        t = build_tables(graph, model, fixed_in, fixed_out, tuple(ties), allow,
-                         op_classes(graph) if tie_repeats else None, region,
-                         fold=budget is None)
-        problem = Problem(tuple(t.node_cost),
-                          tuple((e.u, e.v, e.cost, e.row, e.col) for e in t.edges),
-                          tuple(t.node_mem), None, budget, t.tied or None,
-                          live_ranges(graph, t) if budget is not None else None)
+
+        def tables(seeds=None) -> tuple[Tables, Problem]:
+            # No budget: no live sets to count copies in, so each tied group is one node as
+            # built; with one, every op is a node and the solver ties the groups (t.tied).
+            t = build_tables(graph, model, fixed_in, fixed_out, tuple(ties), allow,
+                             op_classes(graph) if tie_repeats else None, region,
+                             fold=budget is None, region_seeds=seeds)
+            return t, Problem(tuple(t.node_cost),
+                              tuple((e.u, e.v, e.cost, e.row, e.col) for e in t.edges),
+                              tuple(t.node_mem), None, budget, t.tied or None,
+                              live_ranges(graph, t) if budget is not None else None)
+
+        def solved(t: Tables, problem: Problem) -> Solution:
+            found = solve(problem, time_limit)
+            if group_tail:
+                found = _one_latency_per_group(graph, model, t, problem, found, time_limit)
+            return found
+
+        t, problem = tables()
         progress.step("solving")
         try:
-            solution = solve(problem, time_limit)
-            if group_tail:
-                solution = _one_latency_per_group(graph, model, t, problem, solution,
-                                                  time_limit)
+            solution = solved(t, problem)
         except ValueError as err:  # no assignment fits: say it in the user's terms
             raise ValueError(f"memory_budget={memory_budget:.0f} bytes per device cannot be "
                              f"met once the fixed inputs are placed: {err}") from None
         plan = _to_plan(graph, t, solution.choice, fixed_in, region)
         loops = [op for op in graph.ops if op.name in ("scan", "while")]
-        if model.search_bodies and loops and budget is None and region is None and \
-                allow is None:
+        if model.search_bodies and loops and region is None and allow is None:
             # Each loop's body was solved for free operands; solved again for the operand
             # specs this plan gives it, the loops of a step (forward and backward scans)
             # can agree on what passes between them. Its candidates are a superset: the
             # optimum can only drop.
             progress.step("solving again, loop bodies planned for their neighbours")
-            seeds = {op.index: [plan.specs.get(v) if isinstance(v, int) else None
-                                for v in op.inputs] for op in loops}
-            t = build_tables(graph, model, fixed_in, fixed_out, tuple(ties), allow,
-                             op_classes(graph) if tie_repeats else None, region, fold=True,
-                             region_seeds=seeds)
-            problem = Problem(tuple(t.node_cost),
-                              tuple((e.u, e.v, e.cost, e.row, e.col) for e in t.edges),
-                              tuple(t.node_mem), None, None, t.tied or None, None)
-            again = solve(problem, time_limit)
-            if group_tail:
-                again = _one_latency_per_group(graph, model, t, problem, again, time_limit)
+            t, problem = tables({op.index: [plan.specs.get(v) if isinstance(v, int) else None
+                                            for v in op.inputs] for op in loops})
+            again = solved(t, problem)
             solution = dataclasses.replace(again, seconds=solution.seconds + again.seconds)
             plan = _to_plan(graph, t, solution.choice, fixed_in, region)
     return plan, solution

@@ -244,7 +244,7 @@ class _Builder:
                                         for s, plans, cost, trips in found}
             return self._add_node([f[0] for f in found], [f[2] for f in found],
                                   np.array([model.score(f[2]) for f in found]),
-                                  np.array([float(f[2].memory_bytes) for f in found]))
+                                  np.array([self._region_memory(op, info, f) for f in found]))
         cands, own = self._candidates(op, share)
         if self.allow is not None:
             cands, own = self._subset(cands, own, self.allow.op(op.index, cands))
@@ -258,6 +258,19 @@ class _Builder:
                                             np.array(mem, dtype=float))
         key = None if self.classes is None else (self.classes[op.index], id(cands))
         return self._add_node(cands, own, hit[1], hit[2], key)
+
+    def _region_memory(self, op, info: OpInfo, found: tuple) -> float:
+        """What a region op's candidate holds, per device: its results, as any node's, and
+        what its bodies add while it runs (their peak less their arguments, which the
+        operands' producers hold already; counted over the results' whole live range here,
+        so the budget errs on the safe side)."""
+        from jaxpar.plan import body_memory
+
+        s, plans = found[0], found[1]
+        mesh = self.model.mesh
+        results = sum(nbytes(sh, dt) / sp.shards(mesh) for sh, dt, sp in
+                      zip(info.out_shapes, info.out_dtypes, s.outs, strict=True))
+        return results + body_memory(op, plans, mesh)
 
     def _subset(self, cands: list, own: list, kept: tuple[int, ...]) -> tuple[list, list]:
         """The candidates at `kept` as a list of their own, one per (list, indices): ops alike
