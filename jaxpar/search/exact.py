@@ -94,16 +94,16 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
                               tuple(t.node_mem), None, budget, t.tied or None,
                               live_ranges(graph, t) if budget is not None else None)
 
-        def solved(t: Tables, problem: Problem) -> Solution:
-            found = solve(problem, time_limit)
+        def solved(t: Tables, problem: Problem, limit: float) -> Solution:
+            found = solve(problem, limit)
             if group_tail:
-                found = _one_latency_per_group(graph, model, t, problem, found, time_limit)
+                found = _one_latency_per_group(graph, model, t, problem, found, limit)
             return found
 
         t, problem = tables()
         progress.step("solving")
         try:
-            solution = solved(t, problem)
+            solution = solved(t, problem, time_limit)
         except ValueError as err:  # no assignment fits: say it in the user's terms
             raise ValueError(f"memory_budget={memory_budget:.0f} bytes per device cannot be "
                              f"met once the fixed inputs are placed: {err}") from None
@@ -117,7 +117,7 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
             progress.step("solving again, loop bodies planned for their neighbours")
             t, problem = tables({op.index: [plan.specs.get(v) if isinstance(v, int) else None
                                             for v in op.inputs] for op in loops})
-            again = solved(t, problem)
+            again = solved(t, problem, max(time_limit - solution.seconds, 0.1))
             solution = dataclasses.replace(again, seconds=solution.seconds + again.seconds)
             plan = _to_plan(graph, t, solution.choice, fixed_in, region)
     return plan, solution

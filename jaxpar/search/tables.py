@@ -235,8 +235,8 @@ class _Builder:
         share = max((self.share(v) for v in op.outputs), default=1.0)
         if op.regions:  # bodies planned from free operands (regions.region_candidates)
             info = OpInfo.of(op, self.graph)
-            found = region_candidates(op, info, [None] * len(op.inputs), model)
-            if op.index in self.region_seeds:
+            found = list(region_candidates(op, info, [None] * len(op.inputs), model))
+            if op.index in self.region_seeds:  # (a copy: the candidates are cached)
                 found += [f for f in region_candidates(op, info, self.region_seeds[op.index],
                                                        model)
                           if not any(f[0] == g[0] for g in found)]
