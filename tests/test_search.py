@@ -307,7 +307,7 @@ def test_a_scanned_gpt_step_runs_like_jit_and_moves_what_it_predicts(mode):
     import jaxpar
     from jaxpar.models import gpt
 
-    cfg = gpt.GPTConfig(layers=3, d_model=64, heads=4, vocab=128, seq=16, scan_layers=True)
+    cfg = gpt.GPTConfig(layers=2, d_model=32, heads=2, vocab=64, seq=8, scan_layers=True)
     params = gpt.init_params(cfg, jax.random.key(0))
     step, opt_state = gpt.make_train_step(cfg, params)
     tokens, targets = gpt.batch(cfg, 16)
