@@ -24,8 +24,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jaxpar import progress
 from jaxpar.cost.hardware import load_profile
 from jaxpar.cost.model import CostModel
-from jaxpar.ir import build_graph, leaf_paths, trace
-from jaxpar.ir.trace import arg_names
+from jaxpar.ir import arg_paths, build_graph, trace
 from jaxpar.lower.jit import build_callable
 from jaxpar.mesh import make_mesh
 from jaxpar.plan import Plan, build_plan
@@ -240,8 +239,7 @@ class ShardedFunction:
         o, mesh = self.opts, self.opts.mesh
         self._donated(len(args))  # before anything is traced
         fixed = strat.parse_in_strategy(o.in_strategy, args, mesh)
-        names = arg_names(self.fn, len(args))
-        paths = [p for n, a in zip(names, args, strict=True) for p in leaf_paths(a, n)]
+        paths = arg_paths(self.fn, args)
         shapes = [tuple(x.shape) for x in jax.tree_util.tree_leaves(args)]
         for i, spec in strat.parse_parameter_plan(o.parameter_plan, paths, shapes, mesh).items():
             fixed[i] = _merge(fixed[i], spec, paths[i])
@@ -418,8 +416,7 @@ def array_arguments(fn, args: tuple, leaves: list | None = None, tree=None
         leaves, tree = jax.tree_util.tree_flatten(args)
     if _kinds(leaves) <= {"array", "tracer"}:
         return args, leaves
-    names = arg_names(fn, len(args))
-    paths = [p for n, a in zip(names, args, strict=True) for p in leaf_paths(a, n)]
+    paths = arg_paths(fn, args)
     out = []
     for x, path in zip(leaves, paths, strict=True):
         kind = _kind(x)

@@ -54,7 +54,7 @@ from jaxpar.api import (
     signature,
 )
 from jaxpar.context import ParallelContext, current_context
-from jaxpar.ir import leaf_paths
+from jaxpar.ir import arg_paths
 from jaxpar.ir.trace import arg_names
 from jaxpar.mesh import make_mesh
 from jaxpar.plan import Plan
@@ -323,8 +323,7 @@ class AutoParallel:
 
     def _build(self, pure, args: tuple, unwrap) -> _Program:
         o = self._opts
-        names = arg_names(pure, len(args))
-        paths = [p for n, a in zip(names, args, strict=True) for p in leaf_paths(a, n)]
+        paths = arg_paths(pure, args)
         shapes = [tuple(x.shape) for x in jax.tree_util.tree_leaves(args)]
         n_state = getattr(pure, "n_state", 0)
         donate = tuple(range(n_state)) + tuple(i + n_state for i in self.donate_argnums)

@@ -480,12 +480,10 @@ def build_problem(run: RunConfig) -> Problem:
     import jax
 
     from jaxpar.api import leaf_owners
-    from jaxpar.ir import leaf_paths
-    from jaxpar.ir.trace import arg_names
+    from jaxpar.ir import arg_paths
 
     step, args = _BUILDERS[run.model.name](run.model.config, run.train)
-    names = arg_names(step, len(args))
-    paths = tuple(p for n, a in zip(names, args, strict=True) for p in leaf_paths(a, n))
+    paths = tuple(arg_paths(step, args))
     leaves = jax.tree_util.tree_leaves(args)
     owners = tuple(leaf_owners(args))
     return Problem(step, args, paths, tuple(tuple(x.shape) for x in leaves), owners)

@@ -66,10 +66,16 @@ def leaf_paths(tree, prefix: str = "") -> list[str]:
     return ["/".join(s for s in (prefix, path_str(p)) if s) for p, _ in leaves]
 
 
+def arg_paths(fn, args: tuple) -> list[str]:
+    """The path of every leaf of fn's positional `args`, each under its parameter's name
+    (`params/blocks/0/wqkv`), in jax.tree_util order."""
+    names = arg_names(fn, len(args))
+    return [p for name, a in zip(names, args, strict=True) for p in leaf_paths(a, name)]
+
+
 def trace(fn, args: tuple) -> Traced:
     """Trace fn(*args) to a ClosedJaxpr; args may hold ShapeDtypeStructs."""
-    names = arg_names(fn, len(args))
-    in_paths = [p for name, a in zip(names, args, strict=True) for p in leaf_paths(a, name)]
+    in_paths = arg_paths(fn, args)
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     in_tree = jax.tree_util.tree_structure(args)
     out_tree = jax.tree_util.tree_structure(out_shape)
