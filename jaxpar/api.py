@@ -237,7 +237,7 @@ class ShardedFunction:
         from jaxpar import strategy as strat
 
         o, mesh = self.opts, self.opts.mesh
-        self._donated(len(args))  # before anything is traced
+        donated = self._donated(len(args))  # checked before anything is traced
         fixed = strat.parse_in_strategy(o.in_strategy, args, mesh)
         paths = arg_paths(self.fn, args)
         shapes = [tuple(x.shape) for x in jax.tree_util.tree_leaves(args)]
@@ -260,7 +260,7 @@ class ShardedFunction:
                           search_bodies=o.search_mode in AUTOMATIC_MODES)
         if self._pinned is not None:
             self._pinned.check_matches(traced.fingerprint, model.mesh)
-            return self._finish(graph, self._pinned, args)
+            return self._finish(graph, self._pinned, args, donated)
         fixed_in = {graph.inputs[i]: s for i, s in enumerate(fixed) if s}
         fixed_out = {i: s for i, s in enumerate(out_fixed) if s}
         ties = [(i, j) for i, j in carried_pairs(args, out_shapes) if out_fixed[j] is None]
@@ -292,7 +292,7 @@ class ShardedFunction:
                               profile.name, weights)
         plan.notes, plan.decisions = notes, decisions
         _check_budget(plan, o.memory_budget)
-        return self._finish(graph, plan, args)
+        return self._finish(graph, plan, args, donated)
 
     def _search(self, graph, model, fixed_in, fixed_out, ties, index: GraphIndex | None):
         """(GraphPlan, notes, decisions) from the chosen search mode; ties: (input value,
@@ -316,11 +316,10 @@ class ShardedFunction:
             return gp, [], decisions
         return propagate(graph, model, fixed_in, fixed_out, index=index), [], []
 
-    def _finish(self, graph, plan: Plan, args) -> _Compiled:
+    def _finish(self, graph, plan: Plan, args, donated: set[int]) -> _Compiled:
         if plan.in_tree is None:  # a loaded plan: take the structure from these arguments
             plan.in_tree = jax.tree_util.tree_structure(args)
             plan.out_tree = jax.tree_util.tree_structure(jax.eval_shape(self.fn, *args))
-        donated = self._donated(len(args))
         donate = tuple(i for i, owner in enumerate(leaf_owners(args)) if owner in donated)
         return _Compiled(plan, lambda traced: build_callable(
             graph, plan.graph_plan, self.mesh, plan.in_specs, plan.out_specs, donate,
