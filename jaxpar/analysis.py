@@ -65,7 +65,7 @@ from jaxpar.cost.hardware import HardwareProfile, Link, load_profile
 from jaxpar.spec import MeshInfo
 
 __all__ = ["KINDS", "CollectiveOp", "collective_ops", "collective_stats", "estimate_time",
-           "flops", "library_gemm_flops", "memory_stats", "shape_bytes"]
+           "flops", "library_gemm_flops", "memory_stats", "shape_bytes", "stats_by_kind"]
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -107,7 +107,7 @@ def collective_stats(compiled: Any) -> Stats:
       >>> stats = collective_stats(jax.jit(f).lower(x).compile())
       >>> stats.get("all-reduce", {}).get("bytes", 0)
     """
-    return _by_kind(collective_ops(compiled))
+    return stats_by_kind(collective_ops(compiled))
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,9 @@ def _comp_ops(mod: Module, comp: str, memo: dict[str, Ops]) -> Ops:
     return memo[comp]
 
 
-def _by_kind(ops: Iterable[CollectiveOp]) -> Stats:
+def stats_by_kind(ops: Iterable[CollectiveOp]) -> Stats:
+    """collective_stats of collectives already listed (collective_ops): {kind: {"count",
+    "bytes"}}, bytes summed over executions, in `KINDS` order."""
     out: Stats = {}
     for op in ops:
         slot = out.setdefault(op.kind, {"count": 0, "bytes": 0})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jaxpar.analysis import collective_ops, collective_stats
+from jaxpar.analysis import collective_ops, stats_by_kind
 from jaxpar.spec import Spec
 
 
@@ -58,7 +58,8 @@ class Verification:
 
 
 def verify_plan(plan, compiled, rtol: float = 0.10) -> Verification:
-    measured = collective_stats(compiled)
+    ops = collective_ops(compiled)  # the program's HLO read once
+    measured = stats_by_kind(ops)
     mismatches = []
     try:
         shardings = list(compiled.output_shardings)
@@ -70,6 +71,6 @@ def verify_plan(plan, compiled, rtol: float = 0.10) -> Verification:
         got = getattr(sh, "spec", None)
         if got is not None and Spec.from_pspec(got, spec.rank) != spec.resolved():
             mismatches.append(f"{path}: planned {spec.to_pspec()}, compiled {got}")
-    widened = sum(op.widened * op.count for op in collective_ops(compiled))
+    widened = sum(op.widened * op.count for op in ops)
     return Verification(plan.collectives, measured, mismatches, rtol, widened=widened)
 
