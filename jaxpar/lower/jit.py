@@ -94,22 +94,14 @@ def _region(op: Op, plans: tuple[GraphPlan, ...], ins: list, mesh: Mesh, fp32: b
     return _REGIONS[op.name](op, plans, ins, mesh, fp32)
 
 
-def _pinned(graph: OpGraph, plan: GraphPlan, args: list, mesh: Mesh) -> list:
-    """A region body's arguments constrained to the specs its plan gives its inputs: a loop's
-    state (carry, the slices of a scan's xs) is otherwise laid out as the partitioner
-    likes, which may gather it where the plan does not (a backward scan reading its
-    residuals)."""
-    return [_constrain(a, plan.specs[v], mesh) if v in plan.specs else a
-            for v, a in zip(graph.inputs, args, strict=True)]
-
-
-def _carried(outs: list, graph: OpGraph, plan: GraphPlan, first: int, mesh: Mesh) -> list:
-    """A loop body's new carry constrained to the specs of the carry it replaces (graph
-    inputs from `first` on, one per output): the plan prices the move at the end of each
-    turn, and the partitioner would otherwise keep the body's layout and move it after the
-    loop too."""
-    return [_constrain(a, plan.specs[v], mesh) if v in plan.specs else a
-            for v, a in zip(graph.inputs[first:first + len(outs)], outs, strict=True)]
+def _as_planned(values, xs: list, plan: GraphPlan, mesh: Mesh) -> list:
+    """xs, the arrays of a body's `values`, constrained to the specs the body's plan gives
+    them. For a body's arguments and a loop's new carry (the carry's input values): a loop's
+    state (carry, the slices of a scan's xs) is otherwise laid out as the partitioner likes,
+    which may gather it where the plan does not (a backward scan reading its residuals) and
+    move a carry the plan moves each turn after the loop once more."""
+    return [_constrain(x, plan.specs[v], mesh) if v in plan.specs else x
+            for v, x in zip(values, xs, strict=True)]
 
 
 def _scan(op: Op, plans, ins, mesh, fp32) -> list:
@@ -118,8 +110,9 @@ def _scan(op: Op, plans, ins, mesh, fp32) -> list:
     body, plan = op.regions[0], plans[0]
 
     def step(carry, x):
-        outs = replay(body, plan, mesh, _pinned(body, plan, [*consts, *carry, *x], mesh), fp32)
-        return _carried(outs[:ncar], body, plan, nc, mesh), outs[ncar:]
+        outs = replay(body, plan, mesh,
+                      _as_planned(body.inputs, [*consts, *carry, *x], plan, mesh), fp32)
+        return _as_planned(body.inputs[nc:nc + ncar], outs[:ncar], plan, mesh), outs[ncar:]
 
     carry, ys = jax.lax.scan(step, init, xs, length=op.params["length"],
                              reverse=op.params["reverse"], unroll=op.params["unroll"])
@@ -132,19 +125,20 @@ def _while(op: Op, plans, ins, mesh, fp32) -> list:
     (cond, body), (cond_plan, body_plan) = op.regions, plans
 
     def turn(c):
-        outs = replay(body, body_plan, mesh, _pinned(body, body_plan, [*bconsts, *c], mesh),
-                      fp32)
-        return _carried(outs, body, body_plan, bn, mesh)
+        outs = replay(body, body_plan, mesh,
+                      _as_planned(body.inputs, [*bconsts, *c], body_plan, mesh), fp32)
+        return _as_planned(body.inputs[bn:], outs, body_plan, mesh)
 
     out = jax.lax.while_loop(
-        lambda c: replay(cond, cond_plan, mesh, _pinned(cond, cond_plan, [*cconsts, *c], mesh),
-                         fp32)[0],
+        lambda c: replay(cond, cond_plan, mesh,
+                         _as_planned(cond.inputs, [*cconsts, *c], cond_plan, mesh), fp32)[0],
         turn, list(init))
     return list(out)
 
 
 def _cond(op: Op, plans, ins, mesh, fp32) -> list:
-    branches = [lambda *a, b=b, p=p: replay(b, p, mesh, _pinned(b, p, list(a), mesh), fp32)
+    branches = [lambda *a, b=b, p=p: replay(b, p, mesh, _as_planned(b.inputs, list(a), p, mesh),
+                                            fp32)
                 for b, p in zip(op.regions, plans, strict=True)]
     return list(jax.lax.switch(ins[0], branches, *ins[1:]))
 
@@ -167,8 +161,7 @@ def build_callable(graph: OpGraph, plan: GraphPlan, mesh: Mesh, in_specs: list[S
 
     def run(*flat):
         if traced:
-            flat = [jax.lax.with_sharding_constraint(x, s) for x, s in
-                    zip(flat, in_sh, strict=True)]
+            flat = [_constrain(x, s, mesh) for x, s in zip(flat, in_specs, strict=True)]
         return tuple(replay(graph, plan, mesh, list(flat), fp32_communication))
 
     if traced:
