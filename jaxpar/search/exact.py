@@ -44,6 +44,7 @@ from jaxpar.ir.repeat import op_classes
 from jaxpar.rules.registry import has_rule
 from jaxpar.search.dynamic import Problem, Solution, objective, solve
 from jaxpar.search.propagation import Choice, GraphPlan
+from jaxpar.search.regions import LOOPS
 from jaxpar.search.tables import Allow, Region, Tables, build_tables
 from jaxpar.spec import Spec
 
@@ -108,7 +109,7 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
             raise ValueError(f"memory_budget={memory_budget:.0f} bytes per device cannot be "
                              f"met once the fixed inputs are placed: {err}") from None
         plan = _to_plan(graph, t, solution.choice, fixed_in, region)
-        loops = [op for op in graph.ops if op.name in ("scan", "while")]
+        loops = [op for op in graph.ops if op.name in LOOPS]
         if model.search_bodies and loops and region is None and allow is None:
             # Each loop's body was solved for free operands; solved again for the operand
             # specs this plan gives it, the loops of a step (forward and backward scans)

@@ -122,3 +122,4 @@ def _strategy(ins: list[Spec], outs: list[Spec]) -> OpStrategy:
 _PLANNERS = {"scan": _scan, "while": _while, "cond": _cond}
 _SEARCHED = {"scan": lambda *a: _scan(*a, plan_body=_solved_body),
              "while": lambda *a: _while(*a, plan_body=_solved_body)}
+LOOPS = frozenset(_SEARCHED)  # the region ops whose bodies the automatic searches solve
