@@ -76,7 +76,7 @@ def test_planning_shows_each_stage_and_step_of_the_search(terminal):
     # count): 1 + 2 x (2 axes + 1) + 1 + 2 + 1 = 11 on a 2 x 2 mesh.
     for k, now in [(0, "pricing the units' cuts"), (1, "axis d0, pass 1 of 2"),
                    (3, "planning the other ops, pass 1 of 2"), (7, "placing the carried state"),
-                   (10, "neighbourhood solved again exactly")]:
+                   (10, "neighbourhood of the largest carried state solved again exactly")]:
         assert any(now in fr and f" {k}/11 " in fr for fr in frames), now
     assert not any("building the plan" in fr and "/11" in fr for fr in frames)  # count gone
     assert _no_refresh_thread()  # the line is gone with the work

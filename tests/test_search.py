@@ -280,10 +280,53 @@ def test_the_automatic_searches_solve_loop_bodies_exactly():
         rp, _ = recursive_programming(graph, model, {}, {}, ties=ties)
         scores[searched] = [model.score(graph_cost(graph, p, model)) for p in (dp, rp)]
     (dp_before, rp_before), (dp_after, rp_after) = scores[False], scores[True]
-    assert dp_after < 0.5 * dp_before  # measured: 0.25
-    assert rp_after < 0.8 * rp_before  # measured: 0.59
+    assert dp_after < 0.5 * dp_before  # measured: 0.065
+    assert rp_after < 0.5 * rp_before  # measured: 0.065 (0.50 before the loops' neighbourhood
+                                       # was solved again)
     scan = [op for op in graph.ops if op.name == "scan"]
     assert len(scan) == 2 and all(dp.choices[op.index].regions for op in scan)
+
+
+def test_recursive_programming_solves_the_loops_neighbourhood_again():
+    """recursive_programming's walk decides the ops around a loop without the loop's costs, and
+    the loop's body is then planned for what they chose: on a scanned GPT step that was 2.5x
+    dynamic_programming's objective. The loops and the ops near them solved again exactly
+    (each body also for the operand specs the plan gives it) bring it within 5%."""
+    from jaxpar.search.exact import dynamic_programming
+    from jaxpar.search.recursive import recursive_programming
+
+    graph, ties = _scanned_gpt_step()
+    model = _models(True)
+    dp, _ = dynamic_programming(graph, model, {}, {}, ties=ties)
+    rp, lines = recursive_programming(graph, model, {}, {}, ties=ties)
+    back = [{pos: p.specs[v] for v, pos in ties} for p in (dp, rp)]
+    exact, fast = (model.score(graph_cost(graph, p, model, b)) for p, b in zip((dp, rp), back,
+                                                                                strict=True))
+    assert fast <= 1.05 * exact  # measured: 1.022 (2.540 before)
+    assert any("6 hops of the 2 loops solved again exactly" in line and "taken instead" in line
+               for line in lines)
+
+
+def test_dynamic_programming_solves_loop_bodies_again_until_their_operands_repeat(monkeypatch):
+    """Each answer gives the loops operand specs their bodies were not yet planned for; solved
+    again with those too (up to exact._LOOP_PASSES times), a scanned GPT step's plan is
+    cheaper than after one such solve."""
+    from jaxpar.models.gpt import GPTConfig, abstract_train_step
+    from jaxpar.search import exact
+
+    cfg = GPTConfig(layers=1, d_model=512, heads=8, vocab=1024, seq=512, scan_layers=True)
+    step, args = abstract_train_step(cfg, 16)
+    traced = trace(step, args)
+    graph = build_graph(traced.closed_jaxpr, traced.in_paths)
+    ties = tuple((graph.inputs[i], i) for i in range(len(jax.tree_util.tree_leaves(args[:2]))))
+    scores = []
+    for passes in (1, exact._LOOP_PASSES):
+        monkeypatch.setattr(exact, "_LOOP_PASSES", passes)
+        model = _models(True)
+        plan, _ = exact.dynamic_programming(graph, model, {}, {}, ties=ties)
+        back = {pos: plan.specs[v] for v, pos in ties}
+        scores.append(model.score(graph_cost(graph, plan, model, back)))
+    assert scores[1] < 0.98 * scores[0]  # measured: 1.191 ms against 1.243 ms
 
 
 def test_a_loop_offers_its_propagated_and_its_solved_body():

@@ -22,7 +22,10 @@ A loop (scan, while) is one node whose candidates are plans of its bodies
 (regions.region_candidates): by propagation, and with `CostModel.search_bodies` (the automatic
 modes) also solved exactly, for free operands. Such a graph is then solved again with each
 loop also offering its bodies solved for the operand specs the first answer gives it, so that a
-step's forward and backward scans agree on the residuals passed between them.
+step's forward and backward scans agree on the residuals passed between them; and again while
+an answer gives the loops operand specs not yet tried (at most _LOOP_PASSES times: a scanned
+GPT step, 2 layers, d 1024, 3.734 -> 3.550 ms of objective). A region's loops are also planned
+for the operand specs its held plan gives them.
 
 A step's tail (gradient reductions, the optimizer) prices each reduction at a share of one
 latency, as if XLA combined them all; it combines those of one kind over one device group.
@@ -47,6 +50,8 @@ from jaxpar.search.propagation import Choice, GraphPlan
 from jaxpar.search.regions import LOOPS
 from jaxpar.search.tables import Allow, Region, Tables, build_tables
 from jaxpar.spec import Spec
+
+_LOOP_PASSES = 4  # at most this many solves again with loop bodies planned for their neighbours
 
 
 def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
@@ -101,6 +106,8 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
                 found = _one_latency_per_group(graph, model, t, problem, found, limit)
             return found
 
+        loops = [op for op in graph.ops if op.name in LOOPS
+                 and (region is None or op.index in region.ops)]
         t, problem = tables()
         progress.step("solving")
         try:
@@ -109,19 +116,34 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
             raise ValueError(f"memory_budget={memory_budget:.0f} bytes per device cannot be "
                              f"met once the fixed inputs are placed: {err}") from None
         plan = _to_plan(graph, t, solution.choice, fixed_in, region)
-        loops = [op for op in graph.ops if op.name in LOOPS]
-        if model.search_bodies and loops and region is None and allow is None:
-            # Each loop's body was solved for free operands; solved again for the operand
-            # specs this plan gives it, the loops of a step (forward and backward scans)
-            # can agree on what passes between them. Its candidates are a superset: the
-            # optimum can only drop.
+        # Each loop's body was solved for free operands; solved again for the operand specs
+        # this plan gives it (a region's: and those its held plan gives it), the loops of a
+        # step (forward and backward scans) can agree on what passes between them. Again so
+        # while a new answer gives the loops operand specs not yet tried. The candidates
+        # only grow: the optimum can only drop.
+        seeds = {} if region is None else _seeds(loops, region.plan, {})
+        for _ in range(_LOOP_PASSES if model.search_bodies and allow is None else 0):
+            grown = _seeds(loops, plan, seeds)
+            if grown == seeds:
+                break
+            seeds = grown
             progress.step("solving again, loop bodies planned for their neighbours")
-            t, problem = tables({op.index: [plan.specs.get(v) if isinstance(v, int) else None
-                                            for v in op.inputs] for op in loops})
+            t, problem = tables(seeds)
             again = solved(t, problem, max(time_limit - solution.seconds, 0.1))
             solution = dataclasses.replace(again, seconds=solution.seconds + again.seconds)
             plan = _to_plan(graph, t, solution.choice, fixed_in, region)
     return plan, solution
+
+
+def _seeds(loops: list, plan: GraphPlan, seeds: dict[int, list]) -> dict[int, list]:
+    """build_tables' region_seeds: `seeds` and each loop's operand specs in `plan` (None:
+    not planned), each list once."""
+    out = {}
+    for op in loops:
+        known = [plan.specs.get(v) if isinstance(v, int) else None for v in op.inputs]
+        tried = seeds.get(op.index, [])
+        out[op.index] = tried if known in tried else tried + [known]
+    return out
 
 
 def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem: Problem,

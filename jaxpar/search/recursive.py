@@ -61,8 +61,12 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    held (resolve.solve_region): a language model's embedding table, read by the lookup and
    the tied output head, is priced path by path by the links, and its better layout changes
    two axes at once (so does an MoE step's expert weight on 4 x 2 devices across two nodes at
-   level 2: 1.044x the optimum with both axes solved again, 1.000x after). Each kept where
-   that objective drops.
+   level 2: 1.044x the optimum with both axes solved again, 1.000x after). With loop
+   bodies searched (model.search_bodies), the same region also takes the ops within
+   _LOOP_HOPS of each loop (scan, while): a loop is no unit of the walk, which decides the
+   ops around it without its costs, and its body is then planned for what they chose (a
+   scanned GPT step scored 2.5x the exact search's objective; solved again so, 1.02x). Each
+   kept where that objective drops.
 6. A plan over the memory budget is searched again with mem_coeff four times larger (more model
    parallel, less memory) a few times, then fails with a ValueError saying what it needs.
 The work is linear in the number of ops but for step 5: every op is walked, propagated and
@@ -90,6 +94,7 @@ from jaxpar.search.dynamic import Problem, solve
 from jaxpar.search.links import Link, Slot, Units, mapped
 from jaxpar.search.propagation import GraphIndex, GraphPlan, graph_cost, propagate
 from jaxpar.search.refine import Refiner
+from jaxpar.search.regions import LOOPS
 from jaxpar.search.resolve import solve_axis, solve_region
 from jaxpar.search.state import place_state
 from jaxpar.spec import MeshInfo, OpStrategy, Spec
@@ -108,6 +113,7 @@ _SWEEPS = 50          # coordinate descent over classes: at most this many sweep
 _PASSES = ("with joint moves", "with shared reads")  # the two passes over the axes (run)
 _HOPS = 3             # the ops this many def-use hops from the largest carried state's
                       # readers and update are solved again exactly (over every axis)
+_LOOP_HOPS = 6        # and those this many hops from a loop (scan, while)
 
 
 def recursive_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
@@ -361,29 +367,44 @@ class _Sapp:
                               f"other axes held, scores {after:.6g}, less than {before:.6g}: "
                               "taken instead")
             plan, before = found, after
-        return self._solve_around_state(plan, before, ties)
+        return self._solve_neighbourhoods(plan, before, ties)
 
     def _again(self) -> list[str]:
         """The mesh axes _solve_again solves again, in order: the last, then the first."""
         return list(dict.fromkeys((self.mesh.names[-1], self.mesh.names[0])))
 
-    def _solve_around_state(self, plan: GraphPlan, before: float, ties: tuple) -> GraphPlan:
+    def _solve_neighbourhoods(self, plan: GraphPlan, before: float, ties: tuple) -> GraphPlan:
         """The ops within _HOPS of the largest carried state (the ops reading it and its
-        update) solved again exactly over every axis, the rest of the plan held
-        (resolve.solve_region), with the free inputs they read: a big parameter read and
+        update), and with loop bodies searched (model.search_bodies) those within _LOOP_HOPS
+        of the loops, solved again exactly over every axis, the rest of the plan held
+        (resolve.solve_region), with the free inputs they read. A big parameter read and
         written along several paths (an embedding table, read by the lookup and by the tied
         output head) has each path priced apart by the links, and its layout is a joint
-        choice of several axes that one axis at a time does not reach. Returns the plan kept
-        (`plan` unless the region's solution scores lower than `before`)."""
+        choice of several axes that one axis at a time does not reach. A loop (a model's
+        layers under lax.scan) is no unit of the walk: the walk decides the ops around it
+        without its costs, and its body is planned for what they chose; solved again, the
+        loops and their neighbours choose together (a loop's body also solved for the
+        operand specs the plan gives it). Returns the plan kept (`plan` unless the region's
+        solution scores lower than `before`)."""
         units, index, n = self.units, self.index, len(self.g.ops)
+        ops, near, what = set(), [], []
         carried = [x for xs in self.members.values() for x in xs if x >= n]
-        if not carried:
+        if carried:
+            x = max(carried, key=lambda x: (max(index.nbytes(v) for v, _, _ in units.state(x)),
+                                            -x))
+            seeds = set(units.update_region(x))
+            seeds.update(r for v, _, _ in units.state(x) for r, _ in index.readers.get(v, ()))
+            ops |= _neighbourhood(index, seeds, _HOPS)
+            near.append("the largest carried state")
+            what.append(f"{_HOPS} hops of the readers and update of {units.name(x)}")
+        loops = {op.index for op in self.g.ops if op.name in LOOPS}
+        if loops and self.model.search_bodies:
+            ops |= _neighbourhood(index, loops, _LOOP_HOPS)
+            near.append("the loops")
+            what.append(f"{_LOOP_HOPS} hops of the {len(loops)} loops")
+        if not ops:
             return plan
-        progress.step("the largest carried state's neighbourhood solved again exactly")
-        x = max(carried, key=lambda x: (max(index.nbytes(v) for v, _, _ in units.state(x)), -x))
-        seeds = set(units.update_region(x))
-        seeds.update(r for v, _, _ in units.state(x) for r, _ in index.readers.get(v, ()))
-        ops = _neighbourhood(index, seeds, _HOPS)
+        progress.step(f"the neighbourhood of {' and of '.join(near)} solved again exactly")
         made = {w for y in ops for w in self.g.ops[y].outputs}
         inputs = index.free_reads(ops, self.fixed_in)
         inputs.update(v for v, _, w in units.carried if w in made and v not in self.fixed_in)
@@ -392,9 +413,9 @@ class _Sapp:
         after = self._score(found, self.fixed_out)
         if after >= before * (1 - 1e-9):
             return plan
-        _note(self.lines, f"{units.name(x)} and the {len(ops)} ops within {_HOPS} hops of its "
-                          f"readers and update solved again exactly, the rest held, score "
-                          f"{after:.6g}, less than {before:.6g}: taken instead")
+        _note(self.lines, f"the {len(ops)} ops within {' or within '.join(what)} solved again "
+                          f"exactly, the rest held, score {after:.6g}, less than {before:.6g}: "
+                          "taken instead")
         return found
 
     def _complete(self, fixed: dict, fixed_in: dict, fixed_out: dict) -> Refiner:

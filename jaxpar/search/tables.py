@@ -113,8 +113,8 @@ def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     them: its live sets count the layers apart).
 
     region: only its ops and free inputs become nodes (Region); None: the whole graph.
-    region_seeds: {region op index: operand specs (None: free)}: the op also takes the
-    candidates regions.region_candidates plans from those specs (dynamic_programming seeds
+    region_seeds: {region op index: lists of operand specs (None: free)}: the op also takes
+    the candidates regions.region_candidates plans from each list (dynamic_programming seeds
     them from a first solution, so that a loop's body can be solved for its neighbours).
     """
     b = _Builder(graph, model, allow, classes, fold, region_seeds or {})
@@ -236,9 +236,8 @@ class _Builder:
         if op.regions:  # bodies planned from free operands (regions.region_candidates)
             info = OpInfo.of(op, self.graph)
             found = list(region_candidates(op, info, [None] * len(op.inputs), model))
-            if op.index in self.region_seeds:  # (a copy: the candidates are cached)
-                found += [f for f in region_candidates(op, info, self.region_seeds[op.index],
-                                                       model)
+            for known in self.region_seeds.get(op.index, ()):  # (a copy: they are cached)
+                found += [f for f in region_candidates(op, info, known, model)
                           if not any(f[0] == g[0] for g in found)]
             self.t.regions[op.index] = {id(s): (plans, trips, cost)
                                         for s, plans, cost, trips in found}
