@@ -200,6 +200,20 @@ def test_reshard_line_prices_every_size_as_reshard_does():
     assert model.reshard_line(S("d0", None), S("d0", None)) == (0.0, 0.0)
 
 
+def test_reshard_lines_are_reshard_line_of_every_pair_and_remembered():
+    model = CostModel(MESH, load_profile("tpu-v5e"), level=0, mem_coeff=0.1)
+    srcs = tuple(dict.fromkeys(src for src, _, _ in CASES if src.rank == 2))
+    dsts = tuple(dict.fromkeys(dst for _, dst, _ in CASES if dst.rank == 2))
+    per_byte, fixed = model.reshard_lines(srcs, dsts, share=0.5)
+    assert per_byte.shape == fixed.shape == (len(srcs), len(dsts))
+    for p, src in enumerate(srcs):
+        for q, dst in enumerate(dsts):
+            assert (per_byte[p, q], fixed[p, q]) == model.reshard_line(src, dst, share=0.5)
+    again = model.reshard_lines(srcs, dsts, share=0.5)
+    assert again[0] is per_byte and again[1] is fixed
+    assert model.reshard_lines(srcs, dsts)[1] is not fixed  # another share: priced apart
+
+
 def test_placed_as_is_where_resharding_moves_nothing():
     # Spec.placed_as is the test every pricer makes before working out collectives.
     model = CostModel(MESH, load_profile("tpu-v5e"))

@@ -31,6 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from jaxpar.cost.comm import Collective, collective_time, reshard
 from jaxpar.cost.hardware import HardwareProfile
 from jaxpar.ir.graph import itemsize
@@ -103,6 +105,7 @@ class CostModel:
         self._reshard_cache: dict = {}
         self._per_byte: dict = {}  # (src, dst) -> reshard()'s collectives for one byte
         self._lines: dict = {}     # (src, dst, share) -> reshard_line()
+        self._line_lists: dict = {}  # (srcs, dsts, share) -> reshard_lines()
         self._options_cache: dict = {}
         self._costs_cache: dict = {}
         self._fitting_cache: dict = {}
@@ -202,6 +205,20 @@ class CostModel:
                 hit = ((self.score(self._moving(src, dst, _LINE_BYTES, share)) - fixed)
                        / _LINE_BYTES, fixed)
             self._lines[key] = hit
+        return hit
+
+    def reshard_lines(self, srcs: tuple[Spec, ...], dsts: tuple[Spec, ...], share: float = 1.0
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """reshard_line of every pair: (per_byte, fixed) matrices, one row per src and one
+        column per dst. Remembered by the two tuples: the exact search's tables, built again
+        and again (a loop body for each set of operand specs, each mesh axis solved again),
+        ask for the same spec lists each time. Do not write into the matrices."""
+        key = (srcs, dsts, share)
+        hit = self._line_lists.get(key)
+        if hit is None:
+            pairs = np.array([[self.reshard_line(a, b, share) for b in dsts] for a in srcs],
+                             dtype=float).reshape(len(srcs), len(dsts), 2)
+            hit = self._line_lists[key] = (pairs[..., 0], pairs[..., 1])
         return hit
 
     def op(self, info: OpInfo, s: OpStrategy, share: float = 1.0) -> OpCost:

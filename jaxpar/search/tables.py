@@ -185,10 +185,8 @@ class _Builder:
         self.share = latency_shares(graph)
         self._nodes: dict[int, tuple] = {}     # id(candidate list) -> (list, cost, mem)
         self._ports: dict[tuple, tuple] = {}   # (id(list), side, i) -> (list, classes)
-        self._classes: dict[tuple, tuple] = {}  # distinct specs -> (specs, spec ids)
-        self._spec_id: dict[Spec, int] = {}
+        self._classes: dict[tuple, tuple] = {}  # distinct specs -> the one tuple of them
         self._matrices: dict[tuple, np.ndarray] = {}  # (spec lists' ids, share), bytes -> K
-        self._pairs: dict[tuple, tuple] = {}   # (spec id, spec id, share) -> reshard_line
         self._lines: dict[tuple, tuple] = {}   # spec lists' ids, share -> (lists, per byte,
                                                # fixed): every K between them is a line
         self._options: dict[tuple, tuple] = {}  # (class, share) -> model.options
@@ -286,7 +284,7 @@ class _Builder:
         """Free input (or constant) v's node: it takes any spec its first reader reads (or,
         read by none, its tied output comes in)."""
         node, side, i = self._first[v]
-        specs = self._port(node, side, i)[0][0]
+        specs = self._port(node, side, i)[0]
         if self.allow is not None:  # one object per distinct tuple: inputs alike stay alike
             specs = self.allow.specs(v, specs)
             specs = self._kept_specs.setdefault(specs, specs)
@@ -297,16 +295,13 @@ class _Builder:
         mem = np.array([info.nbytes / s.shards(self.model.mesh) for s in specs], dtype=float)
         return self._add_node(specs, None, np.zeros(len(specs)), mem, key)
 
-    def _intern(self, specs: tuple[Spec, ...]) -> tuple[tuple[Spec, ...], list[int]]:
-        hit = self._classes.get(specs)
-        if hit is None:
-            ids = [self._spec_id.setdefault(s, len(self._spec_id)) for s in specs]
-            hit = self._classes[specs] = (specs, ids)
-        return hit
+    def _intern(self, specs: tuple[Spec, ...]) -> tuple[Spec, ...]:
+        """One tuple object per distinct spec list (caches below key on its id)."""
+        return self._classes.setdefault(specs, specs)
 
     def _port(self, node: int, side: str, i: int) -> tuple[tuple, np.ndarray]:
-        """(distinct specs with their ids, class per candidate) of node's operand i ("in"),
-        result i ("out") or own spec ("spec")."""
+        """(distinct specs, class per candidate) of node's operand i ("in"), result i ("out")
+        or own spec ("spec")."""
         cands = self.t.cands[node]
         key = (id(cands), side, i)
         hit = self._ports.get(key)
@@ -319,26 +314,16 @@ class _Builder:
 
     def _matrix(self, v: int, src: tuple, dst: tuple) -> np.ndarray:
         """K[p, q]: the score of resharding value v from src's p-th spec to dst's q-th: a
-        line in v's bytes (CostModel.reshard_line), priced once per spec lists and share."""
+        line in v's bytes (CostModel.reshard_lines), priced once per spec lists and share."""
         share, size = self.share(v), self.graph.values[v].nbytes
-        lists = (id(src[0]), id(dst[0]), share)
+        lists = (id(src), id(dst), share)
         hit = self._matrices.get((lists, size))
         if hit is None:
             lines = self._lines.get(lists)
             if lines is None:
-                pairs = np.array([[self._line(a, b, share) for b in zip(*dst, strict=True)]
-                                  for a in zip(*src, strict=True)],
-                                 dtype=float).reshape(len(src[0]), len(dst[0]), 2)
-                lines = self._lines[lists] = (src, dst, pairs[..., 0], pairs[..., 1])
+                lines = self._lines[lists] = (src, dst) + self.model.reshard_lines(src, dst,
+                                                                                   share)
             hit = self._matrices[(lists, size)] = lines[2] * size + lines[3]
-        return hit
-
-    def _line(self, a: tuple[Spec, int], b: tuple[Spec, int], share: float) -> tuple:
-        """CostModel.reshard_line of (spec, id) a to b, remembered by the ids."""
-        key = (a[1], b[1], share)
-        hit = self._pairs.get(key)
-        if hit is None:
-            hit = self._pairs[key] = self.model.reshard_line(a[0], b[0], share)
         return hit
 
     def _link(self, u, src_side: str, j: int, w, dst_side: str, i: int, v: int,
