@@ -321,6 +321,20 @@ def test_infeasible_budget_names_budget_and_smallest_peak():
         solve(live)
 
 
+def test_tied_nodes_that_disagree_on_their_least_memory_candidate_give_a_bound():
+    # Nodes 0 and 1 must take one candidate: node 0 holds least with its first, node 1 with
+    # its second. Each one's least (5 + 3) only bounds the smallest peak (the best is 9).
+    mem = (_mat([5, 6]), _mat([4, 3]))
+    tied = Problem((_mat([0, 0]), _mat([0, 0])), (), mem, budget=7.0, tied=((0, 1),))
+    with pytest.raises(ValueError, match=r"smallest possible peak is at least 8 bytes \(found "
+                                         r"by taking every node's least-memory candidate\)$"):
+        solve(tied)
+    agree = Problem(tied.node_cost, (), (_mat([5, 6]), _mat([3, 4])), budget=7.0,
+                    tied=((0, 1),))
+    with pytest.raises(ValueError, match=r"peak is 8 bytes .*which is exact"):
+        solve(agree)
+
+
 def test_pruning_removes_a_dominated_candidate():
     # Candidate 1 of node 0 costs more, uses more memory and reshards no cheaper: dominated.
     problem = Problem((_mat([1, 2, 0]), _mat([0, 0])),

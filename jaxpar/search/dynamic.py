@@ -341,17 +341,22 @@ def _fits(problem: Problem, choice: np.ndarray) -> bool:
 
 def _check_budget(problem: Problem) -> None:
     # Each node's least-memory candidate minimises every live set's sum at once, so the max
-    # over sets of those sums is the exact smallest achievable peak for this memory model.
-    sums = problem.usage([m.min() for m in problem.node_mem])
+    # over sets of those sums is the smallest achievable peak for this memory model: exactly,
+    # unless tied nodes' least-memory candidates differ (then it bounds it from below).
+    least = [m.min() for m in problem.node_mem]
+    sums = problem.usage(least)
     worst = int(np.argmax(sums)) if len(sums) else 0
     if len(sums) and sums[worst] > problem.budget * (1 + 1e-12):
         where = f" in live_sets[{worst}]" if problem.live_sets is not None else \
             f" at program point {problem.points()[worst]}" if problem.live_ranges is not None \
             else ""
+        exact = all(len({int(np.argmin(problem.node_mem[i])) for i in g}) == 1
+                    for g in problem.tied or ())
         raise ValueError(
             f"no strategy assignment fits memory_budget={problem.budget:.6g} bytes per device; "
-            f"the smallest possible peak is {sums[worst]:.6g} bytes{where} (found by taking "
-            f"every node's least-memory candidate, which is exact for this memory model)")
+            f"the smallest possible peak is {'' if exact else 'at least '}{sums[worst]:.6g} "
+            f"bytes{where} (found by taking every node's least-memory candidate"
+            f"{', which is exact for this memory model' if exact else ''})")
 
 
 def _scale(core: Core) -> float:

@@ -231,7 +231,8 @@ def _budget_left(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
 def live_ranges(graph: OpGraph, t: Tables) -> np.ndarray:
     """(first, last) program point at which each node's results are alive: an op's from its
     own index to its last reader (to the end, len(graph.ops), for program outputs); a free
-    input's throughout."""
+    input's throughout; what a region op's bodies add, at the op's own point (t.running).
+    plan.peak_memory counts the same."""
     last: dict[int, int] = {}
     for op in graph.ops:
         for v in op.inputs:
@@ -244,6 +245,8 @@ def live_ranges(graph: OpGraph, t: Tables) -> np.ndarray:
         end = max([last.get(v, op.index) for v in op.outputs] +
                   [len(graph.ops) if set(op.outputs) & outputs else op.index])
         ranges[t.op_nodes[op.index]] = (op.index, end)
+    for node, index in t.running.items():  # a region op's bodies, while it runs
+        ranges[node] = (index, index)
     return ranges
 
 

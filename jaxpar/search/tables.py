@@ -86,8 +86,11 @@ class Tables:
                                                             # (plans, trips, cost)}
     count: list[int] = field(default_factory=list)  # ops and inputs per node, built folded
                                                     # (build_tables' classes; else empty)
-    tied: tuple[tuple[int, ...], ...] = ()  # built with classes, not folded: the nodes that
-                                            # folding would make one (groups of two or more)
+    tied: tuple[tuple[int, ...], ...] = ()  # built not folded: the nodes that folding would
+                                            # make one (with classes; groups of two or more),
+                                            # and each region op's node with its running node
+    running: dict[int, int] = field(default_factory=dict)  # not folded: node -> the region op
+                                                           # whose bodies' memory it holds
 
 
 def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
@@ -232,6 +235,8 @@ class _Builder:
         model = self.model
         share = max((self.share(v) for v in op.outputs), default=1.0)
         if op.regions:  # bodies planned from free operands (regions.region_candidates)
+            from jaxpar.plan import body_memory
+
             info = OpInfo.of(op, self.graph)
             found = list(region_candidates(op, info, [None] * len(op.inputs), model))
             for known in self.region_seeds.get(op.index, ()):  # (a copy: they are cached)
@@ -239,9 +244,14 @@ class _Builder:
                           if not any(f[0] == g[0] for g in found)]
             self.t.regions[op.index] = {id(s): (plans, trips, cost)
                                         for s, plans, cost, trips in found}
-            return self._add_node([f[0] for f in found], [f[2] for f in found],
-                                  np.array([model.score(f[2]) for f in found]),
-                                  np.array([self._region_memory(op, info, f) for f in found]))
+            cands, own = [f[0] for f in found], [f[2] for f in found]
+            results = np.array([self._results_memory(info, f[0]) for f in found])
+            bodies = np.array([body_memory(op, f[1], model.mesh) for f in found])
+            node = self._add_node(cands, own, np.array([model.score(c) for c in own]),
+                                  results if not self.fold else results + bodies)
+            if not self.fold:  # the bodies' memory, held while the op runs only
+                self._while_running(node, op.index, bodies)
+            return node
         cands, own = self._candidates(op, share)
         if self.allow is not None:
             cands, own = self._subset(cands, own, self.allow.op(op.index, cands))
@@ -256,18 +266,20 @@ class _Builder:
         key = None if self.classes is None else (self.classes[op.index], id(cands))
         return self._add_node(cands, own, hit[1], hit[2], key)
 
-    def _region_memory(self, op, info: OpInfo, found: tuple) -> float:
-        """What a region op's candidate holds, per device: its results, as any node's, and
-        what its bodies add while it runs (their peak less their arguments, which the
-        operands' producers hold already; counted over the results' whole live range here,
-        so the budget errs on the safe side)."""
-        from jaxpar.plan import body_memory
+    def _results_memory(self, info: OpInfo, s) -> float:
+        """Per device bytes of an op's results under strategy s."""
+        return sum(nbytes(sh, dt) / sp.shards(self.model.mesh) for sh, dt, sp in
+                   zip(info.out_shapes, info.out_dtypes, s.outs, strict=True))
 
-        s, plans = found[0], found[1]
-        mesh = self.model.mesh
-        results = sum(nbytes(sh, dt) / sp.shards(mesh) for sh, dt, sp in
-                      zip(info.out_shapes, info.out_dtypes, s.outs, strict=True))
-        return results + body_memory(op, plans, mesh)
+    def _while_running(self, node: int, index: int, memory: np.ndarray) -> None:
+        """A node tied to region op `node` (same candidates) holding `memory`: what the op's
+        bodies add while it runs (their peak less their arguments, which the operands'
+        producers hold already), live at the op's own program point only (t.running)."""
+        t = self.t
+        extra = self._add_node(t.cands[node], t.own[node], np.zeros(len(memory)), memory)
+        self._group.setdefault(node, node)
+        self._group[extra] = self._group[node]
+        t.running[extra] = index
 
     def _subset(self, cands: list, own: list, kept: tuple[int, ...]) -> tuple[list, list]:
         """The candidates at `kept` as a list of their own, one per (list, indices): ops alike
@@ -431,7 +443,7 @@ class _Builder:
             t.node_cost[node] = t.node_cost[node] + extra
         if self.classes is not None and self.fold:
             t.count = list(self._count)
-        elif self.classes is not None:
+        else:
             groups: dict[int, list[int]] = {}
             for node, first in self._group.items():
                 groups.setdefault(first, []).append(node)
