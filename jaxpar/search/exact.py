@@ -121,9 +121,11 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
         # step (forward and backward scans) can agree on what passes between them. Again so
         # while a new answer gives the loops operand specs not yet tried. The candidates
         # only grow: the optimum can only drop.
-        seeds = {} if region is None else _seeds(loops, region.plan, {})
-        for _ in range(_LOOP_PASSES if model.search_bodies and allow is None else 0):
+        seeds: dict[int, list] = {}  # the operand specs the tables' loops were planned for
+        for n in range(_LOOP_PASSES if model.search_bodies and allow is None else 0):
             grown = _seeds(loops, plan, seeds)
+            if n == 0 and region is not None:
+                grown = _seeds(loops, region.plan, grown)
             if grown == seeds:
                 break
             seeds = grown
