@@ -343,8 +343,7 @@ def _check_budget(problem: Problem) -> None:
     # Each node's least-memory candidate minimises every live set's sum at once, so the max
     # over sets of those sums is the smallest achievable peak for this memory model: exactly,
     # unless tied nodes' least-memory candidates differ (then it bounds it from below).
-    least = [m.min() for m in problem.node_mem]
-    sums = problem.usage(least)
+    sums = problem.usage([m.min() for m in problem.node_mem])
     worst = int(np.argmax(sums)) if len(sums) else 0
     if len(sums) and sums[worst] > problem.budget * (1 + 1e-12):
         where = f" in live_sets[{worst}]" if problem.live_sets is not None else \
