@@ -362,6 +362,24 @@ def test_neighbourhood_does_not_hop_through_scalars():
     assert "tanh" in region and "exp" not in region, (names, region)
 
 
+def test_neighbourhood_stops_at_its_walls():
+    from jaxpar.search.propagation import GraphIndex
+    from jaxpar.search.recursive import _neighbourhood
+
+    def f(x, w1, w2):
+        return jnp.log(jnp.exp(jnp.tanh(x) @ w1) @ w2)
+    arrays = (jax.ShapeDtypeStruct((8, 8), jnp.float32),) * 3
+    traced = trace(f, arrays)
+    graph = build_graph(traced.closed_jaxpr, traced.in_paths)
+    index = GraphIndex(graph)
+    first = next(op.index for op in graph.ops if op.name == "tanh")
+    dots = frozenset(op.index for op in graph.ops if op.name == "dot_general")
+    walled = {graph.ops[x].name for x in _neighbourhood(index, {first}, None, dots)}
+    assert walled == {"tanh", "dot_general"}
+    assert {graph.ops[x].name for x in _neighbourhood(index, {first}, None)} == \
+        {"tanh", "dot_general", "exp", "log"}
+
+
 def test_solve_region_holds_everything_outside_the_region():
     # Over every op and input, solve_region is the exact search; over a part, the rest of
     # the plan (sharding propagation's: everything replicated) stays as it was.

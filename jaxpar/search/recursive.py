@@ -62,11 +62,11 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    the tied output head, is priced path by path by the links, and its better layout changes
    two axes at once (so does an MoE step's expert weight on 4 x 2 devices across two nodes at
    level 2: 1.044x the optimum with both axes solved again, 1.000x after). With loop
-   bodies searched (model.search_bodies), the same region also takes the ops within
-   _LOOP_HOPS of each loop (scan, while): a loop is no unit of the walk, which decides the
-   ops around it without its costs, and its body is then planned for what they chose (a
-   scanned GPT step scored 2.5x the exact search's objective; solved again so, 1.02x). Each
-   kept where that objective drops.
+   bodies searched (model.search_bodies), the same region also takes the ops between the
+   loops (scan, while) and the main ops around them, those included: a loop is no unit of
+   the walk, which decides the ops around it without its costs, and its body is then planned
+   for what they chose (a scanned GPT step scored 2.5x the exact search's objective; solved
+   again so, 1.00x). Each kept where that objective drops.
 6. A plan over the memory budget is searched again with mem_coeff four times larger (more model
    parallel, less memory) a few times, then fails with a ValueError saying what it needs.
 The work is linear in the number of ops but for step 5: every op is walked, propagated and
@@ -113,7 +113,6 @@ _SWEEPS = 50          # coordinate descent over classes: at most this many sweep
 _PASSES = ("with joint moves", "with shared reads")  # the two passes over the axes (run)
 _HOPS = 3             # the ops this many def-use hops from the largest carried state's
                       # readers and update are solved again exactly (over every axis)
-_LOOP_HOPS = 6        # and those this many hops from a loop (scan, while)
 
 
 def recursive_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
@@ -375,8 +374,8 @@ class _Sapp:
 
     def _solve_neighbourhoods(self, plan: GraphPlan, before: float, ties: tuple) -> GraphPlan:
         """The ops within _HOPS of the largest carried state (the ops reading it and its
-        update), and with loop bodies searched (model.search_bodies) those within _LOOP_HOPS
-        of the loops, solved again exactly over every axis, the rest of the plan held
+        update), and with loop bodies searched (model.search_bodies) those between the loops
+        and the main ops around them, solved again exactly over every axis, the rest held
         (resolve.solve_region), with the free inputs they read. A big parameter read and
         written along several paths (an embedding table, read by the lookup and by the tied
         output head) has each path priced apart by the links, and its layout is a joint
@@ -396,12 +395,12 @@ class _Sapp:
             seeds.update(r for v, _, _ in units.state(x) for r, _ in index.readers.get(v, ()))
             ops |= _neighbourhood(index, seeds, _HOPS)
             near.append("the largest carried state")
-            what.append(f"{_HOPS} hops of the readers and update of {units.name(x)}")
+            what.append(f"within {_HOPS} hops of the readers and update of {units.name(x)}")
         loops = {op.index for op in self.g.ops if op.name in LOOPS}
         if loops and self.model.search_bodies:
-            ops |= _neighbourhood(index, loops, _LOOP_HOPS)
+            ops |= _neighbourhood(index, loops, None, frozenset(self.mains))
             near.append("the loops")
-            what.append(f"{_LOOP_HOPS} hops of the {len(loops)} loops")
+            what.append(f"between the {len(loops)} loops and the main ops around them")
         if not ops:
             return plan
         progress.step(f"the neighbourhood of {' and of '.join(near)} solved again exactly")
@@ -413,9 +412,8 @@ class _Sapp:
         after = self._score(found, self.fixed_out)
         if after >= before * (1 - 1e-9):
             return plan
-        _note(self.lines, f"the {len(ops)} ops within {' or within '.join(what)} solved again "
-                          f"exactly, the rest held, score {after:.6g}, less than {before:.6g}: "
-                          "taken instead")
+        _note(self.lines, f"the {len(ops)} ops {' or '.join(what)} solved again exactly, the "
+                          f"rest held, score {after:.6g}, less than {before:.6g}: taken instead")
         return found
 
     def _complete(self, fixed: dict, fixed_in: dict, fixed_out: dict) -> Refiner:
@@ -907,13 +905,16 @@ class _Sapp:
                                                           else ""))
 
 
-def _neighbourhood(index: GraphIndex, seeds: set[int], hops: int) -> set[int]:
-    """The ops at most `hops` def-use steps from `seeds`, through operands and results that
-    are arrays (not scalars: a step count or learning rate is read by every update)."""
+def _neighbourhood(index: GraphIndex, seeds: set[int], hops: int | None,
+                   walls: frozenset[int] = frozenset()) -> set[int]:
+    """The ops at most `hops` def-use steps from `seeds` (None: any number), through operands
+    and results that are arrays (not scalars: a step count or learning rate is read by every
+    update). An op in `walls` joins the neighbourhood but is not stepped through."""
     g, region, frontier = index.g, set(seeds), set(seeds)
-    for _ in range(hops):
+    steps = 0
+    while frontier and (hops is None or steps < hops):
         near = set()
-        for y in frontier:
+        for y in frontier - walls:
             op = g.ops[y]
             for v in op.inputs + op.outputs:
                 if isinstance(v, int) and g.values[v].shape:
@@ -922,6 +923,7 @@ def _neighbourhood(index: GraphIndex, seeds: set[int], hops: int) -> set[int]:
                     near.update(r for r, _ in index.readers.get(v, ()))
         frontier = near - region
         region |= frontier
+        steps += 1
     return region
 
 
