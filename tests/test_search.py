@@ -290,8 +290,9 @@ def test_the_automatic_searches_solve_loop_bodies_exactly():
 def test_recursive_programming_solves_the_loops_neighbourhood_again():
     """recursive_programming's walk decides the ops around a loop without the loop's costs, and
     the loop's body is then planned for what they chose: on a scanned GPT step that was 2.5x
-    dynamic_programming's objective. The loops and the ops near them solved again exactly
-    (each body also for the operand specs the plan gives it) bring it within 5%."""
+    dynamic_programming's objective. The ops between the loops and the main ops around them,
+    solved again exactly (each body also for the operand specs the plan gives it), bring it
+    within 5%."""
     from jaxpar.search.exact import dynamic_programming
     from jaxpar.search.recursive import recursive_programming
 
