@@ -259,10 +259,9 @@ class _Builder:
         if hit is None:
             # Memory a node holds: its results, per device (operands belong to their producers).
             info = OpInfo.of(op, self.graph)
-            mem = [sum(nbytes(sh, dt) / sp.shards(model.mesh) for sh, dt, sp in
-                       zip(info.out_shapes, info.out_dtypes, s.outs, strict=True)) for s in cands]
-            hit = self._nodes[id(cands)] = (cands, np.array([model.score(c) for c in own]),
-                                            np.array(mem, dtype=float))
+            hit = self._nodes[id(cands)] = (
+                cands, np.array([model.score(c) for c in own]),
+                np.array([self._results_memory(info, s) for s in cands], dtype=float))
         key = None if self.classes is None else (self.classes[op.index], id(cands))
         return self._add_node(cands, own, hit[1], hit[2], key)
 
