@@ -115,3 +115,50 @@ def test_a_scan_trained_through_moves_what_its_plan_says():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
     check = f.plan(ws, x).verify(f.lower(ws, x).compile())
     assert check.measured_bytes == check.predicted_bytes > 0, str(check)
+
+
+@pytest.mark.parametrize("mode", ["sharding_propagation", "recursive_programming"])
+def test_cond_branches_planned_apart_return_their_results_alike(mode):
+    """The branches of a cond are planned apart (tanh in one, relu in the other, each cut as
+    its own ops like) into the cond's result specs; lowered, each branch's results are laid
+    out so, or XLA refuses the program ("Inconsistent conditional sharding")."""
+    def fn(w, x, flag):
+        def loss(w):
+            h = jax.lax.cond(flag, jnp.tanh, lambda h: jax.nn.relu(h) * 0.5, x @ w)
+            return jnp.sum(h ** 2)
+        return jax.value_and_grad(loss)(w)
+
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((32, 64)) * 0.1, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((16, 32)) * 0.1, jnp.float32)
+    f = jaxpar.shard(fn, mesh=jaxpar.make_mesh((4, 2), ("dp", "tp")), search_mode=mode)
+    for flag in (True, False):
+        got, want = f(w, x, jnp.asarray(flag)), jax.jit(fn)(w, x, jnp.asarray(flag))
+        for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want),
+                        strict=True):
+            np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
+
+
+def test_state_one_cond_updates_is_placed_per_shape():
+    """optax.MultiSteps updates every state leaf (its step counters, the accumulated
+    gradients, the inner optimizer's state) in one cond: the carried units it makes are told
+    apart by their shapes, or a scalar counter's spec was given to a matrix."""
+    import optax
+
+    params = {"w": jnp.full((16, 32), 0.1), "b": jnp.zeros(32)}
+    tx = optax.MultiSteps(optax.sgd(0.1, momentum=0.9), every_k_schedule=2)
+
+    def step(p, state, x):
+        g = jax.grad(lambda p: jnp.mean(jnp.tanh(x @ p["w"] + p["b"]) ** 2))(p)
+        u, state = tx.update(g, state, p)
+        return optax.apply_updates(p, u), state
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 16)), jnp.float32)
+    f = jaxpar.shard(step, search_mode="recursive_programming")
+    state, ref_state, p, ref_p = tx.init(params), tx.init(params), params, params
+    for _ in range(2):  # the second call takes the other branch (an update every 2)
+        p, state = f(p, state, x)
+        ref_p, ref_state = jax.jit(step)(ref_p, ref_state, x)
+    for g, r in zip(jax.tree_util.tree_leaves((p, state)),
+                    jax.tree_util.tree_leaves((ref_p, ref_state)), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)

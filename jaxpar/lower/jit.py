@@ -54,7 +54,7 @@ def replay(graph: OpGraph, plan: GraphPlan, mesh: Mesh, args: list, fp32: bool =
         choice = plan.choices[op.index]
         ins = [read(v, need) for v, need in zip(op.inputs, choice.strategy.ins, strict=True)]
         if op.regions:
-            outs = _region(op, choice.regions, ins, mesh, fp32)
+            outs = _region(op, choice.regions, ins, mesh, fp32, choice.strategy.outs)
         elif fp32 and _reduces_low(op, choice.strategy, graph):
             outs = [_bind_fp32(op, ins, graph.dtype(op.outputs[0]), choice.strategy.outs[0],
                                mesh)]
@@ -90,7 +90,12 @@ def _bind(op: Op, ins: list) -> list:
     return list(out) if op.primitive.multiple_results else [out]
 
 
-def _region(op: Op, plans: tuple[GraphPlan, ...], ins: list, mesh: Mesh, fp32: bool) -> list:
+def _region(op: Op, plans: tuple[GraphPlan, ...], ins: list, mesh: Mesh, fp32: bool,
+            outs: tuple[Spec, ...]) -> list:
+    """A region op's results, its bodies replayed with their plans; `outs`: the specs its
+    strategy gives its results."""
+    if op.name == "cond":
+        return _cond(op, plans, ins, mesh, fp32, outs)
     return _REGIONS[op.name](op, plans, ins, mesh, fp32)
 
 
@@ -136,14 +141,20 @@ def _while(op: Op, plans, ins, mesh, fp32) -> list:
     return list(out)
 
 
-def _cond(op: Op, plans, ins, mesh, fp32) -> list:
-    branches = [lambda *a, b=b, p=p: replay(b, p, mesh, _as_planned(b.inputs, list(a), p, mesh),
-                                            fp32)
-                for b, p in zip(op.regions, plans, strict=True)]
-    return list(jax.lax.switch(ins[0], branches, *ins[1:]))
+def _cond(op: Op, plans, ins, mesh, fp32, outs: tuple[Spec, ...]) -> list:
+    """Each branch's results constrained to the cond's result specs: the branches are planned
+    into them (regions._cond), and XLA refuses branches whose results it lays out apart."""
+    def branch(b: OpGraph, p: GraphPlan):
+        def run(*a):
+            got = replay(b, p, mesh, _as_planned(b.inputs, list(a), p, mesh), fp32)
+            return [_constrain(x, s, mesh) for x, s in zip(got, outs, strict=True)]
+        return run
+    return list(jax.lax.switch(ins[0], [branch(b, p) for b, p in zip(op.regions, plans,
+                                                                     strict=True)],
+                               *ins[1:]))
 
 
-_REGIONS = {"scan": _scan, "while": _while, "cond": _cond}
+_REGIONS = {"scan": _scan, "while": _while}
 
 
 def build_callable(graph: OpGraph, plan: GraphPlan, mesh: Mesh, in_specs: list[Spec],

@@ -269,14 +269,16 @@ class _Sapp:
 
     def _main_classes(self, classes: list[int]) -> list[int]:
         """op_classes, with main ops also told apart by their reductions' latency share and
-        carried units by the classes of the ops making their outputs; each class remembers
-        its members (first one first)."""
-        units, producer = self.units, self.index.producer
+        carried units by the classes of the ops making their outputs and by their state's
+        shapes and dtypes (one op, a cond, may make them all); each class remembers its
+        members (first one first)."""
+        units, producer, values = self.units, self.index.producer, self.g.values
         out, number = list(classes) + [0] * len(units.groups), {}
         self.members: dict[int, list[int]] = {}
         keys = [(x, (classes[x], self.share(self.g.ops[x]))) for x in self.mains]
         keys += [(len(classes) + gi, ("carried", tuple(sorted(
-            classes[producer[units.carried[k][2]]] for k in ks))))
+            (classes[producer[w]], values[w].shape, str(values[w].dtype))
+            for w in (units.carried[k][2] for k in ks)))))
                  for gi, ks in enumerate(units.groups)]
         for x, key in keys:
             c = number.setdefault(key, len(out) + len(number))
