@@ -12,6 +12,7 @@ jax.jit, grad, vmap) the program is one more jitted call in the caller's trace.
 from __future__ import annotations
 
 import inspect
+import math
 import numbers
 from dataclasses import dataclass, replace
 from typing import Any
@@ -146,12 +147,14 @@ def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, sea
     if memory_budget == "hardware":  # the profile's memory per device
         memory_budget = load_profile(hardware).memory_bytes
     if memory_budget is not None and (not isinstance(memory_budget, numbers.Real)
-                                      or isinstance(memory_budget, bool) or memory_budget <= 0):
+                                      or isinstance(memory_budget, bool)
+                                      or not math.isfinite(memory_budget) or memory_budget <= 0):
         raise ValueError(f"shard(memory_budget={memory_budget!r}): give a positive number of "
                          "bytes per device, 'hardware' for the hardware profile's memory, or "
                          "None for no budget.")
-    if not isinstance(mem_coeff, numbers.Real) or isinstance(mem_coeff, bool) or mem_coeff < 0:
-        raise ValueError(f"shard(mem_coeff={mem_coeff!r}): must be a number >= 0.")
+    if not isinstance(mem_coeff, numbers.Real) or isinstance(mem_coeff, bool) or \
+            not math.isfinite(mem_coeff) or mem_coeff < 0:
+        raise ValueError(f"shard(mem_coeff={mem_coeff!r}): must be a finite number >= 0.")
     if parameter_plan is not None and not isinstance(parameter_plan, dict):
         raise TypeError(f"shard(parameter_plan={parameter_plan!r}): must be a dict mapping "
                         "parameter paths to strategies, e.g. {'params/w': (1, 8)}.")

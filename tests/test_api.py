@@ -207,6 +207,8 @@ BAD_OPTIONS = [
     ({"hardware": "h900"}, ValueError, r"hardware='h900'.*h100-nvlink"),
     ({"memory_budget": -1}, ValueError, r"memory_budget=-1"),
     ({"mem_coeff": -0.5}, ValueError, r"mem_coeff=-0.5"),
+    ({"mem_coeff": float("nan")}, ValueError, r"mem_coeff=nan.*finite"),
+    ({"memory_budget": float("nan")}, ValueError, r"memory_budget=nan"),
     ({"parameter_plan": [("w", (1, 8))]}, TypeError, r"parameter_plan.*dict"),
     ({"donate_argnums": "x"}, TypeError, r"donate_argnums='x'.*int"),
     ({"donate_argnums": (0, 1.0)}, TypeError, r"donate_argnums=\(0, 1.0\)"),
