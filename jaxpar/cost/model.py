@@ -91,12 +91,14 @@ class CostModel:
 
     def __init__(self, mesh: MeshInfo, profile: HardwareProfile, level: int = 0,
                  mem_coeff: float = 0.0, recompute_heavy: bool = True,
-                 search_bodies: bool = False):
+                 search_bodies: bool = False, lean_bodies: bool = False):
         self.mesh, self.profile, self.level, self.mem_coeff = mesh, profile, level, mem_coeff
         self.recompute_heavy = recompute_heavy
         # Loop bodies also solved exactly (search.regions.region_candidates): the automatic
-        # searches' models say so.
-        self.search_bodies = search_bodies
+        # searches' models say so. lean_bodies: also solved for the least memory (lean()), for
+        # a search bounding memory (dynamic_programming with a budget).
+        self.search_bodies, self.lean_bodies = search_bodies, lean_bodies
+        self._lean: CostModel | None = None
         self.regions_cache: dict = {}  # (id(op), operand specs) -> (op, region candidates)
         self.links = profile.axis_links(mesh)
         # Bytes per second at which the memory term prices memory (see the module doc).
@@ -256,6 +258,14 @@ class CostModel:
                 cost = cost + self.reshard(raw, out, shape, dtype, share)
         return cost
 
+    def lean(self) -> CostModel:
+        """This model with memory first: level 1 and a mem_coeff of LEAN_MEM_COEFF, time only
+        telling apart plans of equal memory (one model, its caches kept)."""
+        if self._lean is None:
+            self._lean = CostModel(self.mesh, self.profile, 1, LEAN_MEM_COEFF,
+                                   self.recompute_heavy, self.search_bodies)
+        return self._lean
+
     def score(self, c: OpCost) -> float:
         mem_s = c.memory_bytes / self.memory_rate
         return (c.compute_s + _LEVEL_COMM_WEIGHT[self.level] * c.comm_s
@@ -263,6 +273,7 @@ class CostModel:
 
 
 _FREE = OpCost()
+LEAN_MEM_COEFF = 1e3  # CostModel.lean()'s: memory first, by far
 
 
 class _Layout:

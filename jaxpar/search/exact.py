@@ -25,7 +25,9 @@ loop also offering its bodies solved for the operand specs the first answer give
 step's forward and backward scans agree on the residuals passed between them; and again while
 an answer gives the loops operand specs not yet tried (at most _LOOP_PASSES times: a scanned
 GPT step, 2 layers, d 1024, 3.734 -> 3.550 ms of objective). A region's loops are also planned
-for the operand specs its held plan gives them.
+for the operand specs its held plan gives them. Under a memory budget each loop also offers its
+bodies solved for the least memory (CostModel.lean_bodies): the bodies solved for time may all
+hold more than a budget allows.
 
 A step's tail (gradient reductions, the optimizer) prices each reduction at a share of one
 latency, as if XLA combined them all; it combines those of one kind over one device group.
@@ -83,6 +85,10 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
         (GraphPlan, Solution): the plan and how it was found (optimal, gap, method, seconds).
     """
     budget = _budget_left(graph, model, fixed_in, memory_budget)
+    if budget is not None and model.search_bodies and not model.lean_bodies and \
+            any(op.name in LOOPS for op in graph.ops):  # loops also offer lean bodies
+        model = CostModel(model.mesh, model.profile, model.level, model.mem_coeff,
+                          model.recompute_heavy, True, lean_bodies=True)
     if region is not None and budget is not None:
         raise ValueError("dynamic_programming: a region is searched without a memory budget "
                          "(live sets count every op); pass memory_budget=None with it")
@@ -113,8 +119,12 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
         try:
             solution = solved(t, problem, time_limit)
         except ValueError as err:  # no assignment fits: say it in the user's terms
+            bodies = (" Each loop's body is one of a few plans (propagated, solved for time, "
+                      "solved for the least memory), so that peak is over those: "
+                      "search_mode='recursive_programming' plans bodies anew for a larger "
+                      "mem_coeff and may find a leaner one.") if loops else ""
             raise ValueError(f"memory_budget={memory_budget:.0f} bytes per device cannot be "
-                             f"met once the fixed inputs are placed: {err}") from None
+                             f"met once the fixed inputs are placed: {err}{bodies}") from None
         plan = _to_plan(graph, t, solution.choice, fixed_in, region)
         # Each loop's body was solved for free operands; solved again for the operand specs
         # this plan gives it (a region's: and those its held plan gives it), the loops of a

@@ -30,17 +30,32 @@ def plan_region(op: Op, info: OpInfo, known: list[Spec | None], model: CostModel
 def region_candidates(op: Op, info: OpInfo, known: list[Spec | None],
                       model: CostModel) -> list[tuple]:
     """plan_region's answer, then (with model.search_bodies, for a loop) the one whose body
-    dynamic_programming solved, unless it is the same strategy and no cheaper."""
+    dynamic_programming solved, and (with model.lean_bodies) the one it solved for the least
+    memory (model.lean()), each unless one before it is the same strategy, no costlier and
+    (lean_bodies) its bodies hold no more memory."""
     if not model.search_bodies or op.name not in _SEARCHED:
         return [plan_region(op, info, known, model)]
     key = (id(op), tuple(known))  # the searches ask again for the same operand specs
     hit = model.regions_cache.get(key)
     if hit is None or hit[0] is not op:
-        first = plan_region(op, info, known, model)
-        found = _SEARCHED[op.name](op, info, known, model)
-        same = found[0] == first[0] and model.score(found[2]) >= model.score(first[2])
-        hit = model.regions_cache[key] = (op, [first] if same else [first, found])
+        kept = [plan_region(op, info, known, model)]
+        for m in (model, model.lean()) if model.lean_bodies else (model,):
+            found = _SEARCHED[op.name](op, info, known, m)
+            if not any(_covers(k, found, op, model) for k in kept):
+                kept.append(found)
+        hit = model.regions_cache[key] = (op, kept)
     return hit[1]
+
+
+def _covers(a: tuple, b: tuple, op: Op, model: CostModel) -> bool:
+    """Region candidate a makes b needless (see region_candidates)."""
+    if a[0] != b[0] or model.score(a[2]) > model.score(b[2]):
+        return False
+    if not model.lean_bodies:
+        return True
+    from jaxpar.plan import body_memory
+
+    return body_memory(op, a[1], model.mesh) <= body_memory(op, b[1], model.mesh)
 
 
 def _fixed(inputs: tuple[int, ...], specs: list[Spec | None]) -> dict[int, Spec]:
