@@ -214,6 +214,29 @@ def test_reshard_lines_are_reshard_line_of_every_pair_and_remembered():
     assert model.reshard_lines(srcs, dsts)[1] is not fixed  # another share: priced apart
 
 
+def test_a_variant_prices_as_a_new_model_and_shares_what_its_objective_leaves():
+    from jax import lax
+
+    base = CostModel(MESH, load_profile("tpu-v5e"), level=0, mem_coeff=0.1)
+    info = OpInfo(lax.dot_general_p, {"dimension_numbers": (((1,), (0,)), ((), ()))},
+                  ((64, 32), (32, 16)), ((64, 16),), (jnp.float32, jnp.float32),
+                  (jnp.float32,))
+    src, dst = S("d0", None), S(None, "d0")
+    lines = base.reshard_line(src, dst)
+    cands, costs = base.options(info)
+    for level, mem_coeff in ((0, 2.0), (1, 1e3)):
+        other = base.variant(level, mem_coeff)
+        fresh = CostModel(MESH, load_profile("tpu-v5e"), level=level, mem_coeff=mem_coeff)
+        assert (other.level, other.mem_coeff) == (level, mem_coeff)
+        assert other.options(info)[0] is cands  # the candidates and their costs: shared
+        assert [other.score(c) for c in other.options(info)[1]] == \
+            [fresh.score(c) for c in fresh.options(info)[1]]
+        assert other.reshard_line(src, dst) == fresh.reshard_line(src, dst)
+        assert (other._lines is base._lines) is (level == 0)  # scores: one level's own
+    assert base.reshard_line(src, dst) == lines
+    assert base.variant(level=1).regions_cache is not base.regions_cache  # bodies' plans
+
+
 def test_placed_as_is_where_resharding_moves_nothing():
     # Spec.placed_as is the test every pricer makes before working out collectives.
     model = CostModel(MESH, load_profile("tpu-v5e"))

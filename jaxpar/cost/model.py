@@ -258,12 +258,30 @@ class CostModel:
                 cost = cost + self.reshard(raw, out, shape, dtype, share)
         return cost
 
+    def variant(self, level: int | None = None, mem_coeff: float | None = None,
+                lean_bodies: bool | None = None) -> CostModel:
+        """This model with another objective (None: this one's), sharing what the objective
+        does not change: candidates, op costs and resharding costs; and with the same level,
+        resharding scores too (a resharding holds no memory, so mem_coeff leaves its score
+        alone). A search that plans again for another objective (recursive_programming under
+        a memory budget, loop bodies solved lean) then prices each thing once. Loop bodies'
+        plans are the objective's own: not shared."""
+        level = self.level if level is None else level
+        other = CostModel(self.mesh, self.profile, level,
+                          self.mem_coeff if mem_coeff is None else mem_coeff,
+                          self.recompute_heavy, self.search_bodies,
+                          self.lean_bodies if lean_bodies is None else lean_bodies)
+        for name in ("_reshard_cache", "_per_byte", "_options_cache", "_costs_cache",
+                     "_fitting_cache", "_itemsizes", "_layouts") + \
+                (("_lines", "_line_lists") if level == self.level else ()):
+            setattr(other, name, getattr(self, name))
+        return other
+
     def lean(self) -> CostModel:
         """This model with memory first: level 1 and a mem_coeff of LEAN_MEM_COEFF, time only
-        telling apart plans of equal memory (one model, its caches kept)."""
+        telling apart plans of equal memory (one model, made once: its caches kept)."""
         if self._lean is None:
-            self._lean = CostModel(self.mesh, self.profile, 1, LEAN_MEM_COEFF,
-                                   self.recompute_heavy, self.search_bodies)
+            self._lean = self.variant(1, LEAN_MEM_COEFF, lean_bodies=False)
         return self._lean
 
     def score(self, c: OpCost) -> float:

@@ -87,8 +87,7 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
     budget = _budget_left(graph, model, fixed_in, memory_budget)
     if budget is not None and model.search_bodies and not model.lean_bodies and \
             any(op.name in LOOPS for op in graph.ops):  # loops also offer lean bodies
-        model = CostModel(model.mesh, model.profile, model.level, model.mem_coeff,
-                          model.recompute_heavy, True, lean_bodies=True)
+        model = model.variant(lean_bodies=True)
     if region is not None and budget is not None:
         raise ValueError("dynamic_programming: a region is searched without a memory budget "
                          "(live sets count every op); pass memory_budget=None with it")

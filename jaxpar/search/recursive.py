@@ -178,8 +178,7 @@ def _bigger(mem_coeff: float, attempt: int) -> float:
 
 
 def _with_mem_coeff(model: CostModel, mem_coeff: float) -> CostModel:
-    return CostModel(model.mesh, model.profile, model.level, mem_coeff, model.recompute_heavy,
-                     model.search_bodies)
+    return model.variant(mem_coeff=mem_coeff)
 
 
 def _check_fixed(graph: OpGraph, mesh: MeshInfo, fixed_in: dict[int, Spec],
