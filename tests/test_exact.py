@@ -268,7 +268,10 @@ def test_tail_reductions_over_several_groups_are_searched_again(monkeypatch):
     solutions = []
     real_solve = exact.solve
 
+    limits = []
+
     def solve(problem, time_limit=30.0):
+        limits.append(time_limit)
         solutions.append((problem, real_solve(problem, time_limit)))
         return solutions[-1][1]
 
@@ -287,6 +290,9 @@ def test_tail_reductions_over_several_groups_are_searched_again(monkeypatch):
     assert len(solutions) == 2
     graph, model, t = seen["args"]
     (problem, first), (_, second) = solutions
+    # One time limit for both: the second solve has what the first left (it had the whole
+    # limit again, and a budgeted step took twice its limit).
+    assert limits == [30.0, pytest.approx(30.0 - first.seconds)]
     assert len({g for g in exact._tail_groups(graph, t, first.choice)}) > 1
     scores = [real_groups(graph, model, t, problem, s.choice) for s in (first, second)]
     kept = first if scores[0] <= scores[1] else second

@@ -108,7 +108,8 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
         def solved(t: Tables, problem: Problem, limit: float) -> Solution:
             found = solve(problem, limit)
             if group_tail:
-                found = _one_latency_per_group(graph, model, t, problem, found, limit)
+                found = _one_latency_per_group(graph, model, t, problem, found,
+                                               max(limit - found.seconds, 0.1))
             return found
 
         loops = [op for op in graph.ops if op.name in LOOPS
