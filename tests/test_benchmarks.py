@@ -25,8 +25,9 @@ def _load(name):
     return module
 
 
-gpt_plans, search_time, search_gap, reshard_accuracy = (
-    _load("gpt_plans"), _load("search_time"), _load("search_gap"), _load("reshard_accuracy"))
+gpt_plans, search_time, search_gap, reshard_accuracy, memory_budget = (
+    _load("gpt_plans"), _load("search_time"), _load("search_gap"), _load("reshard_accuracy"),
+    _load("memory_budget"))
 TINY = {"d_model": 32, "heads": 4, "vocab": 64, "seq": 8, "batch": 8}
 
 
@@ -158,6 +159,21 @@ def test_search_gap_tiny(tmp_path):
     assert saved["summary"]["cases"] == 2
     table = (tmp_path / "search_gap.md").read_text()
     assert "| model | mesh |" in table and "within 5%:" in table
+
+
+def test_memory_budget_tiny(tmp_path):
+    result = memory_budget.run(["mlp"], "tiny", list(memory_budget.MODES), [0.8, 0.01],
+                               "h100-nvlink", tmp_path)
+    saved = json.loads((tmp_path / "memory_budget.json").read_text())
+    assert saved == json.loads(json.dumps(result))
+    by = {(r["mode"], r["fraction"]): r for r in saved["rows"]}
+    for mode in memory_budget.MODES:
+        met, refused = by[(mode, 0.8)], by[(mode, 0.01)]
+        assert met["met"] and met["peak"] <= 0.8 and met["time"] >= 1 - 1e-9
+        assert not refused["met"] and "memory_budget=" in refused["error"]
+        assert saved["summary"][mode] == {"cases": 2, "met": 1, "mean_time": met["time"]}
+    table = (tmp_path / "memory_budget.md").read_text()
+    assert "| mlp | dynamic_programming | 0.8 | yes |" in table and "met 1 of 2" in table
 
 
 def test_reshard_accuracy_tiny(tmp_path):

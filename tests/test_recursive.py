@@ -668,6 +668,27 @@ def test_a_memory_budget_is_met_by_a_larger_mem_coeff():
     assert_same_as_jit(mlp_step, f, args)
 
 
+def test_under_a_budget_the_mem_coeffs_between_the_last_two_are_tried():
+    """mem_coeff x4 met the budget at 0.4 with a plan that gives up more time than the budget
+    asks for; bisected, 0.2 meets it too and scores less: that plan is kept."""
+    import re
+
+    from jaxpar.models.gpt import GPTConfig, abstract_train_step
+
+    step, args = abstract_train_step(GPTConfig(layers=1, d_model=64, heads=4, vocab=128,
+                                               seq=16), 16)
+    free = jaxpar.shard(step, search_mode="recursive_programming").plan(*args)
+    budget = 0.8 * free.cost.peak_memory_bytes
+    plan = jaxpar.shard(step, search_mode="recursive_programming",
+                        memory_budget=budget).plan(*args)
+    assert plan.cost.peak_memory_bytes <= budget
+    fits = {float(m[1]): float(m[2]) for line in plan.decisions if (m := re.search(
+        r"the plan with mem_coeff=([\d.]+) peaks at \d+ bytes and scores ([\d.e-]+)", line))}
+    assert 0.4 in fits and min(fits, key=fits.get) < 0.4  # x4's plan scores more
+    kept = min(fits, key=fits.get)
+    assert any(f"kept the plan with mem_coeff={kept:g}" in line for line in plan.decisions)
+
+
 @pytest.mark.parametrize("budget,in_strategy,match", [
     (20_000, None, r"memory_budget=20000 bytes per device cannot be met by "
                    r"recursive_programming: its leanest plan peaks at \d+ bytes per device"),

@@ -1,0 +1,134 @@
+"""Memory budgets: what each automatic search gives up to fit a step under a per-device budget.
+
+For each model of a preset (`models.build`: Adam training steps of an MLP, a GPT, a top-2 MoE
+layer, a ViT) and each automatic search mode, the step is planned on `make_mesh(8)` with no
+budget, then with budgets of some fractions of that plan's peak memory per device
+(`Plan.cost.peak_memory_bytes`). Reported per case: whether the budget was met (or the clear
+error the search gave), the plan's peak and modelled step time as fractions of the unbudgeted
+plan's, and the plan time. dynamic_programming bounds memory exactly (its note says when its
+time limit stopped it at a gap); recursive_programming plans again with larger mem_coeffs until
+a plan fits, then tries mem_coeffs between the last two. Nothing is compiled or run.
+
+Writes DIR/memory_budget.json and DIR/memory_budget.md (a row per case, then how many budgets
+each mode met and its mean time given up where it met one).
+
+    python benchmarks/memory_budget.py --out results
+    python benchmarks/memory_budget.py --models gpt --preset quick --fractions 0.8 0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MODES = ("recursive_programming", "dynamic_programming")
+FRACTIONS = (0.8, 0.5, 0.3)
+
+
+def plan_budgets(name: str, preset: str, modes, fractions, hardware: str) -> list[dict]:
+    """Plan one model with each mode, unbudgeted and at each fraction of that plan's peak."""
+    import models
+
+    import jaxpar
+
+    model = models.build(name, preset)
+    rows = []
+    def plan(mode: str, budget: float | None = None):
+        f = jaxpar.shard(model.step, mesh=jaxpar.make_mesh(8), search_mode=mode,
+                         hardware=hardware, memory_budget=budget)
+        start = time.perf_counter()
+        return f.plan(*model.args), time.perf_counter() - start
+
+    for mode in modes:
+        free, _ = plan(mode)
+        peak, step = free.cost.peak_memory_bytes, free.cost.total_s
+        for fraction in fractions:
+            row = {"model": name, "mode": mode, "fraction": fraction, "budget": fraction * peak,
+                   "free_peak": peak, "free_time": step}
+            try:
+                p, seconds = plan(mode, fraction * peak)
+            except ValueError as err:
+                row |= {"met": False, "error": str(err)}
+            else:
+                gap = [n for n in p.notes if n.startswith("dynamic_programming: stopped")]
+                row |= {"met": p.cost.peak_memory_bytes <= fraction * peak * (1 + 1e-9),
+                        "peak": p.cost.peak_memory_bytes / peak,
+                        "time": p.cost.total_s / step, "plan_s": seconds,
+                        "note": gap[0] if gap else ""}
+            rows.append(row)
+            print(f"{name} {mode} {fraction}: " + (
+                f"peak {row['peak']:.3f}, time {row['time']:.3f}, {row['plan_s']:.1f} s"
+                if "peak" in row else "refused"), flush=True)
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    out = {}
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        mine = [r for r in rows if r["mode"] == mode]
+        met = [r for r in mine if r["met"]]
+        out[mode] = {"cases": len(mine), "met": len(met),
+                     "mean_time": sum(r["time"] for r in met) / len(met) if met else None}
+    return out
+
+
+def markdown(result: dict) -> str:
+    lines = [f"Plans under a memory budget, a fraction of the unbudgeted plan's peak per device; "
+             f"preset {result['preset']}, make_mesh(8), {result['hardware']}; jax "
+             f"{result['jax']}. Peak and time: fractions of the unbudgeted plan's.", "",
+             "| model | mode | budget | met | peak | time | plan time | note |",
+             "|---|---|---:|---|---:|---:|---:|---|"]
+    for r in result["rows"]:
+        if "peak" in r:
+            cells = [f"{r['peak']:.3f}", f"{r['time']:.3f}", f"{r['plan_s']:.1f} s", r["note"]]
+        else:
+            cells = ["", "", "", r["error"].split(":")[0]]
+        lines.append(f"| {r['model']} | {r['mode']} | {r['fraction']:g} | "
+                     f"{'yes' if r['met'] else 'no'} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for mode, s in result["summary"].items():
+        mean = "" if s["mean_time"] is None else \
+            f", {s['mean_time']:.3f}x the unbudgeted time where met"
+        lines.append(f"{mode}: met {s['met']} of {s['cases']} budgets{mean}.")
+    return "\n".join(lines) + "\n"
+
+
+def run(names, preset: str, modes, fractions, hardware: str, out: Path) -> dict:
+    import jax
+
+    rows = []
+    for name in names:
+        rows += plan_budgets(name, preset, modes, fractions, hardware)
+    result = {"preset": preset, "hardware": hardware, "jax": jax.__version__, "rows": rows,
+              "summary": summary(rows)}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "memory_budget.json").write_text(json.dumps(result, indent=1))
+    (out / "memory_budget.md").write_text(markdown(result))
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=["mlp", "gpt", "moe", "vit"])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--fractions", nargs="+", type=float, default=list(FRACTIONS))
+    p.add_argument("--hardware", default="h100-nvlink")
+    p.add_argument("--out", type=Path, default=Path("results"))
+    a = p.parse_args(argv)
+    if any(not 0 < f for f in a.fractions):
+        p.error(f"--fractions {a.fractions}: each is a positive fraction of the peak")
+    result = run(a.models, a.preset, a.modes, a.fractions, a.hardware, a.out)
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
