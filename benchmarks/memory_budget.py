@@ -4,13 +4,14 @@ For each model of a preset (`models.build`: Adam training steps of an MLP, a GPT
 layer, a ViT) and each automatic search mode, the step is planned on `make_mesh(8)` with no
 budget, then with budgets of some fractions of that plan's peak memory per device
 (`Plan.cost.peak_memory_bytes`). Reported per case: whether the budget was met (or the clear
-error the search gave), the plan's peak and modelled step time as fractions of the unbudgeted
-plan's, and the plan time. dynamic_programming bounds memory exactly (its note says when its
+error the search gave), the plan's peak, modelled step time and objective (what the searches
+minimise, as search_gap.py scores it) as multiples of the unbudgeted plan's, and the plan
+time. dynamic_programming bounds memory exactly (its note says when its
 time limit stopped it at a gap); recursive_programming plans again with larger mem_coeffs until
 a plan fits, then tries mem_coeffs between the last two. Nothing is compiled or run.
 
 Writes DIR/memory_budget.json and DIR/memory_budget.md (a row per case, then how many budgets
-each mode met and its mean time given up where it met one).
+each mode met and what it gave up on average where it met one).
 
     python benchmarks/memory_budget.py --out results
     python benchmarks/memory_budget.py --models gpt --preset quick --fractions 0.8 0.5
@@ -35,36 +36,45 @@ FRACTIONS = (0.8, 0.5, 0.3)
 def plan_budgets(name: str, preset: str, modes, fractions, hardware: str) -> list[dict]:
     """Plan one model with each mode, unbudgeted and at each fraction of that plan's peak."""
     import models
+    from search_gap import plan_objective
 
     import jaxpar
+    from jaxpar.ir import build_graph, trace
 
     model = models.build(name, preset)
+    traced = trace(model.step, model.args)
+    graph = build_graph(traced.closed_jaxpr, traced.in_paths)
     rows = []
+
     def plan(mode: str, budget: float | None = None):
         f = jaxpar.shard(model.step, mesh=jaxpar.make_mesh(8), search_mode=mode,
                          hardware=hardware, memory_budget=budget)
         start = time.perf_counter()
-        return f.plan(*model.args), time.perf_counter() - start
+        p = f.plan(*model.args)
+        seconds = time.perf_counter() - start
+        return p, seconds, plan_objective(p, graph, hardware, f.opts.level, f.opts.mem_coeff)
 
     for mode in modes:
-        free, _ = plan(mode)
+        free, _, score = plan(mode)
         peak, step = free.cost.peak_memory_bytes, free.cost.total_s
         for fraction in fractions:
             row = {"model": name, "mode": mode, "fraction": fraction, "budget": fraction * peak,
                    "free_peak": peak, "free_time": step}
             try:
-                p, seconds = plan(mode, fraction * peak)
+                p, seconds, objective = plan(mode, fraction * peak)
             except ValueError as err:
                 row |= {"met": False, "error": str(err)}
             else:
                 gap = [n for n in p.notes if n.startswith("dynamic_programming: stopped")]
                 row |= {"met": p.cost.peak_memory_bytes <= fraction * peak * (1 + 1e-9),
                         "peak": p.cost.peak_memory_bytes / peak,
-                        "time": p.cost.total_s / step, "plan_s": seconds,
+                        "time": p.cost.total_s / step, "objective": objective / score,
+                        "plan_s": seconds,
                         "note": gap[0] if gap else ""}
             rows.append(row)
             print(f"{name} {mode} {fraction}: " + (
-                f"peak {row['peak']:.3f}, time {row['time']:.3f}, {row['plan_s']:.1f} s"
+                f"peak {row['peak']:.3f}, time {row['time']:.3f}, objective "
+                f"{row['objective']:.3f}, {row['plan_s']:.1f} s"
                 if "peak" in row else "refused"), flush=True)
     return rows
 
@@ -75,27 +85,32 @@ def summary(rows: list[dict]) -> dict:
         mine = [r for r in rows if r["mode"] == mode]
         met = [r for r in mine if r["met"]]
         out[mode] = {"cases": len(mine), "met": len(met),
-                     "mean_time": sum(r["time"] for r in met) / len(met) if met else None}
+                     "mean_time": sum(r["time"] for r in met) / len(met) if met else None,
+                     "mean_objective": sum(r["objective"] for r in met) / len(met) if met
+                     else None}
     return out
 
 
 def markdown(result: dict) -> str:
     lines = [f"Plans under a memory budget, a fraction of the unbudgeted plan's peak per device; "
              f"preset {result['preset']}, make_mesh(8), {result['hardware']}; jax "
-             f"{result['jax']}. Peak and time: fractions of the unbudgeted plan's.", "",
-             "| model | mode | budget | met | peak | time | plan time | note |",
-             "|---|---|---:|---|---:|---:|---:|---|"]
+             f"{result['jax']}. Peak, modelled step time and objective (what the searches "
+             "minimise) as multiples of the unbudgeted plan's.", "",
+             "| model | mode | budget | met | peak | time | objective | plan time | note |",
+             "|---|---|---:|---|---:|---:|---:|---:|---|"]
     for r in result["rows"]:
         if "peak" in r:
-            cells = [f"{r['peak']:.3f}", f"{r['time']:.3f}", f"{r['plan_s']:.1f} s", r["note"]]
+            cells = [f"{r['peak']:.3f}", f"{r['time']:.3f}", f"{r['objective']:.3f}",
+                     f"{r['plan_s']:.1f} s", r["note"]]
         else:
-            cells = ["", "", "", r["error"].split(":")[0]]
+            cells = ["", "", "", "", r["error"].split(":")[0]]
         lines.append(f"| {r['model']} | {r['mode']} | {r['fraction']:g} | "
                      f"{'yes' if r['met'] else 'no'} | " + " | ".join(cells) + " |")
     lines.append("")
     for mode, s in result["summary"].items():
         mean = "" if s["mean_time"] is None else \
-            f", {s['mean_time']:.3f}x the unbudgeted time where met"
+            f"; where met, on average {s['mean_time']:.3f}x the unbudgeted time and " \
+            f"{s['mean_objective']:.3f}x its objective"
         lines.append(f"{mode}: met {s['met']} of {s['cases']} budgets{mean}.")
     return "\n".join(lines) + "\n"
 

@@ -191,12 +191,13 @@ def _search(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
             high = mid
         else:
             low = mid
-    fits = [r for r in runs if r[2] <= memory_budget]
-    best = min(fits, key=lambda r: (_objective(graph, model, r[1], fixed_out, ties), -r[0]))
+    score = {k: _objective(graph, model, r[1], fixed_out, ties)
+             for k, r in enumerate(runs) if r[2] <= memory_budget}
+    best = runs[min(score, key=lambda k: (score[k], -runs[k][0]))]
     lines = [f"memory_budget={memory_budget:.0f} bytes per device: the plan with "
              f"mem_coeff={c:g} peaks at {peak:.0f} bytes" +
-             (f" and scores {_objective(graph, model, gp, fixed_out, ties):.6g}"
-              if peak <= memory_budget else "") for c, gp, peak, _ in runs]
+             (f" and scores {score[k]:.6g}" if k in score else "")
+             for k, (c, _, peak, _) in enumerate(runs)]
     lines.append(f"kept the plan with mem_coeff={best[0]:g}: the lowest score of those that "
                  "fit, under the objective asked for")
     for line in lines:
