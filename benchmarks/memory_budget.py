@@ -1,14 +1,15 @@
 """Memory budgets: what each automatic search gives up to fit a step under a per-device budget.
 
 For each model of a preset (`models.build`: Adam training steps of an MLP, a GPT, a top-2 MoE
-layer, a ViT) and each automatic search mode, the step is planned on `make_mesh(8)` with no
-budget, then with budgets of some fractions of that plan's peak memory per device
-(`Plan.cost.peak_memory_bytes`). Reported per case: whether the budget was met (or the clear
-error the search gave), the plan's peak, modelled step time and objective (what the searches
-minimise, as search_gap.py scores it) as multiples of the unbudgeted plan's, and the plan
-time. dynamic_programming bounds memory exactly (its note says when its
-time limit stopped it at a gap); recursive_programming plans again with larger mem_coeffs until
-a plan fits, then tries mem_coeffs between the last two. Nothing is compiled or run.
+layer, a ViT) the step is planned on `make_mesh(8)` by dynamic_programming with no budget (the
+reference: the optimum of the objective), then by each automatic search mode with budgets of
+some fractions of the reference's peak memory per device (`Plan.cost.peak_memory_bytes`); one
+budget for every mode, so their rows compare. Reported per case: whether the budget was met (or
+the clear error the search gave), the plan's peak, modelled step time and objective (what the
+searches minimise, as search_gap.py scores it) as multiples of the reference's, and the plan
+time. dynamic_programming bounds memory exactly (its note says when its time limit stopped it
+at a gap); recursive_programming plans again with larger mem_coeffs until a plan fits, then
+tries mem_coeffs between the last two. Nothing is compiled or run.
 
 Writes DIR/memory_budget.json and DIR/memory_budget.md (a row per case, then how many budgets
 each mode met and what it gave up on average where it met one).
@@ -34,7 +35,8 @@ FRACTIONS = (0.8, 0.5, 0.3)
 
 
 def plan_budgets(name: str, preset: str, modes, fractions, hardware: str) -> list[dict]:
-    """Plan one model with each mode, unbudgeted and at each fraction of that plan's peak."""
+    """Plan one model by dynamic_programming unbudgeted (the reference), then with each mode
+    at each fraction of the reference's peak: a row each."""
     import models
     from search_gap import plan_objective
 
@@ -54,10 +56,10 @@ def plan_budgets(name: str, preset: str, modes, fractions, hardware: str) -> lis
         seconds = time.perf_counter() - start
         return p, seconds, plan_objective(p, graph, hardware, f.opts.level, f.opts.mem_coeff)
 
-    for mode in modes:
-        free, _, score = plan(mode)
-        peak, step = free.cost.peak_memory_bytes, free.cost.total_s
-        for fraction in fractions:
+    free, _, score = plan("dynamic_programming")
+    peak, step = free.cost.peak_memory_bytes, free.cost.total_s
+    for fraction in fractions:
+        for mode in modes:
             row = {"model": name, "mode": mode, "fraction": fraction, "budget": fraction * peak,
                    "free_peak": peak, "free_time": step}
             try:
@@ -92,10 +94,10 @@ def summary(rows: list[dict]) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"Plans under a memory budget, a fraction of the unbudgeted plan's peak per device; "
-             f"preset {result['preset']}, make_mesh(8), {result['hardware']}; jax "
+    lines = [f"Plans under a memory budget, a fraction of dynamic_programming's unbudgeted "
+             f"peak per device; preset {result['preset']}, make_mesh(8), {result['hardware']}; jax "
              f"{result['jax']}. Peak, modelled step time and objective (what the searches "
-             "minimise) as multiples of the unbudgeted plan's.", "",
+             "minimise) as multiples of dynamic_programming's unbudgeted plan's.", "",
              "| model | mode | budget | met | peak | time | objective | plan time | note |",
              "|---|---|---:|---|---:|---:|---:|---:|---|"]
     for r in result["rows"]:
@@ -109,7 +111,7 @@ def markdown(result: dict) -> str:
     lines.append("")
     for mode, s in result["summary"].items():
         mean = "" if s["mean_time"] is None else \
-            f"; where met, on average {s['mean_time']:.3f}x the unbudgeted time and " \
+            f"; where met, on average {s['mean_time']:.3f}x the reference's time and " \
             f"{s['mean_objective']:.3f}x its objective"
         lines.append(f"{mode}: met {s['met']} of {s['cases']} budgets{mean}.")
     return "\n".join(lines) + "\n"
