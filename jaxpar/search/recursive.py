@@ -71,8 +71,8 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    parallel, less memory) a few times, then fails with a ValueError saying what it needs. Once
    one fits, mem_coeffs between the last two are tried (bisected twice) and the fitting plan
    of least objective is kept: four times the mem_coeff may give up more time than the budget
-   asks for (the GPT, MoE and ViT steps of benchmarks/models.py's tiny preset at 0.8 x their
-   peak: 1.5 to 1.9x less modelled time).
+   asks for (benchmarks/memory_budget.py, budgets of 0.8 x the optimum's peak: 1.4 to 2.3x
+   less modelled time for its four steps).
 The work is linear in the number of ops but for step 5: every op is walked, propagated and
 refined a bounded number of times, and the units of repeated layers are decided once per
 class; step 5 solves repeated layers once too (build_tables folds them), and its region solve
