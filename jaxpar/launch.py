@@ -5,8 +5,10 @@ processes ran the script with the environment `init()` reads (coordinator 127.0.
 process count, its rank, CPU devices per process); their output went to our stdout, each line
 prefixed `[rank i] `, or to DIR/rank_i.log. The launch returns 0 only when every rank exited 0.
 When one rank fails, the others are stopped at once (SIGTERM, SIGKILL after a grace period),
-since a peer blocked in a collective would otherwise wait for JAX's heartbeat timeout. Every
-rank runs in its own process group, which is killed at the end: no process outlives the launch.
+since a peer blocked in a collective would otherwise wait for JAX's heartbeat timeout. The
+rank named is the one that died first, or of deaths too close to order, one killed by a signal
+(its peers then fail with an error). Every rank runs in its own process group, which is
+killed at the end: no process outlives the launch.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import IO
 
 POLL_S = 0.05
 SETTLE_S = 0.5  # after a first failure, how long to wait for an earlier death to be reaped
+REAP_S = 5.0    # past that, how long to wait still for a rank seen exiting to be reaped
 # Each rank runs its program through _rank_main (see there why), loaded from this file alone:
 # importing the jaxpar package would import JAX before the program could configure it (a script
 # may set XLA_FLAGS before `import jax`). So this module imports jaxpar only inside functions.
@@ -227,15 +230,28 @@ class _Launch:
                 if code != 0 and self.failure is None:
                     failed.append((index, code, reaped))
                     settled = min(settled, time.monotonic() + SETTLE_S)
-            if failed and self.failure is None and (not running or time.monotonic() > settled):
+            if failed and self.failure is None and (not running or time.monotonic() > settled) \
+                    and not self._exiting(running, settled):
                 self._blame(failed, running)
             if self.stop_deadline is not None and time.monotonic() > self.stop_deadline:
                 self._kill_groups(signal.SIGKILL)
 
+    def _exiting(self, running: set[int], settled: float) -> bool:
+        """Whether a rank not yet reaped has closed its lifeline (it is exiting: a process
+        with many threads, killed, takes a while to be reaped) within REAP_S past the settle
+        time: it may be the one that failed first, so _blame waits for its status."""
+        return time.monotonic() <= settled + REAP_S and \
+            any(self.ranks[i].died_at is not None for i in running)
+
     def _blame(self, failed: list[tuple[int, int, float]], running: set[int]) -> None:
         """Name the rank that died first (the others likely failed because of it) and stop the
-        ranks still running."""
-        index, code, _ = min(failed, key=lambda f: self.ranks[f[0]].died_at or f[2])
+        ranks still running. Deaths within SETTLE_S of the first are too close to order (each
+        is timed when a thread of this process wakes); among them a rank killed by a signal
+        is named, as its peers exit with an error once it is gone."""
+        when = {i: self.ranks[i].died_at or reaped for i, _, reaped in failed}
+        first = min(when.values())
+        index, code, _ = min((f for f in failed if when[f[0]] <= first + SETTLE_S),
+                             key=lambda f: (f[1] >= 0, when[f[0]]))
         self.failure = f"rank {index} {_describe(code)}"
         self.status = code if code > 0 else 128 - code
         if running:

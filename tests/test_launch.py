@@ -110,6 +110,26 @@ def test_failing_rank_ends_the_launch(tmp_path, capsys, mode, status, message):
     _assert_all_gone(pids)
 
 
+def test_blame_names_a_rank_killed_by_a_signal_before_a_peer_that_failed_with_it():
+    """Rank 1 killed, rank 0's collective failing with it a moment later: each death is timed
+    when a thread of the launcher wakes, and on a loaded machine rank 0's came first ("rank 0
+    exited with status 1" for a SIGKILL of rank 1). Deaths that close are not ordered by
+    time: the signal names the cause. Far apart, the first death is named whatever it was."""
+    from jaxpar.launch import SETTLE_S, LaunchConfig, _Launch, _Rank
+
+    def blame(died: dict[int, float], codes: dict[int, int]) -> tuple[str, int]:
+        run = _Launch(LaunchConfig(2, ("x.py",)))
+        run.ranks = [_Rank(i, None, None, died[i]) for i in sorted(died)]
+        run._blame([(i, codes[i], died[i] + 0.01) for i in sorted(died)], set())
+        return run.failure, run.status
+
+    assert blame({0: 10.0, 1: 10.1}, {0: 1, 1: -signal.SIGKILL}) == \
+        ("rank 1 was killed by SIGKILL", 128 + signal.SIGKILL)
+    assert blame({0: 10.0, 1: 10.1}, {0: 1, 1: 3}) == ("rank 0 exited with status 1", 1)
+    assert blame({0: 10.0, 1: 10.0 + 2 * SETTLE_S}, {0: 1, 1: -signal.SIGKILL}) == \
+        ("rank 0 exited with status 1", 1)
+
+
 def test_rank_ignoring_sigterm_is_killed_after_the_grace(tmp_path, capsys):
     start = time.monotonic()
     code = launch(2, [str(SCRIPTS / "sleep.py"), str(tmp_path), "stubborn", "exit3-on-rank1"],
