@@ -120,8 +120,8 @@ def test_a_scan_trained_through_moves_what_its_plan_says():
 @pytest.mark.parametrize("mode", ["sharding_propagation", "recursive_programming"])
 def test_cond_branches_planned_apart_return_their_results_alike(mode):
     """The branches of a cond are planned apart (tanh in one, relu in the other, each cut as
-    its own ops like) into the cond's result specs; lowered, each branch's results are laid
-    out so, or XLA refuses the program ("Inconsistent conditional sharding")."""
+    its own ops prefer) into the cond's result specs; lowered, each branch's results must be
+    laid out so, or XLA refuses the program ("Inconsistent conditional sharding")."""
     def fn(w, x, flag):
         def loss(w):
             h = jax.lax.cond(flag, jnp.tanh, lambda h: jax.nn.relu(h) * 0.5, x @ w)
