@@ -161,7 +161,7 @@ def _search(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
 
     def run(mem_coeff: float) -> bool:
         """Plan with `mem_coeff` (remembered in runs); whether the plan fits the budget."""
-        m = model if mem_coeff == model.mem_coeff else _with_mem_coeff(model, mem_coeff)
+        m = model if mem_coeff == model.mem_coeff else model.variant(mem_coeff=mem_coeff)
         lines: list[str] = []
         gp = _Sapp(index, m, fixed_in, fixed_out, classes, lines, ties).run()
         peak = 0.0 if memory_budget is None else peak_memory(graph, gp, model.mesh)
@@ -191,7 +191,8 @@ def _search(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
             high = mid
         else:
             low = mid
-    score = {k: _objective(graph, model, r[1], fixed_out, ties)
+    carried = [(v, pos) for v, pos in ties if pos not in fixed_out]
+    score = {k: _score(graph, model, r[1], fixed_out, carried)
              for k, r in enumerate(runs) if r[2] <= memory_budget}
     best = runs[min(score, key=lambda k: (score[k], -runs[k][0]))]
     lines = [f"memory_budget={memory_budget:.0f} bytes per device: the plan with "
@@ -205,19 +206,16 @@ def _search(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     return best[1], lines + best[3]
 
 
-def _objective(graph: OpGraph, model: CostModel, gp: GraphPlan, fixed_out: dict[int, Spec],
-               ties: tuple[tuple[int, int], ...]) -> float:
-    """`model`'s score of a complete plan, carried outputs back in their input's spec."""
-    back = dict(fixed_out) | {pos: gp.specs[v] for v, pos in ties if v in gp.specs}
-    return model.score(graph_cost(graph, gp, model, back))
+def _score(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_out: dict[int, Spec],
+           carried: Sequence[tuple[int, int]]) -> float:
+    """`model`'s exact objective of a complete plan: the outputs in `fixed_out` resharded into
+    their specs, each carried (input value, output position) output back in its input's."""
+    back = dict(fixed_out) | {pos: plan.specs[v] for v, pos in carried}
+    return model.score(graph_cost(graph, plan, model, back))
 
 
 def _bigger(mem_coeff: float, attempt: int) -> float:
     return max(mem_coeff, 0.1) * 4.0 ** attempt
-
-
-def _with_mem_coeff(model: CostModel, mem_coeff: float) -> CostModel:
-    return model.variant(mem_coeff=mem_coeff)
 
 
 def _check_fixed(graph: OpGraph, mesh: MeshInfo, fixed_in: dict[int, Spec],
@@ -472,8 +470,8 @@ class _Sapp:
 
     def _score(self, plan: GraphPlan, fixed_out: dict) -> float:
         """The plan's exact objective, carried outputs back in their input's spec."""
-        back = dict(fixed_out) | {pos: plan.specs[v] for v, pos, _ in self.units.carried}
-        return self.model.score(graph_cost(self.g, plan, self.model, back))
+        return _score(self.g, self.model, plan, fixed_out,
+                      [(v, pos) for v, pos, _ in self.units.carried])
 
     def _decided(self) -> tuple[dict, dict, dict]:
         """(main op -> strategy, fixed inputs, fixed outputs): the main ops' decisions, and
