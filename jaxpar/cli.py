@@ -319,7 +319,7 @@ def _add_launch(sub) -> None:
                     "rank, the process count and the coordinator in the environment that "
                     "jaxpar.init() reads. If a rank fails, the others are stopped.",
         usage="jaxpar launch -n N [--devices-per-process K] [--port P] [--log-dir DIR] "
-              "(script.py | -m module) [args ...]")
+              "[--grace S] (script.py | -m module) [args ...]")
     p.add_argument("-n", "--num-processes", type=int, required=True, metavar="N",
                    help="number of processes (ranks)")
     p.add_argument("--devices-per-process", type=int, metavar="K",
@@ -328,6 +328,9 @@ def _add_launch(sub) -> None:
                    help="coordinator port on 127.0.0.1 (default: a free port)")
     p.add_argument("--log-dir", metavar="DIR",
                    help="write DIR/rank_i.log per rank instead of prefixing stdout lines")
+    p.add_argument("--grace", type=float, default=5.0, metavar="S",
+                   help="seconds a rank has to exit after SIGTERM (a peer failed) or a "
+                        "forwarded SIGINT/SIGTERM before it is killed (default: 5)")
     p.add_argument("-m", dest="module", metavar="module",
                    help="run a module, as python -m (put -- before module arguments that start "
                         "with a dash)")
@@ -342,7 +345,7 @@ def _run_launch(args: argparse.Namespace) -> int:
     program = ["-m", args.module, *rest] if args.module else rest
     try:
         return launch(args.num_processes, program, devices_per_process=args.devices_per_process,
-                      port=args.port, log_dir=args.log_dir)
+                      port=args.port, log_dir=args.log_dir, grace_s=args.grace)
     except (ValueError, TypeError) as err:
         args.parser.error(str(err))  # prints the usage and the error, exits with status 2
 

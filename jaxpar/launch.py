@@ -29,6 +29,8 @@ from typing import IO
 POLL_S = 0.05
 SETTLE_S = 0.5  # after a first failure, how long to wait for an earlier death to be reaped
 REAP_S = 5.0    # past that, how long to wait still for a rank seen exiting to be reaped
+DRAIN_S = 10.0  # once every rank is gone, how long their output may take to be relayed (only
+                # a process that left the rank's group can hold its pipe open longer)
 # Each rank runs its program through _rank_main (see there why), loaded from this file alone:
 # importing the jaxpar package would import JAX before the program could configure it (a script
 # may set XLA_FLAGS before `import jax`). So this module imports jaxpar only inside functions.
@@ -94,8 +96,10 @@ def validate(cfg: LaunchConfig) -> None:
         _check_int("--devices-per-process", cfg.devices_per_process, 1, None)
     if cfg.port is not None:
         _check_int("--port", cfg.port, 1, 65535)
-    if not isinstance(cfg.grace_s, int | float) or cfg.grace_s < 0:
-        raise ValueError(f"grace_s={cfg.grace_s!r} must be a number of seconds >= 0.")
+    if isinstance(cfg.grace_s, bool) or not isinstance(cfg.grace_s, int | float):
+        raise TypeError(f"--grace/grace_s={cfg.grace_s!r} must be a number of seconds.")
+    if not cfg.grace_s >= 0:  # NaN too
+        raise ValueError(f"--grace/grace_s={cfg.grace_s!r} must be a number of seconds >= 0.")
     _check_program(cfg.program)
     if cfg.log_dir is not None and os.path.exists(cfg.log_dir) and not os.path.isdir(cfg.log_dir):
         raise ValueError(f"--log-dir {cfg.log_dir!r} exists and is not a directory.")
@@ -150,10 +154,11 @@ class _Launch:
         finally:
             self._kill_groups(signal.SIGKILL)  # leftovers: grandchildren, or a failed start
             self._restore_signals(previous)
+            drained = time.monotonic() + DRAIN_S
             for rank in self.ranks:
                 rank.proc.wait()
                 if rank.reader is not None:
-                    rank.reader.join(timeout=2.0)
+                    rank.reader.join(timeout=max(drained - time.monotonic(), 0.0))
         if self.failure:
             print(f"jaxpar launch: {self.failure}", file=sys.stderr, flush=True)
         return self.status

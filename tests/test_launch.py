@@ -141,11 +141,13 @@ def test_rank_ignoring_sigterm_is_killed_after_the_grace(tmp_path, capsys):
 
 
 def test_sigint_is_forwarded_to_every_rank(tmp_path):
-    proc = _cli("-n", "2", str(SCRIPTS / "sleep.py"), str(tmp_path))
+    # A long grace: on a loaded machine a rank may take seconds to print its traceback, and
+    # one killed at the end of the grace would print none.
+    proc = _cli("-n", "2", "--grace", "60", str(SCRIPTS / "sleep.py"), str(tmp_path))
     ready = [proc.stdout.readline() for _ in range(2)]
     assert sorted(ready) == ["[rank 0] ready\n", "[rank 1] ready\n"]
     proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=20)
+    stdout, stderr = proc.communicate(timeout=90)
     assert proc.returncode == 128 + signal.SIGINT, stderr
     assert "received SIGINT; stopped all ranks" in stderr
     assert stdout.count("KeyboardInterrupt") == 2  # each rank got it and exited
@@ -189,6 +191,8 @@ def test_log_dir_gets_one_file_per_rank(tmp_path, capsys):
     (["-n", "0", "S"], "-n/num_processes=0 must be >= 1"),
     (["-n", "2", "--devices-per-process", "0", "S"], "--devices-per-process=0 must be >= 1"),
     (["-n", "2", "--port", "70000", "S"], "--port=70000 must be between 1 and 65535"),
+    (["-n", "2", "--grace", "nan", "S"], "--grace/grace_s=nan must be a number of seconds >= 0"),
+    (["-n", "2", "--grace", "-1", "S"], "--grace/grace_s=-1.0 must be a number of seconds >= 0"),
     (["-n", "2", "missing.py"], "script 'missing.py' does not exist"),
     (["-n", "2"], "give a script path"),
     (["-n", "2", "-m", "not-a-module"], "give a module name"),
@@ -208,6 +212,8 @@ def test_launch_rejects_bad_types():
         launch("2", [str(SCRIPTS / "echo.py")])
     with pytest.raises(ValueError, match="is not a directory"):
         launch(1, [str(SCRIPTS / "echo.py")], log_dir=str(SCRIPTS / "echo.py"))
+    with pytest.raises(TypeError, match="grace_s=True must be a number of seconds"):
+        launch(1, [str(SCRIPTS / "echo.py")], grace_s=True)
 
 
 # --- jaxpar.init() ----------------------------------------------------------------------------
