@@ -189,14 +189,17 @@ def test_model_prices_one_layout_change_alike_at_every_size():
 
 def test_reshard_line_prices_every_size_as_reshard_does():
     # The exact search prices a spec pair once, as a line in the array's bytes: latencies
-    # (what a tiny array pays) plus bandwidth per byte.
-    model = CostModel(MESH, load_profile("tpu-v5e"), level=0, mem_coeff=0.1)
-    for src, dst, _ in CASES:
-        per_byte, fixed = model.reshard_line(src, dst, share=0.5)
-        for shape in ((2, 2), (64, 64), (4096, 8192)):
-            want = model.score(model.reshard(src, dst, shape, jnp.float32, share=0.5))
-            got = per_byte * 4.0 * shape[0] * shape[1] + fixed
-            assert got == pytest.approx(want, rel=1e-9, abs=1e-18)
+    # (what a tiny array pays) plus bandwidth per byte; at every level (communication weighs
+    # twice at level 0) from one set of communication lines.
+    base = CostModel(MESH, load_profile("tpu-v5e"), level=0, mem_coeff=0.1)
+    for model in (base, base.variant(level=1), base.variant(level=2, mem_coeff=5.0)):
+        for src, dst, _ in CASES:
+            per_byte, fixed = model.reshard_line(src, dst, share=0.5)
+            for shape in ((2, 2), (64, 64), (4096, 8192)):
+                want = model.score(model.reshard(src, dst, shape, jnp.float32, share=0.5))
+                got = per_byte * 4.0 * shape[0] * shape[1] + fixed
+                assert got == pytest.approx(want, rel=1e-9, abs=1e-18)
+    model = base
     assert model.reshard_line(S("d0", None), S("d0", None)) == (0.0, 0.0)
 
 
@@ -233,6 +236,7 @@ def test_a_variant_prices_as_a_new_model_and_shares_what_its_objective_leaves():
             [fresh.score(c) for c in fresh.options(info)[1]]
         assert other.reshard_line(src, dst) == fresh.reshard_line(src, dst)
         assert (other._lines is base._lines) is (level == 0)  # scores: one level's own
+        assert other._comm_lines is base._comm_lines  # communication seconds: every level's
     assert base.reshard_line(src, dst) == lines
     assert base.variant(level=1).regions_cache is not base.regions_cache  # bodies' plans
 

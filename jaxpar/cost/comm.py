@@ -36,6 +36,15 @@ def collective_time(c: Collective, mesh: MeshInfo, links: dict[str, Link],
     return c.count * _once(c.kind, c.axes, c.bytes / c.count, mesh, links, latency)
 
 
+def collective_line(kind: str, axes: Axes, mesh: MeshInfo, links: dict[str, Link],
+                    latency: float = 1.0, span: float = 2.0 ** 30) -> tuple[float, float]:
+    """(per_byte, per_call): collective_time of a collective of this kind over `axes` moving
+    B bytes in k calls is per_byte * B + per_call * k (its time is affine in the bytes; the
+    slope is measured over `span` bytes, so that the latency does not swamp it)."""
+    per_call = _once(kind, axes, 0.0, mesh, links, latency)
+    return (_once(kind, axes, span, mesh, links, latency) - per_call) / span, per_call
+
+
 def _once(kind: str, axes: Axes, nbytes: float, mesh: MeshInfo, links: dict[str, Link],
           latency: float = 1.0) -> float:
     n = mesh.group_size(axes)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxpar.cost.comm import Collective, collective_time, reshard
+from jaxpar.cost.comm import Collective, collective_line, collective_time, reshard
 from jaxpar.cost.hardware import HardwareProfile
 from jaxpar.ir.graph import itemsize
 from jaxpar.rules.registry import OpInfo, candidates
@@ -107,6 +107,8 @@ class CostModel:
         self._reshard_cache: dict = {}
         self._per_byte: dict = {}  # (src, dst) -> reshard()'s collectives for one byte
         self._lines: dict = {}     # (src, dst, share) -> reshard_line()
+        self._comm_lines: dict = {}  # (src, dst, share) -> _comm_line(), for every level
+        self._collective_lines: dict = {}  # (kind, axes, latency) -> comm.collective_line()
         self._line_lists: dict = {}  # (srcs, dsts, share) -> reshard_lines()
         self._options_cache: dict = {}
         self._costs_cache: dict = {}
@@ -196,18 +198,37 @@ class CostModel:
     def reshard_line(self, src: Spec, dst: Spec, share: float = 1.0) -> tuple[float, float]:
         """(per_byte, fixed): the score of reshard(src, dst, ...) for an array of n bytes is
         per_byte * n + fixed (bandwidth terms grow with the bytes, latencies do not), so the
-        exact search prices a spec pair once for arrays of every size."""
+        searches price a spec pair once for arrays of every size. Worked out from the pair's
+        collectives for one byte and each collective's own line (comm.collective_line); its
+        communication seconds are shared by every variant() of the model, whatever its level
+        (a resharding's score is its communication time, weighed by the level)."""
         key = (src, dst, share)
         hit = self._lines.get(key)
         if hit is None:
-            if src.placed_as(dst):
-                hit = (0.0, 0.0)
-            else:
-                fixed = self.score(self._moving(src, dst, 0.0, share))
-                hit = ((self.score(self._moving(src, dst, _LINE_BYTES, share)) - fixed)
-                       / _LINE_BYTES, fixed)
-            self._lines[key] = hit
+            comm = self._comm_lines.get(key)
+            if comm is None:
+                comm = self._comm_lines[key] = (0.0, 0.0) if src.placed_as(dst) else \
+                    self._comm_line(src, dst, share)
+            weight = _LEVEL_COMM_WEIGHT[self.level]
+            hit = self._lines[key] = (weight * comm[0], weight * comm[1])
         return hit
+
+    def _comm_line(self, src: Spec, dst: Spec, share: float) -> tuple[float, float]:
+        """(seconds per byte, seconds) of reshard(src, dst) over the mesh's links."""
+        per_byte = self._per_byte.get((src, dst))
+        if per_byte is None:
+            per_byte = self._per_byte[(src, dst)] = reshard(src, dst, 1.0, self.mesh)
+        slope = fixed = 0.0
+        for c in per_byte:
+            latency = share if c.kind in _COMBINED_KINDS else 1.0
+            key = (c.kind, c.axes, latency)
+            line = self._collective_lines.get(key)
+            if line is None:
+                line = self._collective_lines[key] = collective_line(
+                    c.kind, c.axes, self.mesh, self.links, latency, _LINE_BYTES)
+            slope += line[0] * c.bytes
+            fixed += line[1] * c.count
+        return slope, fixed
 
     def reshard_lines(self, srcs: tuple[Spec, ...], dsts: tuple[Spec, ...], share: float = 1.0
                       ) -> tuple[np.ndarray, np.ndarray]:
@@ -261,18 +282,19 @@ class CostModel:
     def variant(self, level: int | None = None, mem_coeff: float | None = None,
                 lean_bodies: bool | None = None) -> CostModel:
         """This model with another objective (None: this one's), sharing what the objective
-        does not change: candidates, op costs and resharding costs; and with the same level,
-        resharding scores too (a resharding holds no memory, so mem_coeff leaves its score
-        alone). A search that plans again for another objective (recursive_programming under
-        a memory budget, loop bodies solved lean) then prices each thing once. Loop bodies'
-        plans are the objective's own: not shared."""
+        does not change: candidates, op costs, resharding costs and their communication
+        lines; and with the same level, resharding scores too (a resharding holds no memory,
+        so mem_coeff leaves its score alone). A search that plans again for another
+        objective (recursive_programming under a memory budget, loop bodies solved lean) then
+        prices each thing once. Loop bodies' plans are the objective's own: not shared."""
         level = self.level if level is None else level
         other = CostModel(self.mesh, self.profile, level,
                           self.mem_coeff if mem_coeff is None else mem_coeff,
                           self.recompute_heavy, self.search_bodies,
                           self.lean_bodies if lean_bodies is None else lean_bodies)
         for name in ("_reshard_cache", "_per_byte", "_options_cache", "_costs_cache",
-                     "_fitting_cache", "_itemsizes", "_layouts") + \
+                     "_fitting_cache", "_itemsizes", "_layouts", "_comm_lines",
+                     "_collective_lines") + \
                 (("_lines", "_line_lists") if level == self.level else ()):
             setattr(other, name, getattr(self, name))
         return other

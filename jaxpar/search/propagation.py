@@ -206,10 +206,9 @@ class _Graph:
             return 0.0
         key = (self.kind(v), src, dst)
         hit = self.prices.get(key)
-        if hit is None:
-            info = self.g.values[v]
-            hit = self.prices[key] = self.model.score(self.model.reshard(
-                src, dst, info.shape, info.dtype, self.shares(v)))
+        if hit is None:  # the pair's line (CostModel.reshard_line) at the value's bytes
+            per_byte, fixed = self.model.reshard_line(src, dst, self.shares(v))
+            hit = self.prices[key] = per_byte * self.nbytes(v) + fixed
         return hit
 
     def kind(self, v: int) -> int:
