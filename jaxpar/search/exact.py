@@ -18,16 +18,16 @@ ties the nodes that folding would make one (build_tables' fold=False lists them:
 count the layers apart).
 tie_repeats=False searches every op on its own.
 
-A loop (scan, while) is one node whose candidates are plans of its bodies
-(regions.region_candidates): by propagation, and with `CostModel.search_bodies` (the automatic
-modes) also solved exactly, for free operands. Such a graph is then solved again with each
-loop also offering its bodies solved for the operand specs the first answer gives it, so that a
-step's forward and backward scans agree on the residuals passed between them; and again while
-an answer gives the loops operand specs not yet tried (at most _LOOP_PASSES times: a scanned
-GPT step, 2 layers, d 1024, 3.734 -> 3.550 ms of objective). A region's loops are also planned
-for the operand specs its held plan gives them. Under a memory budget each loop also offers its
-bodies solved for the least memory (CostModel.lean_bodies): the bodies solved for time may all
-hold more than a budget allows.
+A loop (scan, while; and a cond, see regions.py) is one node whose candidates are plans of its
+bodies (regions.region_candidates): by propagation, and with `CostModel.search_bodies` (the
+automatic modes) also solved exactly, for free operands. Such a graph is then solved again
+with each loop also offering its bodies solved for the operand specs the first answer gives
+it, so that a step's forward and backward scans agree on the residuals passed between them;
+and again while an answer gives the loops operand specs not yet tried (at most _LOOP_PASSES
+times: a scanned GPT step, 2 layers, d 1024, 3.734 -> 3.550 ms of objective). A region's loops
+are also planned for the operand specs its held plan gives them. Under a memory budget each
+loop also offers its bodies solved for the least memory (CostModel.lean_bodies): the bodies
+solved for time may all hold more than a budget allows.
 
 A step's tail (gradient reductions, the optimizer) prices each reduction at a share of one
 latency, as if XLA combined them all; it combines those of one kind over one device group.
@@ -119,8 +119,9 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
         try:
             solution = solved(t, problem, time_limit)
         except ValueError as err:  # no assignment fits: say it in the user's terms
-            bodies = (" Each loop's body is one of a few plans (propagated, solved for time, "
-                      "solved for the least memory), so that peak is over those: "
+            bodies = (" Each loop's body (each cond's branches) is one of a few plans "
+                      "(propagated, solved for time, solved for the least memory), so that "
+                      "peak is over those: "
                       "search_mode='recursive_programming' plans bodies anew for a larger "
                       "mem_coeff and may find a leaner one.") if loops else ""
             raise ValueError(f"memory_budget={memory_budget:.0f} bytes per device cannot be "

@@ -63,8 +63,8 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    two axes at once (so does an MoE step's expert weight on 4 x 2 devices across two nodes at
    level 2: 1.044x the optimum with both axes solved again, 1.000x after). With loop
    bodies searched (model.search_bodies), the same region also takes the ops between the
-   loops (scan, while) and the main ops around them, those included: a loop is no unit of
-   the walk, which decides the ops around it without its costs, and its body is then planned
+   loops (scan, while, cond) and the main ops around them, those included: a loop is no unit
+   of the walk, which decides the ops around it without its costs, and its body is then planned
    for what they chose (a scanned GPT step scored 2.5x the exact search's objective; solved
    again so, 1.00x). Each kept where that objective drops.
 6. A plan over the memory budget is searched again with mem_coeff four times larger (more model

@@ -10,7 +10,12 @@ carries free, then again with every carry fixed, in and out, to the spec the fir
 With `CostModel.search_bodies` (the automatic searches set it), a loop's body (scan, while) is
 also solved by dynamic_programming, exactly, the carries tied in and out and the known operand
 specs fixed: `region_candidates` then offers both plans and the search around the loop picks by
-its own costs (a scan over a GPT's layers is otherwise planned by propagation alone).
+its own costs (a scan over a GPT's layers is otherwise planned by propagation alone). So are
+a cond's branches: each leads in turn, solved for the known operand specs with its free
+operands in the specs its readers read them in, and the other branches are solved for the
+operand and result specs it gives; the lead whose dearest branch costs least is offered (an
+optimizer update under optax.apply_if_finite or MultiSteps is a branch: propagated from free
+operands it ran replicated). In what follows "loop" means any of these region ops.
 """
 
 from __future__ import annotations
@@ -124,7 +129,54 @@ def _cond(op: Op, info: OpInfo, known, model: CostModel):
     outs = [out_spec(branches[0], first, v) for v in branches[0].outputs]
     plans = [first] + [propagate(b, model, _fixed(b.inputs, ins), dict(enumerate(outs)))
                        for b in branches[1:]]
-    costs = [graph_cost(b, p, model, dict(enumerate(outs))) for b, p in zip(branches, plans,
+    return _branches(op, info, plans, ins, outs, model)
+
+
+def _solved_cond(op: Op, info: OpInfo, known, model: CostModel):
+    """_cond by dynamic_programming. Each branch in turn leads: it takes the cheapest plan for
+    the known operand specs (the others free), and every other branch the cheapest that reads
+    the operands and gives the results in the specs the leader does. Kept: the lead whose
+    dearest branch costs least (an optimizer update under optax.apply_if_finite leads; led
+    by the branch that hands the state back unchanged, it would run replicated)."""
+    from jaxpar.search.exact import dynamic_programming
+
+    def solved(b: OpGraph, fixed_in: dict, fixed_out: dict) -> GraphPlan:
+        return dynamic_programming(b, model, fixed_in, fixed_out)[0]
+
+    best = None
+    for lead, branch in enumerate(op.regions):
+        first = solved(branch, _fixed(branch.inputs, known[1:]), {})
+        ins = _as_read(branch, first, known[1:])
+        if ins != [first.specs[v].resolved() for v in branch.inputs]:
+            first = solved(branch, _fixed(branch.inputs, ins), {})
+        outs = [out_spec(branch, first, v).resolved() for v in branch.outputs]
+        plans = [first if k == lead else solved(b, _fixed(b.inputs, ins), dict(enumerate(outs)))
+                 for k, b in enumerate(op.regions)]
+        found = _branches(op, info, plans, ins, outs, model)
+        if best is None or model.score(found[2]) < model.score(best[2]):
+            best = found
+    return best
+
+
+def _as_read(body: OpGraph, plan: GraphPlan, known: list[Spec | None]) -> list[Spec]:
+    """Each input's spec: the known one, else the one its first reader reads it in under
+    `plan` (else the plan's). A free input costs nothing to slice, so a plan may leave it
+    replicated where every reader cuts it; the loop's neighbours would then have to gather
+    it for nothing (optimizer state, whose update comes back in the spec it went in)."""
+    first: dict[int, Spec] = {}
+    for op in body.ops:
+        for v, spec in zip(op.inputs, plan.choices[op.index].strategy.ins, strict=True):
+            if isinstance(v, int):
+                first.setdefault(v, spec.resolved())
+    return [k.resolved() if k is not None else first.get(v, plan.specs[v].resolved())
+            for v, k in zip(body.inputs, known, strict=True)]
+
+
+def _branches(op: Op, info: OpInfo, plans: list[GraphPlan], ins: list[Spec], outs: list[Spec],
+              model: CostModel):
+    """plan_region's answer for a cond whose branches are planned: it costs its dearest
+    branch, results resharded into `outs` included."""
+    costs = [graph_cost(b, p, model, dict(enumerate(outs))) for b, p in zip(op.regions, plans,
                                                                               strict=True)]
     cost = max(costs, key=model.score) if costs else OpCost()
     return _strategy([Spec.replicated(len(info.in_shapes[0]))] + ins, outs), tuple(plans), cost, 1
@@ -136,5 +188,6 @@ def _strategy(ins: list[Spec], outs: list[Spec]) -> OpStrategy:
 
 _PLANNERS = {"scan": _scan, "while": _while, "cond": _cond}
 _SEARCHED = {"scan": lambda *a: _scan(*a, plan_body=_solved_body),
-             "while": lambda *a: _while(*a, plan_body=_solved_body)}
+             "while": lambda *a: _while(*a, plan_body=_solved_body),
+             "cond": _solved_cond}
 LOOPS = frozenset(_SEARCHED)  # the region ops whose bodies the automatic searches solve
