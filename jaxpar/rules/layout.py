@@ -19,8 +19,10 @@ def sharding_constraint_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
         return []
     (shape,) = info.in_shapes
     spec = Spec.from_pspec(sharding.spec, len(shape))
+    if not set(spec.axes()) <= set(mesh.names):  # another mesh's axes (or a search's own
+        return []                                 # one-axis mesh): no candidate here
     spec = Spec(tuple(mesh.order(d) for d in spec.dims))
-    if not set(spec.axes()) <= set(mesh.names) or not spec.fits(shape, mesh):
+    if not spec.fits(shape, mesh):
         return []
     return [OpStrategy((spec,), (spec,), ((),), "user constraint")]
 
