@@ -294,3 +294,27 @@ def test_an_ops_signature_is_worked_out_once_and_none_when_unhashable():
     assert _signature(OpInfo(jax.lax.add_p, {}, ((4, 8), (4, 8)), ((4, 8),))) == key
     region = OpInfo(jax.lax.add_p, {"body": {"unhashable": []}}, ((4,),), ((4,),))
     assert _signature(region) is None and _signature(region) is None
+
+
+def test_axes_of_size_one_move_nothing():
+    # A mesh with a size-1 axis (one node of 8 GPUs, or make_mesh(1)): specs that differ only
+    # in it were priced as a collective-permute, which the compiled program does not have.
+    mesh = MeshInfo(("node", "gpu"), (1, 8))
+    assert reshard(S("node", None), S(None, None), 4096.0, mesh) == []
+    assert reshard(S(("node", "gpu"), None), S("gpu", None), 4096.0, mesh) == []
+    assert reshard(S("gpu", None, partial=("node",)), S("gpu", None), 4096.0, mesh) == []
+    assert [c.kind for c in reshard(S("node", None), S(None, "gpu"), 4096.0, mesh)] == []
+    assert [c.kind for c in reshard(S("gpu", None), S(None, "gpu"), 4096.0, mesh)] == \
+        ["all-to-all"]
+
+
+def test_a_plan_on_a_mesh_with_a_size_one_axis_moves_what_it_predicts():
+    import jaxpar
+
+    mesh = make_mesh((1, 8), ("node", "gpu"))
+    x = jnp.ones((64, 32))
+    f = jaxpar.shard(lambda x: jnp.tanh(x) * 2, in_strategy=(P("node", "gpu"),),
+                     out_strategy=(P(None, "gpu"),), mesh=mesh)
+    check = f.plan(x).verify(f.lower(x).compile())
+    assert check.ok, str(check)
+    assert f.plan(x).cost.comm_s == 0.0

@@ -81,9 +81,12 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
     dimensions, and one after it of those `dst` does not cut); axes moving between dimensions
     (an all-to-all); one collective-permute when a dimension keeps an axis but the axes outside
     it change, or when the moved axes land out of dst's order (the pieces are renumbered); then
-    one all-gather per dimension that loses axes, last dimension first.
+    one all-gather per dimension that loses axes, last dimension first. Axes of size 1 cut
+    nothing and are left out first (specs that differ only in them move nothing).
     """
-    dst = dst.resolved()
+    src, dst = _cutting(src, mesh), _cutting(dst.resolved(), mesh)
+    if src.placed_as(dst):
+        return []
     local = nbytes / src.shards(mesh)
     if _within(src, dst, mesh):
         # Each device slices its piece of dst from what some device holds: one permute.
@@ -152,6 +155,14 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
         local *= mesh.group_size(gone)
         out.append(Collective("all-gather", gone, local))
     return out
+
+
+def _cutting(spec: Spec, mesh: MeshInfo) -> Spec:
+    """The spec without the mesh axes of size 1 (itself when it has none)."""
+    if all(mesh.axis_size(a) > 1 for a in spec.axes() + spec.partial):
+        return spec
+    return Spec(tuple(tuple(a for a in d if mesh.axis_size(a) > 1) for d in spec.dims),
+                tuple(a for a in spec.partial if mesh.axis_size(a) > 1))
 
 
 def _within(src: Spec, dst: Spec, mesh: MeshInfo) -> bool:
