@@ -83,10 +83,17 @@ _PASS_THROUGH = {"bitcast", "reshape", "copy", "get-tuple-element"}
 
 
 def _hlo_text(compiled: Any) -> str:
+    if not isinstance(compiled, str) and not callable(getattr(compiled, "as_text", None)):
+        raise TypeError(f"compiled={type(compiled).__name__}: expected a compiled program "
+                        "(`jax.jit(f).lower(*args).compile()`, or a ShardedFunction's "
+                        "`.lower(*args).compile()`) or its `as_text()`.")
     text = compiled if isinstance(compiled, str) else compiled.as_text()
     if text.lstrip().startswith("module"):
         raise ValueError("collective_stats reads the partitioned HLO of a compiled program; got "
                          "StableHLO (a `Lowered`?). Pass `lowered.compile()` instead.")
+    if "ENTRY" not in text:
+        raise ValueError(f"compiled={text[:40]!r}...: no HLO module in this text; pass a "
+                         "compiled program or its `as_text()`.")
     return text
 
 
@@ -286,6 +293,9 @@ def memory_stats(compiled: Any) -> dict[str, int]:
     Example:
       >>> memory_stats(jax.jit(f).lower(x).compile())["peak_bytes"]
     """
+    if not callable(getattr(compiled, "memory_analysis", None)):
+        raise TypeError(f"compiled={type(compiled).__name__}: expected a compiled program "
+                        "(`jax.jit(f).lower(*args).compile()`).")
     m = compiled.memory_analysis()
     m = m[0] if isinstance(m, (list, tuple)) and m else m
     if m is None or not hasattr(m, "temp_size_in_bytes"):

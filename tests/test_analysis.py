@@ -209,6 +209,18 @@ def test_lowered_text_is_refused():
         collective_stats(lowered)
 
 
+@pytest.mark.parametrize("bad, error", [(None, TypeError), (5, TypeError),
+                                        ("garbage", ValueError)])
+def test_what_is_no_compiled_program_is_refused_naming_it(bad, error):
+    # These raised AttributeError ('as_text') or an AssertionError from the HLO parser.
+    with pytest.raises(error, match="compiled="):
+        collective_stats(bad)
+    with pytest.raises(error, match="compiled="):
+        estimate_time(bad, MeshInfo(("d",), (8,)), "h100-nvlink")
+    with pytest.raises(TypeError, match="compiled="):
+        memory_stats(bad)
+
+
 # ---- HLO text --------------------------------------------------------------------------------
 
 def module(*lines, extra="", partitions=8):
