@@ -314,7 +314,7 @@ class AutoParallel:
         pure, flat_args, unwrap = _purify(self.network, args)
         leaves, tree = jax.tree_util.tree_flatten(flat_args)
         flat_args, leaves = array_arguments(pure, flat_args, leaves, tree)
-        key = (tree, signature(leaves))
+        key = (tree, signature(leaves), getattr(pure, "graphdefs", None))
         if key not in self._functions:
             self._functions[key] = self._build(pure, flat_args, unwrap)
         program = self._functions[key]
@@ -457,7 +457,11 @@ def read_param_strategy_file(file_path: str, mesh: MeshInfo) -> dict[str, Partit
 # -- nnx objects ---------------------------------------------------------------------------------
 def _purify(network, args: tuple):
     """(pure function, its arguments, unwrap): nnx objects become their state, passed first
-    and returned first (so they are carried state), and put back into the objects on return."""
+    and returned first (so they are carried state), and put back into the objects on return.
+    Objects that share variables (one object passed twice, a teacher holding the student's
+    layer) are split together, as nnx.jit does: a shared variable is one leaf, updated once.
+    `pure.graphdefs` holds the objects' static structure (a module's train/eval mode among
+    it): a program is planned per graphdef, as nnx.jit traces per graphdef."""
     from flax import nnx
 
     if isinstance(network, nnx.Module):
@@ -465,29 +469,52 @@ def _purify(network, args: tuple):
     objects = [i for i, a in enumerate(args) if nnx.graph.is_graph_node(a)]
     if not objects:
         return network, args, lambda out: out
-    graphdefs, states = zip(*(nnx.split(args[i]) for i in objects), strict=True)
-    others = [i for i in range(len(args)) if i not in objects]
     names = arg_names(network, len(args))
+    groups = [objects] if _shared([args[i] for i in objects]) else [[i] for i in objects]
+
+    def node(g: list[int], of) -> Any:
+        """The group's graph node: its one object, or {argument name: object}."""
+        return of(g[0]) if len(g) == 1 else {names[i]: of(i) for i in g}
+
+    graphdefs, states = zip(*(nnx.split(node(g, args.__getitem__)) for g in groups),
+                            strict=True)
+    others = [i for i in range(len(args)) if i not in objects]
 
     def pure(*xs):
         rebuilt = list(args)
-        live = [nnx.merge(g, s) for g, s in zip(graphdefs, xs[:len(objects)], strict=True)]
-        for i, obj in zip(objects, live, strict=True):
-            rebuilt[i] = obj
-        for i, x in zip(others, xs[len(objects):], strict=True):
+        for g, gd, st in zip(groups, graphdefs, xs[:len(groups)], strict=True):
+            live = nnx.merge(gd, st)
+            for i in g:
+                rebuilt[i] = live if len(g) == 1 else live[names[i]]
+        for i, x in zip(others, xs[len(groups):], strict=True):
             rebuilt[i] = x
         out = network(*rebuilt)
-        return (*(nnx.state(obj) for obj in live), out)
+        return (*(nnx.state(node(g, rebuilt.__getitem__)) for g in groups), out)
 
-    _sign(pure, [names[i] for i in objects] + [names[i] for i in others])
-    pure.n_state = len(objects)
+    _sign(pure, ["_and_".join(names[i] for i in g) for g in groups] + [names[i] for i in others])
+    pure.n_state, pure.graphdefs = len(groups), graphdefs
 
     def unwrap(out):
-        for i, new in zip(objects, out[:len(objects)], strict=True):
-            nnx.update(args[i], new)
-        return out[len(objects)]
+        for g, new in zip(groups, out[:len(groups)], strict=True):
+            nnx.update(node(g, args.__getitem__), new)
+        return out[len(groups)]
 
     return pure, (*states, *(args[i] for i in others)), unwrap
+
+
+def _shared(objects: list) -> bool:
+    """Whether a variable (or a whole object) is reachable from two of the nnx objects."""
+    from flax import nnx
+
+    if len({id(o) for o in objects}) < len(objects):
+        return True
+    seen: set[int] = set()
+    for obj in objects:
+        mine = {id(v) for _, v in nnx.iter_graph(obj) if isinstance(v, nnx.Variable)}
+        if mine & seen:
+            return True
+        seen |= mine
+    return False
 
 
 def _module_call(module, args: tuple):
@@ -501,7 +528,7 @@ def _module_call(module, args: tuple):
         return nnx.state(live), out
 
     _sign(pure, ["model"] + [f"arg{i}" for i in range(len(args))])
-    pure.n_state = 1
+    pure.n_state, pure.graphdefs = 1, (graphdef,)
 
     def unwrap(out):
         nnx.update(module, out[0])

@@ -129,6 +129,66 @@ def test_nnx_module_forward():
                                atol=1e-5)
 
 
+class _Norm(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(4, 4, rngs=rngs)
+        self.bn = nnx.BatchNorm(4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.bn(self.lin(x))
+
+
+def test_nnx_train_and_eval_modes_are_planned_apart():
+    # A module's mode (BatchNorm's use_running_average) is in its graphdef, not its state: the
+    # program traced in train mode ran again after model.eval(), normalising by the batch.
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 4)) * 3 + 5, jnp.float32)
+    reference, jitted = _Norm(nnx.Rngs(0)), nnx.jit(lambda m, x: m(x))
+    want_train = jitted(reference, x)  # updates the running statistics once
+    reference.eval()
+    want_eval = jitted(reference, x)
+    for form in ("module", "function taking it"):
+        model = _Norm(nnx.Rngs(0))
+        net = AutoParallel(model) if form == "module" else AutoParallel(lambda m, x: m(x))
+        args = (x,) if form == "module" else (model, x)
+        got_train = net(*args)
+        model.eval()
+        got_eval = net(*args)
+        np.testing.assert_allclose(got_train, want_train, rtol=1e-5, atol=1e-5, err_msg=form)
+        np.testing.assert_allclose(got_eval, want_eval, rtol=1e-5, atol=1e-5, err_msg=form)
+        assert float(jnp.abs(got_eval - got_train).max()) > 1.0
+
+
+@pytest.mark.parametrize("share", ["a layer", "the object"])
+def test_nnx_arguments_sharing_variables_update_them_once(share):
+    # Split apart, a shared variable was two leaves: the teacher missed the student's update,
+    # and the second call donated one buffer twice (XLA aborted the process).
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(16, 16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.lin(x)
+
+    def step(student, teacher, x):
+        student.lin.kernel[...] = student.lin.kernel[...] * 0.5
+        return student(x) + teacher(x)
+
+    def pair():
+        student = Net(nnx.Rngs(0))
+        if share == "the object":
+            return student, student
+        teacher = Net(nnx.Rngs(1))
+        teacher.lin = student.lin
+        return student, teacher
+
+    x = jnp.ones((32, 16))
+    ours, theirs = pair(), pair()
+    net, jitted = AutoParallel(step, "recursive_programming"), nnx.jit(step)
+    for _ in range(3):
+        np.testing.assert_allclose(net(*ours, x), jitted(*theirs, x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ours[1].lin.kernel[...], theirs[1].lin.kernel[...], rtol=1e-6)
+
+
 def _argument_bytes(net, args) -> int:
     return net.lower(*args).compile().memory_analysis().argument_size_in_bytes
 
