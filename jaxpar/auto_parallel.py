@@ -383,11 +383,15 @@ class AutoParallel:
         return fixed
 
     def _dataset_config(self):
-        """The dataset strategy in force for this mode (None: the search decides)."""
+        """The dataset strategy in force for this mode (None: the search decides). The
+        context's applies in every mode, but its default ("data_parallel") not in the
+        searching ones on one process: there the search decides how to cut the batch."""
         if self._opts.dataset_strategy is not None:
             return self._opts.dataset_strategy
-        if self.parallel_mode in _SEEDED or jax.process_count() > 1:
-            return "full_batch" if self.context.full_batch else self.context.dataset_strategy
+        config = "full_batch" if self.context.full_batch else self.context.dataset_strategy
+        if self.parallel_mode in _SEEDED or jax.process_count() > 1 or \
+                config != "data_parallel":
+            return config
         return None
 
     def _batch_positions(self, args: tuple, n_state: int, state: set[int]) -> set[int]:

@@ -72,6 +72,18 @@ def _close_trees(a, b, rtol=1e-4, atol=1e-5):  # atol: 1% of one Adam update (lr
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("mode", ["recursive_programming", "dynamic_programming"])
+def test_the_contexts_dataset_strategy_holds_in_the_searching_modes(mlp_problem, mode):
+    # It was read in semi_auto and sharding_propagation only; the searches ignored it (and
+    # an invalid one). Its default, data_parallel, still leaves the batch to the search.
+    step, args, _, _ = mlp_problem
+    jaxpar.set_auto_parallel_context(dataset_strategy=((2, 4), (2, 4)))
+    assert _specs(AutoParallel(step, mode), args)["y"].dims == (("d0",), ("d1", "d2"))
+    jaxpar.set_auto_parallel_context(dataset_strategy=((3, 1), (3, 1)))
+    with pytest.raises(ValueError, match="count 3 does not divide"):
+        AutoParallel(step, mode).plan(*args)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_gpt_adamw_step_trains_like_jit_in_every_mode(problem, mode):
     step, args, want_losses, want_params = problem
