@@ -27,7 +27,7 @@ from jaxpar.cost.hardware import load_profile
 from jaxpar.cost.model import CostModel
 from jaxpar.ir import arg_paths, build_graph, trace
 from jaxpar.lower.jit import build_callable
-from jaxpar.mesh import make_mesh
+from jaxpar.mesh import make_mesh, mesh_devices
 from jaxpar.plan import Plan, build_plan
 from jaxpar.search import paused_gc
 from jaxpar.search.exact import dynamic_programming
@@ -165,9 +165,8 @@ def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, sea
                         "ints, the positions of the arguments whose buffers a call may reuse, "
                         "e.g. (0, 1).")
     load_profile(hardware)  # unknown profiles fail here, before any tracing
-    if mesh is None:
-        platform = {"CPU": "cpu", "GPU": "gpu", "TPU": "tpu"}.get(device)
-        mesh = make_mesh(len(jax.devices(platform) if platform else jax.devices()), device=device)
+    if mesh is None:  # (mesh_devices says which platforms there are when `device` is absent)
+        mesh = make_mesh(len(mesh_devices(device)), device=device)
     return ShardOptions(in_strategy, out_strategy, parameter_plan, level, mesh, mode, hardware,
                         memory_budget, float(mem_coeff), tuple(donate))
 

@@ -246,6 +246,15 @@ def test_not_callable():
         jaxpar.shard("dense_relu")
 
 
+def test_a_platform_this_machine_lacks_is_a_clear_error():
+    # JAX's own RuntimeError ("Unknown backend") came through before.
+    from jaxpar.mesh import available_platforms
+
+    missing = next(p for p in ("GPU", "TPU", "CPU") if p not in available_platforms())
+    with pytest.raises(ValueError, match=f"device='{missing}': no {missing} devices"):
+        jaxpar.shard(dense_relu, device=missing)
+
+
 def test_memory_budget_too_small_is_a_clear_error():
     with pytest.raises(ValueError, match="memory_budget=100 bytes"):
         jaxpar.shard(dense_relu, memory_budget=100).plan(X, W, B)
