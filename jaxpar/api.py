@@ -64,6 +64,7 @@ class _Compiled:
     _traced: Any = None
     shardings: tuple | None = None  # the inputs' NamedShardings, made on the first call
     called: bool = False  # the first call compiles
+    donate: tuple[int, ...] = ()  # the leaves whose buffers a call hands over
 
     @property
     def jitted(self):
@@ -196,6 +197,8 @@ class ShardedFunction:
         if c.shardings is None:
             c.shardings = tuple(NamedSharding(self.mesh, s.to_pspec()) for s in c.plan.in_specs)
         flat = [_placed(x, s) for x, s in zip(leaves, c.shardings, strict=True)]
+        if c.donate:
+            flat = _own_buffers(flat, c.donate)
         if c.called:
             out = c.jitted(*flat)
         else:
@@ -325,7 +328,7 @@ class ShardedFunction:
         donate = tuple(i for i, owner in enumerate(leaf_owners(args)) if owner in donated)
         return _Compiled(plan, lambda traced: build_callable(
             graph, plan.graph_plan, self.mesh, plan.in_specs, plan.out_specs, donate,
-            self.opts.fp32_communication, traced))
+            self.opts.fp32_communication, traced), donate=donate)
 
     def _donated(self, n_args: int) -> set[int]:
         """The positions donate_argnums names among n_args arguments (negative ones count
@@ -521,6 +524,23 @@ def _placed(x, sharding: NamedSharding):
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
     return x
+
+
+def _own_buffers(flat: list, donate: tuple[int, ...]) -> list:
+    """flat with each donated array that is passed elsewhere too (one array in two leaves of
+    a donated pytree: tied weights) copied: a buffer donated and read again, or donated twice,
+    breaks the call (XLA aborts the process on a multi-device program)."""
+    given = set(donate)
+    seen = {id(x) for i, x in enumerate(flat) if i not in given and isinstance(x, jax.Array)}
+    out = list(flat)
+    for i in donate:
+        x = out[i]
+        if not isinstance(x, jax.Array):
+            continue
+        if id(x) in seen:
+            out[i] = jax.device_put(x, x.sharding, may_alias=False)
+        seen.add(id(x))
+    return out
 
 
 def _merge(given: Spec | None, planned: Spec, path: str) -> Spec:

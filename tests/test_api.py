@@ -168,6 +168,21 @@ def test_a_negative_donation_counts_from_the_end():
     assert x.is_deleted() and not s.is_deleted()
 
 
+def test_one_array_in_two_donated_leaves_is_copied_not_donated_twice():
+    # Tied weights ({"a": w, "b": w}) already in place: one buffer donated twice made XLA
+    # abort the process on the second call. The copy keeps a caller's other reference intact.
+    f = jaxpar.shard(lambda p, x: ({"a": p["a"] * 2, "b": p["b"] + x}, x.sum()),
+                     donate_argnums=0)
+    w, x = jnp.ones((64, 32)), jnp.ones((64, 32))
+    out, _ = f({"a": w, "b": w}, x)
+    for _ in range(2):  # out["a"] now lies where the plan wants it
+        tied = out["a"]
+        out, _ = f({"a": tied, "b": tied}, tied)
+        assert not tied.is_deleted()  # read as x too: both donated leaves got copies
+    np.testing.assert_allclose(out["b"], jnp.full((64, 32), 8.0))
+    np.testing.assert_allclose(out["a"], jnp.full((64, 32), 8.0))
+
+
 def test_a_steps_outputs_go_back_in_without_being_moved(monkeypatch):
     # A training loop feeds each step's outputs back: they already lie where the plan wants
     # them, so the call neither moves them nor runs the slower equivalence check.
