@@ -161,8 +161,8 @@ def _solved_cond(op: Op, info: OpInfo, known, model: CostModel):
 def _as_read(body: OpGraph, plan: GraphPlan, known: list[Spec | None]) -> list[Spec]:
     """Each input's spec: the known one, else the one its first reader reads it in under
     `plan` (else the plan's). A free input costs nothing to slice, so a plan may leave it
-    replicated where every reader cuts it; the loop's neighbours would then have to gather
-    it for nothing (optimizer state, whose update comes back in the spec it went in)."""
+    replicated where every reader cuts it; the cond's neighbours would then gather it for
+    nothing (optimizer state, whose update comes back in the spec it went in)."""
     first: dict[int, Spec] = {}
     for op in body.ops:
         for v, spec in zip(op.inputs, plan.choices[op.index].strategy.ins, strict=True):
