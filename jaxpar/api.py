@@ -166,8 +166,8 @@ def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, sea
                         "ints, the positions of the arguments whose buffers a call may reuse, "
                         "e.g. (0, 1).")
     load_profile(hardware)  # unknown profiles fail here, before any tracing
-    if mesh is None:  # (mesh_devices says which platforms there are when `device` is absent)
-        mesh = make_mesh(len(mesh_devices(device)), device=device)
+    if mesh is None:  # mesh_devices: a ValueError naming the platforms here if `device` is
+        mesh = make_mesh(len(mesh_devices(device)), device=device)  # not among them
     return ShardOptions(in_strategy, out_strategy, parameter_plan, level, mesh, mode, hardware,
                         memory_budget, float(mem_coeff), tuple(donate))
 
