@@ -87,6 +87,24 @@ def test_parameter_paths_name_pytree_leaves():
     assert [graph.values[v].name for v in graph.inputs] == list(traced.in_paths)
 
 
+class _Box:  # a pytree registered without keys: its leaves' paths are FlattenedIndexKeys
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+
+jax.tree_util.register_pytree_node(_Box, lambda b: ((b.a, b.b), None),
+                                   lambda _, children: _Box(*children))
+
+
+def test_pytrees_registered_without_keys_name_leaves_by_position():
+    # jax 0.10's FlattenedIndexKey holds .key, not .idx: tracing raised AttributeError.
+    traced = trace(lambda box, x: box.a * x + box.b, (_Box(jnp.ones(4), jnp.ones(4)),
+                                                      jnp.ones(4)))
+    assert traced.in_paths == ("box/0", "box/1", "x")
+    partial = jax.tree_util.Partial(lambda w, x: x @ w, jnp.ones((4, 2)))
+    assert trace(lambda f, x: f(x), (partial, jnp.ones((3, 4)))).in_paths == ("f/0/0", "x")
+
+
 def test_flax_nnx_state_paths():
     model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
     _, state = nnx.split(model)

@@ -36,8 +36,10 @@ class Traced:
 def _key_str(key) -> str:
     if isinstance(key, DictKey):
         return str(key.key)
-    if isinstance(key, SequenceKey | FlattenedIndexKey):
+    if isinstance(key, SequenceKey):
         return str(key.idx)
+    if isinstance(key, FlattenedIndexKey):  # a pytree registered without keys
+        return str(key.key)
     if isinstance(key, GetAttrKey):
         return key.name
     return str(key).strip(".[]'\"")
