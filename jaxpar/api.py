@@ -262,7 +262,8 @@ class ShardedFunction:
         profile = load_profile(o.hardware)
         model = CostModel(MeshInfo.of(mesh), profile, o.level, o.mem_coeff,
                           recompute_heavy=o.search_mode not in AUTOMATIC_MODES,
-                          search_bodies=o.search_mode in AUTOMATIC_MODES)
+                          search_bodies=o.search_mode in AUTOMATIC_MODES,
+                          fp32_communication=o.fp32_communication)
         if self._pinned is not None:
             self._pinned.check_matches(traced.fingerprint, model.mesh)
             return self._finish(graph, self._pinned, args, donated)

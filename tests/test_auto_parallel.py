@@ -354,6 +354,13 @@ def test_fp32_communication_reduces_in_float32():
     assert "-> tensor<16x32xf32>" not in text(False)
     f = jaxpar.shard(lambda x, w: x @ w, in_strategy=((1, 8), (8, 1)), fp32_communication=True)
     np.testing.assert_allclose(np.asarray(f(x, w), np.float32), 64.0)
+    # The plan prices the float32 bytes it moves (it priced bf16's: half of them).
+    predicted = {fp32: jaxpar.shard(lambda x, w: x @ w, in_strategy=((1, 8), (8, 1)),
+                                    fp32_communication=fp32).plan(x, w).cost.comm_bytes
+                 for fp32 in (False, True)}
+    assert predicted[True] == 2 * predicted[False] > 0
+    check = f.plan(x, w).verify(f.lower(x, w).compile())
+    assert check.ok, str(check)
 
 
 def test_auto_parallel_defaults_to_the_contexts_fp32_sync():

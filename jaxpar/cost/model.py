@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.cost.comm import Collective, collective_line, collective_time, reshard
@@ -91,9 +92,13 @@ class CostModel:
 
     def __init__(self, mesh: MeshInfo, profile: HardwareProfile, level: int = 0,
                  mem_coeff: float = 0.0, recompute_heavy: bool = True,
-                 search_bodies: bool = False, lean_bodies: bool = False):
+                 search_bodies: bool = False, lean_bodies: bool = False,
+                 fp32_communication: bool = False):
         self.mesh, self.profile, self.level, self.mem_coeff = mesh, profile, level, mem_coeff
         self.recompute_heavy = recompute_heavy
+        # bf16/f16 partial sums reduced in float32 (jaxpar.shard(fp32_communication=True)):
+        # an op's own reductions move float32 bytes.
+        self.fp32_communication = fp32_communication
         # Loop bodies also solved exactly (search.regions.region_candidates): the automatic
         # searches' models say so. lean_bodies: also solved for the least memory (lean()), for
         # a search bounding memory (dynamic_programming with a budget).
@@ -261,7 +266,7 @@ class CostModel:
             cost = OpCost(compute_s=work / layout.pieces[n], memory_bytes=memory)
             for j, raw in layout.partial[n]:
                 cost = cost + self.reshard(raw, s.outs[j], info.out_shapes[j],
-                                           info.out_dtypes[j], share)
+                                           self._reduced(info.out_dtypes[j]), share)
             out.append(cost)
         return out
 
@@ -276,8 +281,14 @@ class CostModel:
             if partial:
                 raw = Spec(tuple(tuple(a for a in d if a not in partial) for d in out.dims),
                            partial)
-                cost = cost + self.reshard(raw, out, shape, dtype, share)
+                cost = cost + self.reshard(raw, out, shape, self._reduced(dtype), share)
         return cost
+
+    def _reduced(self, dtype):
+        """The dtype an op's partial sums of `dtype` are reduced in."""
+        if self.fp32_communication and np.dtype(dtype) in _LOW_FLOATS:
+            return np.dtype(np.float32)
+        return dtype
 
     def variant(self, level: int | None = None, mem_coeff: float | None = None,
                 lean_bodies: bool | None = None) -> CostModel:
@@ -291,7 +302,8 @@ class CostModel:
         other = CostModel(self.mesh, self.profile, level,
                           self.mem_coeff if mem_coeff is None else mem_coeff,
                           self.recompute_heavy, self.search_bodies,
-                          self.lean_bodies if lean_bodies is None else lean_bodies)
+                          self.lean_bodies if lean_bodies is None else lean_bodies,
+                          self.fp32_communication)
         for name in ("_reshard_cache", "_per_byte", "_options_cache", "_costs_cache",
                      "_fitting_cache", "_itemsizes", "_layouts", "_comm_lines",
                      "_collective_lines") + \
@@ -313,6 +325,7 @@ class CostModel:
 
 
 _FREE = OpCost()
+_LOW_FLOATS = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 LEAN_MEM_COEFF = 1e3  # CostModel.lean()'s: memory first, by far
 
 
