@@ -192,13 +192,10 @@ class CostModel:
         return hit
 
     def _moving(self, src: Spec, dst: Spec, nbytes: float, share: float) -> OpCost:
-        """reshard() of an array of `nbytes`: what moves depends on the specs only (worked out
-        once per pair, for one byte), how much on the size."""
-        per_byte = self._per_byte.get((src, dst))
-        if per_byte is None:
-            per_byte = self._per_byte[(src, dst)] = reshard(src, dst, 1.0, self.mesh)
+        """reshard() of an array of `nbytes`: _one_byte's collectives, scaled."""
         return self.collectives_cost(
-            [Collective(c.kind, c.axes, c.bytes * nbytes, c.count) for c in per_byte], share)
+            [Collective(c.kind, c.axes, c.bytes * nbytes, c.count)
+             for c in self._one_byte(src, dst)], share)
 
     def reshard_line(self, src: Spec, dst: Spec, share: float = 1.0) -> tuple[float, float]:
         """(per_byte, fixed): the score of reshard(src, dst, ...) for an array of n bytes is
@@ -218,13 +215,18 @@ class CostModel:
             hit = self._lines[key] = (weight * comm[0], weight * comm[1])
         return hit
 
+    def _one_byte(self, src: Spec, dst: Spec) -> list[Collective]:
+        """reshard()'s collectives for an array of one byte: what moves depends on the specs
+        only (worked out once per pair), how much on the size."""
+        hit = self._per_byte.get((src, dst))
+        if hit is None:
+            hit = self._per_byte[(src, dst)] = reshard(src, dst, 1.0, self.mesh)
+        return hit
+
     def _comm_line(self, src: Spec, dst: Spec, share: float) -> tuple[float, float]:
         """(seconds per byte, seconds) of reshard(src, dst) over the mesh's links."""
-        per_byte = self._per_byte.get((src, dst))
-        if per_byte is None:
-            per_byte = self._per_byte[(src, dst)] = reshard(src, dst, 1.0, self.mesh)
         slope = fixed = 0.0
-        for c in per_byte:
+        for c in self._one_byte(src, dst):
             latency = share if c.kind in _COMBINED_KINDS else 1.0
             key = (c.kind, c.axes, latency)
             line = self._collective_lines.get(key)
