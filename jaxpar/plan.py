@@ -274,7 +274,7 @@ def build_plan(graph, gp: GraphPlan, model, traced, in_specs: list[Spec], out_sp
     weights: the input values that are weights (for describe_layout)."""
     from jaxpar.search.propagation import graph_cost
 
-    total = graph_cost(graph, gp, model, dict(enumerate(out_specs)))
+    total = graph_cost(graph, gp, model, dict(enumerate(out_specs)), shared=True)
     peak = peak_memory(graph, gp, model.mesh)
     cost = PlanCost(total.compute_s, total.comm_s, total.comm_bytes, peak,
                     total.compute_s + total.comm_s)

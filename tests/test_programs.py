@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from jaxpar.models import COMMUNICATING, PROGRAMS
@@ -162,3 +163,45 @@ def test_state_one_cond_updates_is_placed_per_shape():
     for g, r in zip(jax.tree_util.tree_leaves((p, state)),
                     jax.tree_util.tree_leaves((ref_p, ref_state)), strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
+
+
+def _scalar_reads(x, w):
+    h = x @ w
+    return h * w[0, 0] + h * w[1, 1] + h * w[2, 2]
+
+
+def _twice_returned(x, w):
+    y = x @ w
+    return y, y, x
+
+
+def _scanned_scalar_reads(x, w):
+    def body(h, _):
+        return jnp.tanh(h @ w) * w[0, 0] + h * w[1, 1], None
+    return jax.lax.scan(body, x, None, length=2)[0]
+
+
+@pytest.mark.parametrize("mode", ["sharding_propagation", "recursive_programming",
+                                  "dynamic_programming"])
+@pytest.mark.parametrize("case", [
+    (_scalar_reads, (None, (1, 8)), None),            # three readers gather w once
+    (_twice_returned, ((8, 1), None), (P(), P(), P())),  # y returned twice: gathered once
+    (_scanned_scalar_reads, (None, (1, 8)), None),   # in a loop's body, and w gathered
+], ids=["readers", "outputs", "scan-body"])           # once, out of the loop
+def test_a_value_several_readers_need_alike_is_predicted_moved_once(case, mode):
+    """XLA reshards a value once for every reader that needs it in one spec (its CSE merges
+    the identical collectives), and a loop's constant once for every trip (it hoists the
+    collective out of the loop); the plan predicted one resharding per reader and per trip
+    (3 x 1024 bytes gathered where 1024 were; 20480 bytes in the scan where 8192 were), and
+    verify failed."""
+    fn, in_strategy, out_strategy = case
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((32, 8 if fn is not _scanned_scalar_reads else 32)),
+                    jnp.float32) * 0.1
+    f = jaxpar.shard(fn, in_strategy=in_strategy, out_strategy=out_strategy, search_mode=mode)
+    for g, r in zip(jax.tree_util.tree_leaves(f(x, w)),
+                    jax.tree_util.tree_leaves(jax.jit(fn)(x, w)), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+    check = f.plan(x, w).verify(f.lower(x, w).compile())
+    assert check.measured_bytes > 0 and check.bytes_ok, str(check)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -522,15 +523,38 @@ def out_spec(graph: OpGraph, plan: GraphPlan, v: int | Lit) -> Spec:
 
 
 def graph_cost(graph: OpGraph, plan: GraphPlan, model: CostModel,
-               fixed_out: dict[int, Spec] | None = None) -> OpCost:
+               fixed_out: dict[int, Spec] | None = None, shared: bool = False,
+               trips: float = 1, invariant: Collection[int] = ()) -> OpCost:
     """Total modeled cost of a planned graph: ops (regions times their trips), resharding of
-    operands, and resharding of outputs into `fixed_out` (output position -> spec)."""
+    operands, and resharding of outputs into `fixed_out` (output position -> spec).
+
+    shared: a value several readers (ops, outputs) need in one spec is resharded once, as XLA
+    does (its CSE merges the identical collectives): what the compiled program moves, which
+    Plan.cost and the predicted collectives report. False (the searches' objective, which
+    prices every edge on its own so that it adds up over them) prices it once per reader:
+    never less.
+    trips: a loop body's cost is this many times its own, but for the resharding of the
+    values in `invariant` (the body's constants, which XLA moves out of the loop): once.
+    """
     share = latency_shares(graph)
-    parts = []
+    parts, hoisted = [], []
+    done: dict[int, list[Spec]] = {}  # shared: value -> the specs it is already resharded to
+
+    def again(v: int, need: Spec) -> bool:
+        if not shared:
+            return False
+        seen = done.setdefault(v, [])
+        if any(s.partial == need.partial and s.dims == need.dims for s in seen):
+            return True
+        seen.append(need)
+        return False
+
     for pos, need in (fixed_out or {}).items():
         v = graph.outputs[pos]
-        parts.append(model.reshard(out_spec(graph, plan, v), need, graph.shape(v),
-                                   graph.dtype(v), share(v)))
+        have = out_spec(graph, plan, v)
+        if isinstance(v, int) and not have.placed_as(need) and again(v, need):
+            continue
+        parts.append(model.reshard(have, need, graph.shape(v), graph.dtype(v), share(v)))
     specs, values = plan.specs, graph.values
     for op in graph.ops:
         choice = plan.choices[op.index]
@@ -541,9 +565,15 @@ def graph_cost(graph: OpGraph, plan: GraphPlan, model: CostModel,
                 if have is need or have.placed_as(need):
                     continue  # read as it is (CostModel.reshard's first test, before its
                               # call: the recursive search totals plans of 20k ops often)
+                if again(v, need):
+                    continue
                 info = values[v]
-                parts.append(model.reshard(have, need, info.shape, info.dtype, share(v)))
-    return _total(parts)
+                (hoisted if v in invariant else parts).append(
+                    model.reshard(have, need, info.shape, info.dtype, share(v)))
+    total = _total(parts)
+    if trips != 1:
+        total = total.scaled(trips)
+    return total + _total(hoisted) if hoisted else total
 
 
 def latency_shares(graph: OpGraph):

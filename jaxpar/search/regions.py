@@ -105,7 +105,8 @@ def _scan(op: Op, info: OpInfo, known, model: CostModel, plan_body=_loop_body):
     ins = [plan.specs[v] for v in body.inputs]
     ins = ins[:nc + ncar] + [_stacked(s) for s in ins[nc + ncar:]]
     ys = [_stacked(out_spec(body, plan, v)) for v in body.outputs[ncar:]]
-    cost = graph_cost(body, plan, model, dict(enumerate(carry))).scaled(length)
+    cost = graph_cost(body, plan, model, dict(enumerate(carry)), shared=True, trips=length,
+                      invariant=frozenset(body.inputs[:nc]))
     return _strategy(ins, carry + ys), (plan,), cost, length
 
 
@@ -117,8 +118,8 @@ def _while(op: Op, info: OpInfo, known, model: CostModel, plan_body=_loop_body):
     cond_plan = propagate(cond, model, _fixed(cond.inputs, known[:cn] + carry))
     ins = [cond_plan.specs[v] for v in cond.inputs[:cn]] + \
         [plan.specs[v] for v in body.inputs[:bn]] + carry
-    cost = graph_cost(body, plan, model, dict(enumerate(carry))) + \
-        graph_cost(cond, cond_plan, model)
+    cost = graph_cost(body, plan, model, dict(enumerate(carry)), shared=True) + \
+        graph_cost(cond, cond_plan, model, shared=True)
     return _strategy(ins, carry), (cond_plan, plan), cost, 1
 
 
@@ -176,8 +177,8 @@ def _branches(op: Op, info: OpInfo, plans: list[GraphPlan], ins: list[Spec], out
               model: CostModel):
     """plan_region's answer for a cond whose branches are planned: it costs its dearest
     branch, results resharded into `outs` included."""
-    costs = [graph_cost(b, p, model, dict(enumerate(outs))) for b, p in zip(op.regions, plans,
-                                                                              strict=True)]
+    costs = [graph_cost(b, p, model, dict(enumerate(outs)), shared=True)
+             for b, p in zip(op.regions, plans, strict=True)]
     cost = max(costs, key=model.score) if costs else OpCost()
     return _strategy([Spec.replicated(len(info.in_shapes[0]))] + ins, outs), tuple(plans), cost, 1
 
