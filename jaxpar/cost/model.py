@@ -36,6 +36,7 @@ import numpy as np
 
 from jaxpar.cost.comm import Collective, collective_line, collective_time, reshard
 from jaxpar.cost.hardware import HardwareProfile
+from jaxpar.cost.manual import body_work
 from jaxpar.ir.graph import itemsize
 from jaxpar.rules.registry import OpInfo, candidates
 from jaxpar.spec import MeshInfo, OpStrategy, Spec
@@ -120,6 +121,7 @@ class CostModel:
         self._fitting_cache: dict = {}
         self._itemsizes: dict = {}
         self._layouts: dict = {}
+        self._manual_cache: dict = {}  # id(shard_map body) -> (body, its cost)
 
     def options(self, info: OpInfo, share: float = 1.0
                 ) -> tuple[list[OpStrategy], list[OpCost]]:
@@ -262,9 +264,13 @@ class CostModel:
             layout = self._layouts[id(cands)] = _Layout(cands, self)
         io = _Io(info, self._itemsize)
         work = self.profile.compute_seconds(io.flops, io.total)
+        manual = self._manual(info)
         out = []
         for n, s in enumerate(cands):
             memory = sum(b / k for b, k in zip(io.sizes, layout.shards[n], strict=True))
+            if manual is not None:
+                out.append(manual + OpCost(memory_bytes=memory))
+                continue
             cost = OpCost(compute_s=work / layout.pieces[n], memory_bytes=memory)
             for j, raw in layout.partial[n]:
                 cost = cost + self.reshard(raw, s.outs[j], info.out_shapes[j],
@@ -277,6 +283,9 @@ class CostModel:
         compute = self.profile.compute_seconds(io.flops, io.total) / self.pieces(s)
         memory = sum(b / sp.shards(mesh) for b, sp in zip(io.sizes, s.ins + s.outs,
                                                            strict=True))
+        manual = self._manual(io.info)
+        if manual is not None:
+            return manual + OpCost(memory_bytes=memory)
         cost = OpCost(compute_s=compute, memory_bytes=memory)
         for out, partial, shape, dtype in zip(s.outs, s.partial, io.info.out_shapes,
                                               io.info.out_dtypes, strict=True):
@@ -285,6 +294,21 @@ class CostModel:
                            partial)
                 cost = cost + self.reshard(raw, out, shape, self._reduced(dtype), share)
         return cost
+
+    def _manual(self, info: OpInfo) -> OpCost | None:
+        """A shard_map's cost, whatever its strategy: its body's work (cost/manual.py), the
+        collectives over this mesh's axes priced; None for any other op."""
+        if info.primitive.name != "shard_map":
+            return None
+        body = info.params["jaxpr"]
+        hit = self._manual_cache.get(id(body))
+        if hit is None or hit[0] is not body:
+            work = body_work(body)
+            named = [c for c in work.collectives if set(c.axes) <= set(self.mesh.names)]
+            cost = OpCost(compute_s=self.profile.compute_seconds(work.flops, work.nbytes)) + \
+                self.collectives_cost(named)
+            hit = self._manual_cache[id(body)] = (body, cost)
+        return hit[1]
 
     def _reduced(self, dtype):
         """The dtype an op's partial sums of `dtype` are reduced in."""
@@ -307,7 +331,7 @@ class CostModel:
                           self.lean_bodies if lean_bodies is None else lean_bodies,
                           self.fp32_communication)
         for name in ("_reshard_cache", "_per_byte", "_options_cache", "_costs_cache",
-                     "_fitting_cache", "_itemsizes", "_layouts", "_comm_lines",
+                     "_fitting_cache", "_itemsizes", "_layouts", "_manual_cache", "_comm_lines",
                      "_collective_lines") + \
                 (("_lines", "_line_lists") if level == self.level else ()):
             setattr(other, name, getattr(self, name))

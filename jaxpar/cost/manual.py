@@ -1,0 +1,91 @@
+"""The work of a `jax.shard_map` in the user's function: its body's flops and collectives.
+
+A shard_map's body runs on each device's shard (its avals are local) and moves data only where
+the user wrote a collective (psum, all_gather, psum_scatter, ppermute, all_to_all, pmax, pmin).
+However jaxpar lays out its operands, the body does that same work: its operands are first
+resharded into the shard_map's in_specs (the rule in rules/manual.py asks for those), then the
+body runs. So the op's cost is not its strategy's but its body's: the flops and bytes of every
+op in it (nested calls and loops included, a scan's body times its length) and the collectives,
+priced as `analysis.collective_stats` counts them in the compiled program (per device, the
+larger of operand and result; a tuple collective is one, its elements' bytes summed).
+
+Example:
+    >>> work = body_work(eqn.params["jaxpr"])
+    >>> work.flops, [c.kind for c in work.collectives]
+    (16384.0, ['all-reduce'])
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxpar.cost.comm import Collective
+
+# Body primitive -> the collective XLA runs for it (jax 0.10 names; psum is psum_invariant
+# where shard_map checks varying axes, its default).
+_KINDS = {"psum": "all-reduce", "psum_invariant": "all-reduce", "psum2": "all-reduce",
+          "pmax": "all-reduce", "pmin": "all-reduce", "all_gather": "all-gather",
+          "all_gather_invariant": "all-gather", "reduce_scatter": "reduce-scatter",
+          "ppermute": "collective-permute", "all_to_all": "all-to-all"}
+
+
+@dataclass
+class BodyWork:
+    """What one run of a body does per device: flops, bytes its ops read and write, and its
+    collectives (each a Collective over the axes it names)."""
+
+    flops: float = 0.0
+    nbytes: float = 0.0
+    collectives: list[Collective] = field(default_factory=list)
+
+
+def body_work(jaxpr) -> BodyWork:
+    """The work of one run of `jaxpr` (a Jaxpr or ClosedJaxpr with local avals)."""
+    work = BodyWork()
+    _add(getattr(jaxpr, "jaxpr", jaxpr), 1.0, work)
+    return work
+
+
+def _add(jaxpr, times: float, work: BodyWork) -> None:
+    from jax.extend.core import jaxprs_in_params
+
+    from jaxpar.cost.model import flops
+    from jaxpar.rules.registry import OpInfo
+
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        inner = list(jaxprs_in_params(eqn.params))
+        if inner:
+            trips = eqn.params.get("length", 1) if name == "scan" else 1
+            for body in inner:  # a cond's branches all counted: an upper bound
+                _add(getattr(body, "jaxpr", body), times * trips, work)
+            continue
+        ins = [v.aval for v in eqn.invars if hasattr(v.aval, "shape")]
+        outs = [v.aval for v in eqn.outvars if hasattr(v.aval, "shape")]
+        sizes_in = [_nbytes(a) for a in ins]
+        sizes_out = [_nbytes(a) for a in outs]
+        kind = _KINDS.get(name)
+        if kind is not None:
+            axes = _axes(eqn.params)
+            moved = max(sum(sizes_in), sum(sizes_out))
+            if axes and moved:
+                work.collectives.append(Collective(kind, axes, moved * times, times))
+            continue
+        info = OpInfo(eqn.primitive, eqn.params, tuple(tuple(a.shape) for a in ins),
+                      tuple(tuple(a.shape) for a in outs),
+                      tuple(a.dtype for a in ins), tuple(a.dtype for a in outs))
+        work.flops += flops(info) * times
+        work.nbytes += (sum(sizes_in) + sum(sizes_out)) * times
+
+
+def _axes(params: dict) -> tuple[str, ...]:
+    names = params.get("axes", params.get("axis_name", ()))
+    names = names if isinstance(names, tuple | list) else (names,)
+    return tuple(n for n in names if isinstance(n, str))
+
+
+def _nbytes(aval) -> float:
+    return float(math.prod(aval.shape)) * np.dtype(aval.dtype).itemsize

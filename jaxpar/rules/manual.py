@@ -1,0 +1,32 @@
+"""shard_map: a `jax.shard_map` inside the user's function.
+
+Its operands are cut as its in_specs say and its results as its out_specs say, whatever jaxpar
+plans around it: the one candidate (beside the replicated one every op has) takes them so, and
+the ops around it then plan for those specs. Its cost is its body's work (cost/manual.py), not
+the strategy's. A shard_map over another mesh's axes, or the same names on other sizes, gets no
+candidate here (it stays replicated, as an op without a rule).
+"""
+
+from __future__ import annotations
+
+from jax._src.shard_map import shard_map_p
+
+from jaxpar.rules.registry import RULES, OpInfo
+from jaxpar.spec import MeshInfo, OpStrategy, Spec
+
+
+def shard_map_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
+    own = info.params["mesh"]
+    if any(a not in mesh.names or mesh.axis_size(a) != n
+           for a, n in zip(own.axis_names, own.axis_sizes, strict=True)):
+        return []
+
+    def specs(pspecs, shapes) -> tuple[Spec, ...]:
+        return tuple(Spec(tuple(mesh.order(d) for d in Spec.from_pspec(p, len(s)).dims))
+                     for p, s in zip(pspecs, shapes, strict=True))
+    ins = specs(info.params["in_specs"], info.in_shapes)
+    outs = specs(info.params["out_specs"], info.out_shapes)
+    return [OpStrategy(ins, outs, tuple(() for _ in outs), "shard_map's specs")]
+
+
+RULES[shard_map_p] = shard_map_rule
