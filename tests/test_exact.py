@@ -324,3 +324,33 @@ def test_allow_restricts_the_exact_search_to_the_candidates_it_keeps():
     free, _ = dynamic_programming(graph, model, fixed_in, {})
     assert model.score(graph_cost(graph, free, model)) < \
         model.score(graph_cost(graph, pinned, model))
+
+
+def test_the_time_limit_bounds_the_whole_search(monkeypatch):
+    """time_limit is the search's, not each solve's: building the tables (slow here) and the
+    solves before one leave it less. Each solve was given the whole limit again, so a
+    budgeted search that stopped at its 30 s limit took up to 39 s."""
+    import time
+
+    graph, model, fixed_in = _program("scan_layers")
+    slow = exact.build_tables
+
+    def slow_tables(*args, **kwargs):
+        time.sleep(0.5)
+        return slow(*args, **kwargs)
+
+    limits = []
+    solve = exact.solve
+
+    def recorded(problem, limit=30.0, *args):
+        limits.append(limit)
+        return solve(problem, limit, *args)
+
+    monkeypatch.setattr(exact, "build_tables", slow_tables)
+    monkeypatch.setattr(exact, "solve", recorded)
+    plan, solution = dynamic_programming(graph, model, fixed_in, {}, time_limit=2.0)
+    assert limits and all(0.1 <= limit <= 1.5 for limit in limits), limits
+    assert plan.specs and solution.choice is not None
+    limits.clear()
+    dynamic_programming(graph, model, fixed_in, {}, time_limit=0.3)  # past it at once:
+    assert limits and all(limit == 0.1 for limit in limits), limits   # a tenth of a second

@@ -38,6 +38,8 @@ most used group, and whichever of the two is cheaper with one latency per group 
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -68,7 +70,8 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
         graph, model: the program and its cost model.
         fixed_in: value id -> the spec the user fixed; fixed_out: output position -> spec.
         memory_budget: bytes per device for everything live at once (None: no bound).
-        time_limit: seconds for the solver; past it the best plan found comes with its gap.
+        time_limit: seconds for the whole search (pricing, tables, every solve); past it the
+            best plan found comes with its gap.
         ties: (input value, output position) pairs whose output must come back in the input's
             spec (the caller fixes those outputs to the planned input specs).
         tie_repeats: give the ops of repeated layers one shared strategy (see above).
@@ -84,6 +87,11 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
     Returns:
         (GraphPlan, Solution): the plan and how it was found (optimal, gap, method, seconds).
     """
+    deadline = time.perf_counter() + time_limit
+
+    def left() -> float:  # seconds to the deadline; a solve gets at least a tenth of one
+        return max(deadline - time.perf_counter(), 0.1)
+
     budget = _budget_left(graph, model, fixed_in, memory_budget)
     if budget is not None and model.search_bodies and not model.lean_bodies and \
             any(op.name in LOOPS for op in graph.ops):  # loops also offer lean bodies
@@ -105,11 +113,10 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
                               tuple(t.node_mem), None, budget, t.tied or None,
                               live_ranges(graph, t) if budget is not None else None)
 
-        def solved(t: Tables, problem: Problem, limit: float) -> Solution:
-            found = solve(problem, limit)
+        def solved(t: Tables, problem: Problem) -> Solution:
+            found = solve(problem, left())
             if group_tail:
-                found = _one_latency_per_group(graph, model, t, problem, found,
-                                               max(limit - found.seconds, 0.1))
+                found = _one_latency_per_group(graph, model, t, problem, found, left)
             return found
 
         loops = [op for op in graph.ops if op.name in LOOPS
@@ -117,7 +124,7 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
         t, problem = tables()
         progress.step("solving")
         try:
-            solution = solved(t, problem, time_limit)
+            solution = solved(t, problem)
         except ValueError as err:  # no assignment fits: say it in the user's terms
             bodies = (" Each loop's body (each cond's branches) is one of a few plans "
                       "(propagated, solved for time, solved for the least memory), so that "
@@ -142,7 +149,7 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
             seeds = grown
             progress.step("solving again, loop bodies planned for their neighbours")
             t, problem = tables(seeds)
-            again = solved(t, problem, max(time_limit - solution.seconds, 0.1))
+            again = solved(t, problem)
             solution = dataclasses.replace(again, seconds=solution.seconds + again.seconds)
             plan = _to_plan(graph, t, solution.choice, fixed_in, region)
     return plan, solution
@@ -160,7 +167,7 @@ def _seeds(loops: list, plan: GraphPlan, seeds: dict[int, list]) -> dict[int, li
 
 
 def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem: Problem,
-                           solution: Solution, time_limit: float) -> Solution:
+                           solution: Solution, left: Callable[[], float]) -> Solution:
     """The reductions of a step's tail (gradients) pay a share of one latency each in the
     tables, as if XLA combined them all into one collective; it combines only those of one
     kind over one device group. When the plan reduces over several groups, the search runs
@@ -179,7 +186,7 @@ def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem:
         for k, s in enumerate(t.cands[node]):
             if any(keep.get(kind, (kind, axes)) != (kind, axes) for kind, axes in _reductions(s)):
                 costs[node][k] += penalty
-    again = solve(dataclasses.replace(problem, node_cost=tuple(costs)), time_limit)
+    again = solve(dataclasses.replace(problem, node_cost=tuple(costs)), left())
     if grouped_objective(graph, model, t, problem, again.choice) < \
             grouped_objective(graph, model, t, problem, solution.choice):
         return dataclasses.replace(again, cost=objective(problem, again.choice),

@@ -42,7 +42,7 @@ def solve_axis(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict
       fixed_in: {value: Spec} the user fixed; fixed_out: {output position: Spec}.
       ties: (input value, output position) pairs of carried state.
       axis: the mesh axis solved again.
-      time_limit: seconds for the solver (past it, the best plan it found).
+      time_limit: seconds for the search (past it, the best plan it found).
 
     Returns:
       The plan the exact search finds over those candidates (`plan` is one of them; the
@@ -118,7 +118,7 @@ def solve_region(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: di
       ops: the op indices that may take any of their strategies.
       inputs: the free inputs (carried state included) that may take any spec their readers
         read; every other input keeps the plan's spec.
-      time_limit: seconds for the solver.
+      time_limit: seconds for the search.
 
     Returns:
       The plan the exact search finds over those candidates (`plan` is one of them).
