@@ -89,8 +89,8 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
     """
     deadline = time.perf_counter() + time_limit
 
-    def left() -> float:  # seconds to the deadline; a solve gets at least a tenth of one
-        return max(deadline - time.perf_counter(), 0.1)
+    def left() -> float:  # seconds to the deadline (negative: past it)
+        return deadline - time.perf_counter()
 
     budget = _budget_left(graph, model, fixed_in, memory_budget)
     if budget is not None and model.search_bodies and not model.lean_bodies and \
@@ -114,8 +114,8 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
                               live_ranges(graph, t) if budget is not None else None)
 
         def solved(t: Tables, problem: Problem) -> Solution:
-            found = solve(problem, left())
-            if group_tail:
+            found = solve(problem, max(left(), 0.1))  # a first solve: a tenth at least
+            if group_tail and left() > 0:
                 found = _one_latency_per_group(graph, model, t, problem, found, left)
             return found
 
@@ -141,6 +141,8 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
         # only grow: the optimum can only drop.
         seeds: dict[int, list] = {}  # the operand specs the tables' loops were planned for
         for n in range(_LOOP_PASSES if model.search_bodies and allow is None else 0):
+            if left() <= 0:
+                break
             grown = _seeds(loops, plan, seeds)
             if n == 0 and region is not None:
                 grown = _seeds(loops, region.plan, grown)
@@ -186,7 +188,7 @@ def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem:
         for k, s in enumerate(t.cands[node]):
             if any(keep.get(kind, (kind, axes)) != (kind, axes) for kind, axes in _reductions(s)):
                 costs[node][k] += penalty
-    again = solve(dataclasses.replace(problem, node_cost=tuple(costs)), left())
+    again = solve(dataclasses.replace(problem, node_cost=tuple(costs)), left())  # left() > 0
     if grouped_objective(graph, model, t, problem, again.choice) < \
             grouped_objective(graph, model, t, problem, solution.choice):
         return dataclasses.replace(again, cost=objective(problem, again.choice),
