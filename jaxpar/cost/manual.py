@@ -20,9 +20,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from jaxpar.cost.comm import Collective
+from jaxpar.ir.graph import itemsize
+from jaxpar.spec import MeshInfo, Spec
 
 # Body primitive -> the collective XLA runs for it (jax 0.10 names; psum is psum_invariant
 # where shard_map checks varying axes, its default).
@@ -40,6 +40,31 @@ class BodyWork:
     flops: float = 0.0
     nbytes: float = 0.0
     collectives: list[Collective] = field(default_factory=list)
+
+
+def on_mesh(params: dict, mesh: MeshInfo) -> bool:
+    """Whether a shard_map's mesh is `mesh` as far as planning goes: each of its axes there
+    by name, of the same size."""
+    own = params["mesh"]
+    return all(a in mesh.names and mesh.axis_size(a) == n
+               for a, n in zip(own.axis_names, own.axis_sizes, strict=True))
+
+
+def misordered(params: dict, shapes, dtypes, mesh: MeshInfo) -> list[Collective]:
+    """The collective-permutes XLA adds around a shard_map whose in_specs or out_specs cut a
+    dimension over several axes out of mesh order (P(("d2", "d0"))): a spec here holds its
+    axes in mesh order, so each such operand is permuted into the shard_map's order on the
+    way in and each such result back on the way out (its shard's bytes, once each)."""
+    out = []
+    for pspec, shape, dtype in zip(tuple(params["in_specs"]) + tuple(params["out_specs"]),
+                                   shapes, dtypes, strict=True):
+        entries = [tuple(e) for e in pspec if isinstance(e, tuple | list) and len(e) > 1]
+        axes = [a for e in entries if e != mesh.order(e) for a in e]
+        if axes:
+            spec = Spec.from_pspec(pspec, len(shape))
+            shard = float(math.prod(shape)) * itemsize(dtype) / spec.shards(mesh)
+            out.append(Collective("collective-permute", mesh.order(axes), shard))
+    return out
 
 
 def body_work(jaxpr) -> BodyWork:
@@ -88,4 +113,4 @@ def _axes(params: dict) -> tuple[str, ...]:
 
 
 def _nbytes(aval) -> float:
-    return float(math.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+    return float(math.prod(aval.shape)) * itemsize(aval.dtype)

@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxpar.cost.comm import Collective, collective_line, collective_time, reshard
 from jaxpar.cost.hardware import HardwareProfile
-from jaxpar.cost.manual import body_work
+from jaxpar.cost.manual import body_work, misordered, on_mesh
 from jaxpar.ir.graph import itemsize
 from jaxpar.rules.registry import OpInfo, candidates
 from jaxpar.spec import MeshInfo, OpStrategy, Spec
@@ -121,7 +121,7 @@ class CostModel:
         self._fitting_cache: dict = {}
         self._itemsizes: dict = {}
         self._layouts: dict = {}
-        self._manual_cache: dict = {}  # id(shard_map body) -> (body, its cost)
+        self._manual_cache: dict = {}  # (id(shard_map body), specs, shapes) -> (body, cost)
 
     def options(self, info: OpInfo, share: float = 1.0
                 ) -> tuple[list[OpStrategy], list[OpCost]]:
@@ -296,18 +296,21 @@ class CostModel:
         return cost
 
     def _manual(self, info: OpInfo) -> OpCost | None:
-        """A shard_map's cost, whatever its strategy: its body's work (cost/manual.py), the
-        collectives over this mesh's axes priced; None for any other op."""
-        if info.primitive.name != "shard_map":
+        """A shard_map's cost, whatever its strategy: its body's work and the permutes into
+        and out of its specs' axis order (cost/manual.py); None for any other op, and for a
+        shard_map over another mesh (planned replicated, its collectives not priced)."""
+        if info.primitive.name != "shard_map" or not on_mesh(info.params, self.mesh):
             return None
         body = info.params["jaxpr"]
-        hit = self._manual_cache.get(id(body))
+        key = (id(body), info.params["in_specs"], info.params["out_specs"], info.in_shapes)
+        hit = self._manual_cache.get(key)
         if hit is None or hit[0] is not body:
             work = body_work(body)
-            named = [c for c in work.collectives if set(c.axes) <= set(self.mesh.names)]
+            moved = work.collectives + misordered(info.params, info.in_shapes + info.out_shapes,
+                                                  info.in_dtypes + info.out_dtypes, self.mesh)
             cost = OpCost(compute_s=self.profile.compute_seconds(work.flops, work.nbytes)) + \
-                self.collectives_cost(named)
-            hit = self._manual_cache[id(body)] = (body, cost)
+                self.collectives_cost(moved)
+            hit = self._manual_cache[key] = (body, cost)
         return hit[1]
 
     def _reduced(self, dtype):

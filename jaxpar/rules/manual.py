@@ -1,8 +1,9 @@
 """shard_map: a `jax.shard_map` inside the user's function.
 
 Its operands are cut as its in_specs say and its results as its out_specs say, whatever jaxpar
-plans around it: the one candidate (beside the replicated one every op has) takes them so, and
-the ops around it then plan for those specs. Its cost is its body's work (cost/manual.py), not
+plans around it: its one candidate takes them so (no replicated one beside it: XLA would run the
+body in its specs all the same, and gather its results after), and the ops around it then plan
+for those specs. Its cost is its body's work (cost/manual.py), not
 the strategy's. A shard_map over another mesh's axes, or the same names on other sizes, gets no
 candidate here (it stays replicated, as an op without a rule).
 """
@@ -11,14 +12,13 @@ from __future__ import annotations
 
 from jax._src.shard_map import shard_map_p
 
-from jaxpar.rules.registry import RULES, OpInfo
+from jaxpar.cost.manual import on_mesh
+from jaxpar.rules.registry import EXCLUSIVE, RULES, OpInfo
 from jaxpar.spec import MeshInfo, OpStrategy, Spec
 
 
 def shard_map_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
-    own = info.params["mesh"]
-    if any(a not in mesh.names or mesh.axis_size(a) != n
-           for a, n in zip(own.axis_names, own.axis_sizes, strict=True)):
+    if not on_mesh(info.params, mesh):
         return []
 
     def specs(pspecs, shapes) -> tuple[Spec, ...]:
@@ -30,3 +30,4 @@ def shard_map_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
 
 
 RULES[shard_map_p] = shard_map_rule
+EXCLUSIVE.add(shard_map_p)

@@ -54,6 +54,9 @@ class OpInfo:
 
 Rule = Callable[[OpInfo, MeshInfo], list[OpStrategy]]
 RULES: dict[Any, Rule] = {}
+# Primitives that run only as their rule says when it gives a candidate (a shard_map in its
+# own specs): no replicated candidate beside it, which would stand for a run that never happens.
+EXCLUSIVE: set[Any] = set()
 
 
 @dataclass(frozen=True)
@@ -149,7 +152,7 @@ def candidates(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
     if hit is not None and hit[0] is raw:
         return hit[1]
     out, seen = [], set()
-    for strategy in [replicated(info), *raw]:
+    for strategy in raw if raw and info.primitive in EXCLUSIVE else [replicated(info), *raw]:
         for s in _resolve_partials(strategy, info, mesh):
             key_s = (s.ins, s.outs, s.partial)
             if key_s not in seen:
