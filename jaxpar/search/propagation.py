@@ -528,48 +528,54 @@ def graph_cost(graph: OpGraph, plan: GraphPlan, model: CostModel,
     """Total modeled cost of a planned graph: ops (regions times their trips), resharding of
     operands, and resharding of outputs into `fixed_out` (output position -> spec).
 
-    shared: a value several readers (ops, outputs) need in one spec is resharded once, as XLA
-    does (its CSE merges the identical collectives): what the compiled program moves, which
-    Plan.cost and the predicted collectives report. False (the searches' objective, which
-    prices every edge on its own so that it adds up over them) prices it once per reader:
-    never less.
-    trips: a loop body's cost is this many times its own, but for the resharding of the
-    values in `invariant` (the body's constants, which XLA moves out of the loop): once.
+    shared: a value's readers (ops, outputs) that reshard it by the same collectives share
+    them, as XLA's CSE merges them (two readers needing it in one spec; or a gather of the
+    whole, one reader slicing it after): what the compiled program moves, which Plan.cost and
+    the predicted collectives report. False (the searches' objective, which prices every edge
+    on its own so that it adds up over them) prices each reader's: never less.
+    trips: a loop body's cost is this many times its own, but for what XLA moves out of the
+    loop (its loop-invariant code motion), priced once: the resharding of the values in
+    `invariant` (the body's constants) and of what is computed from them alone, and those
+    ops themselves (effect-free, loops aside).
     """
     share = latency_shares(graph)
     parts, hoisted = [], []
-    done: dict[int, list[Spec]] = {}  # shared: value -> the specs it is already resharded to
+    done: set = set()  # shared: (value, its resharding's collectives) already priced
+    fixed = set(invariant) if trips != 1 else set()  # what the loop computes once
 
-    def again(v: int, need: Spec) -> bool:
-        if not shared:
-            return False
-        seen = done.setdefault(v, [])
-        if any(s.partial == need.partial and s.dims == need.dims for s in seen):
-            return True
-        seen.append(need)
-        return False
+    def reshard(v: int, have: Spec, need: Spec, shape, dtype) -> None:
+        cost = model.reshard(have, need, shape, dtype, share(v))
+        if shared and cost.collectives:
+            key = (v, cost.collectives)
+            if key in done:
+                return
+            done.add(key)
+        (hoisted if v in fixed else parts).append(cost)
 
     for pos, need in (fixed_out or {}).items():
         v = graph.outputs[pos]
         have = out_spec(graph, plan, v)
-        if isinstance(v, int) and not have.placed_as(need) and again(v, need):
-            continue
-        parts.append(model.reshard(have, need, graph.shape(v), graph.dtype(v), share(v)))
+        if isinstance(v, int):
+            reshard(v, have, need, graph.shape(v), graph.dtype(v))
+        else:
+            parts.append(model.reshard(have, need, graph.shape(v), graph.dtype(v), share(v)))
     specs, values = plan.specs, graph.values
     for op in graph.ops:
         choice = plan.choices[op.index]
-        parts.append(choice.cost)
+        if fixed and not op.regions and not op.effectful and \
+                all(v in fixed for v in op.inputs if isinstance(v, int)):
+            fixed.update(op.outputs)
+            hoisted.append(choice.cost)
+        else:
+            parts.append(choice.cost)
         for v, need in zip(op.inputs, choice.strategy.ins, strict=True):
             if isinstance(v, int):
                 have = specs[v]
                 if have is need or have.placed_as(need):
                     continue  # read as it is (CostModel.reshard's first test, before its
                               # call: the recursive search totals plans of 20k ops often)
-                if again(v, need):
-                    continue
                 info = values[v]
-                (hoisted if v in invariant else parts).append(
-                    model.reshard(have, need, info.shape, info.dtype, share(v)))
+                reshard(v, have, need, info.shape, info.dtype)
     total = _total(parts)
     if trips != 1:
         total = total.scaled(trips)
