@@ -181,27 +181,70 @@ def _scanned_scalar_reads(x, w):
     return jax.lax.scan(body, x, None, length=2)[0]
 
 
+def _whole_and_row(x, w):  # w gathered whole for one reader, for the other a row of it
+    return x[:, :8] * w[0, 0] + jnp.sum(w[2])
+
+
+def _scanned_invariant_product(x, w):  # w @ w.T computed from a constant only
+    def body(h, _):
+        return jnp.tanh(h @ (w @ w.T)), None
+    return jax.lax.scan(body, x[:, :16], None, length=8)[0]
+
+
 @pytest.mark.parametrize("mode", ["sharding_propagation", "recursive_programming",
                                   "dynamic_programming"])
 @pytest.mark.parametrize("case", [
-    (_scalar_reads, (None, (1, 8)), None),            # three readers gather w once
-    (_twice_returned, ((8, 1), None), (P(), P(), P())),  # y returned twice: gathered once
-    (_scanned_scalar_reads, (None, (1, 8)), None),   # in a loop's body, and w gathered
-], ids=["readers", "outputs", "scan-body"])           # once, out of the loop
+    (_scalar_reads, (None, (1, 8)), None, (32, 8)),            # three readers gather w once
+    (_twice_returned, ((8, 1), None), (P(), P(), P()), (32, 8)),  # y returned twice: once
+    (_scanned_scalar_reads, (None, (1, 8)), None, (32, 32)),   # in a loop's body, and w
+                                                                 # gathered once, out of it
+    (_whole_and_row, (None, (8, 1)), None, (32, 8)),           # one gather: CSE, then a slice
+    (_scanned_invariant_product, (None, (1, 8)), None, (16, 64)),  # hoisted with its reduction
+], ids=["readers", "outputs", "scan-body", "gather-then-slice", "scan-invariant-op"])
 def test_a_value_several_readers_need_alike_is_predicted_moved_once(case, mode):
-    """XLA reshards a value once for every reader that needs it in one spec (its CSE merges
-    the identical collectives), and a loop's constant once for every trip (it hoists the
-    collective out of the loop); the plan predicted one resharding per reader and per trip
-    (3 x 1024 bytes gathered where 1024 were; 20480 bytes in the scan where 8192 were), and
-    verify failed."""
-    fn, in_strategy, out_strategy = case
+    """XLA reshards a value once for every reader that reshards it by the same collectives
+    (its CSE merges them), and what a loop computes from its constants alone once for every
+    trip (it hoists it out of the loop, collectives included); the plan predicted one
+    resharding per reader and per trip (3 x 1024 bytes gathered where 1024 were; 20480 bytes
+    in the scan where 8192 were; an all-reduce 8 x 8192 bytes where 1024 were), and verify
+    failed."""
+    fn, in_strategy, out_strategy, w_shape = case
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((32, 8 if fn is not _scanned_scalar_reads else 32)),
-                    jnp.float32) * 0.1
+    w = jnp.asarray(rng.standard_normal(w_shape), jnp.float32) * 0.1
     f = jaxpar.shard(fn, in_strategy=in_strategy, out_strategy=out_strategy, search_mode=mode)
     for g, r in zip(jax.tree_util.tree_leaves(f(x, w)),
                     jax.tree_util.tree_leaves(jax.jit(fn)(x, w)), strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
     check = f.plan(x, w).verify(f.lower(x, w).compile())
     assert check.measured_bytes > 0 and check.bytes_ok, str(check)
+
+
+@pytest.mark.parametrize("mode", ["sharding_propagation", "recursive_programming",
+                                  "dynamic_programming"])
+def test_a_while_loop_counted_between_literals_is_priced_per_trip(mode):
+    """XLA runs a while loop counting a carry from one literal to another (here 2 to 5) a
+    known number of times, every collective in its body once per trip; the plan priced one
+    trip (2048 bytes reduce-scattered where 6144 were). A bound it cannot see (a traced n)
+    stays one trip for both."""
+    from jaxpar.ir import build_graph, trace
+    from jaxpar.search.regions import known_trips
+
+    def counted(x, w):
+        return jax.lax.while_loop(lambda s: s[0] < 5, lambda s: (1 + s[0], jnp.tanh(s[1] @ w)),
+                                  (2, x))[1]
+
+    def traced(x, w, n):
+        return jax.lax.fori_loop(0, n, lambda i, h: jnp.tanh(h @ w), x)
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((32, 32)) * 0.2, jnp.float32)
+    f = jaxpar.shard(counted, in_strategy=((1, 8), (8, 1)), search_mode=mode)
+    np.testing.assert_allclose(f(x, w), jax.jit(counted)(x, w), rtol=1e-5, atol=1e-6)
+    check = f.plan(x, w).verify(f.lower(x, w).compile())
+    assert check.ok and check.measured["reduce-scatter"]["count"] == 3, str(check)
+    for fn, args, trips in ((counted, (x, w), 3), (traced, (x, w, 3), None)):
+        t = trace(fn, args)
+        (loop,) = [op for op in build_graph(t.closed_jaxpr, t.in_paths).ops if op.name == "while"]
+        assert known_trips(loop) == trips

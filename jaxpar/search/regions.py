@@ -21,7 +21,7 @@ operands it ran replicated). In what follows "loop" means any of these region op
 from __future__ import annotations
 
 from jaxpar.cost.model import CostModel, OpCost
-from jaxpar.ir.graph import Op, OpGraph, scan_counts
+from jaxpar.ir.graph import Lit, Op, OpGraph, scan_counts
 from jaxpar.rules.registry import OpInfo
 from jaxpar.search.propagation import GraphPlan, graph_cost, out_spec, propagate
 from jaxpar.spec import OpStrategy, Spec
@@ -118,9 +118,44 @@ def _while(op: Op, info: OpInfo, known, model: CostModel, plan_body=_loop_body):
     cond_plan = propagate(cond, model, _fixed(cond.inputs, known[:cn] + carry))
     ins = [cond_plan.specs[v] for v in cond.inputs[:cn]] + \
         [plan.specs[v] for v in body.inputs[:bn]] + carry
-    cost = graph_cost(body, plan, model, dict(enumerate(carry)), shared=True) + \
-        graph_cost(cond, cond_plan, model, shared=True)
-    return _strategy(ins, carry), (cond_plan, plan), cost, 1
+    known_count = known_trips(op)
+    trips = 1 if known_count is None else known_count  # unknown: priced as one trip
+    cost = graph_cost(body, plan, model, dict(enumerate(carry)), shared=True, trips=trips,
+                      invariant=frozenset(body.inputs[:bn])) + \
+        graph_cost(cond, cond_plan, model, shared=True,
+                   trips=1 if known_count is None else trips + 1,
+                   invariant=frozenset(cond.inputs[:cn]))
+    return _strategy(ins, carry), (cond_plan, plan), cost, trips
+
+
+def known_trips(op: Op) -> int | None:
+    """How many times a while loop runs, where XLA can tell (it then runs each collective in
+    the body that many times): a carried counter that starts at a literal, goes up by a
+    literal 1 each trip, and is tested against a literal bound (`while i < n`, a fori_loop
+    whose bounds are not Python ints). None where it cannot be told."""
+    cn, bn = op.params["cond_nconsts"], op.params["body_nconsts"]
+    cond, body = op.regions
+    made = {w: o for o in cond.ops for w in o.outputs}
+    test = made.get(cond.outputs[0]) if isinstance(cond.outputs[0], int) else None
+    if test is None or test.name != "lt" or not isinstance(test.inputs[1], Lit) or \
+            test.inputs[0] not in cond.inputs[cn:]:
+        return None
+    k = cond.inputs[cn:].index(test.inputs[0])
+    start, counter = op.inputs[cn + bn + k], body.inputs[bn + k]
+    step = {w: o for o in body.ops for w in o.outputs}.get(body.outputs[k])
+    if not isinstance(start, Lit) or step is None or step.name != "add" or \
+            sorted(map(_one_or_counter(counter), step.inputs)) != [0, 1]:
+        return None
+    return max(int(test.inputs[1].value) - int(start.value), 0)
+
+
+def _one_or_counter(counter: int):
+    """0 for the counter itself, 1 for a literal 1, 2 for anything else."""
+    def which(v) -> int:
+        if v == counter and not isinstance(v, Lit):
+            return 0
+        return 1 if isinstance(v, Lit) and v.shape == () and v.value == 1 else 2
+    return which
 
 
 def _cond(op: Op, info: OpInfo, known, model: CostModel):
