@@ -3,9 +3,9 @@
 Its operands are cut as its in_specs say and its results as its out_specs say, whatever jaxpar
 plans around it: its one candidate takes them so (no replicated one beside it: XLA would run the
 body in its specs all the same, and gather its results after), and the ops around it then plan
-for those specs. Its cost is its body's work (cost/manual.py), not
-the strategy's. A shard_map over another mesh's axes, or the same names on other sizes, gets no
-candidate here (it stays replicated, as an op without a rule).
+for those specs. Its cost is its body's work (cost/manual.py), not the strategy's. A shard_map
+over another mesh's axes, or the same names on other sizes, gets no candidate here (it stays
+replicated, as an op without a rule, and what it moves is not priced).
 """
 
 from __future__ import annotations

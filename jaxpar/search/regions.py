@@ -2,7 +2,9 @@
 
 Before: a region op whose operand specs are partly known. After: one OpStrategy for the op, the
 GraphPlan of each body, the modeled cost (a scan's body cost times its length; a while loop's
-trip count is unknown and counted once; a cond costs its most expensive branch).
+times its trip count where XLA can tell it (known_trips), else once; what a loop computes from
+its constants alone, and their resharding, once, as XLA hoists it; a cond costs its most
+expensive branch).
 
 Carried values keep one spec across iterations: the body is planned once with the unknown
 carries free, then again with every carry fixed, in and out, to the spec the first pass gave it.
@@ -19,6 +21,8 @@ operands it ran replicated). In what follows "loop" means any of these region op
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from jaxpar.cost.model import CostModel, OpCost
 from jaxpar.ir.graph import Lit, Op, OpGraph, scan_counts
@@ -131,8 +135,8 @@ def _while(op: Op, info: OpInfo, known, model: CostModel, plan_body=_loop_body):
 def known_trips(op: Op) -> int | None:
     """How many times a while loop runs, where XLA can tell (it then runs each collective in
     the body that many times): a carried counter that starts at a literal, goes up by a
-    literal 1 each trip, and is tested against a literal bound (`while i < n`, a fori_loop
-    whose bounds are not Python ints). None where it cannot be told."""
+    literal 1 each trip, and is tested against a literal bound (`while i < n`, i an integer).
+    None where it cannot be told (a bound known only when the program runs)."""
     cn, bn = op.params["cond_nconsts"], op.params["body_nconsts"]
     cond, body = op.regions
     made = {w: o for o in cond.ops for w in o.outputs}
@@ -143,7 +147,8 @@ def known_trips(op: Op) -> int | None:
     k = cond.inputs[cn:].index(test.inputs[0])
     start, counter = op.inputs[cn + bn + k], body.inputs[bn + k]
     step = {w: o for o in body.ops for w in o.outputs}.get(body.outputs[k])
-    if not isinstance(start, Lit) or step is None or step.name != "add" or \
+    if not isinstance(start, Lit) or not np.issubdtype(start.dtype, np.integer) or \
+            step is None or step.name != "add" or \
             sorted(map(_one_or_counter(counter), step.inputs)) != [0, 1]:
         return None
     return max(int(test.inputs[1].value) - int(start.value), 0)
