@@ -24,6 +24,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from jaxpar import progress
 from jaxpar.cost.hardware import load_profile
+from jaxpar.cost.manual import off_mesh
 from jaxpar.cost.model import CostModel
 from jaxpar.ir import arg_paths, build_graph, trace
 from jaxpar.lower.jit import build_callable
@@ -287,6 +288,11 @@ class ShardedFunction:
                                                     index)
             notes.append(f"carried state: {len(ties)} outputs keep the sharding of the input "
                          "they replace, so the step can be called in a loop without resharding")
+        foreign = off_mesh(graph, model.mesh)
+        if foreign:
+            notes.append(f"shard_map over another mesh than the plan's ({', '.join(foreign)}): "
+                         "runs replicated here, and what it moves is not in the predicted "
+                         "collectives; give it the plan's mesh (axis names and sizes)")
         in_specs = [gp.specs[v] for v in graph.inputs]
         out_specs = [fixed_out.get(j) or out_spec(graph, gp, v)
                      for j, v in enumerate(graph.outputs)]

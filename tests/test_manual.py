@@ -84,8 +84,8 @@ def test_a_training_step_through_a_shard_map_matches_jit(mode):
 
 
 def test_a_shard_map_over_other_axes_stays_replicated():
-    """Its mesh's axis names are not the plan's: no candidate but the replicated one, and the
-    program still matches jit."""
+    """Its mesh's axis names are not the plan's: no candidate but the replicated one, the
+    program still matches jit, and the plan says that what it moves is not predicted."""
     other = jax.make_mesh((8,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
 
     def f(x, w):
@@ -95,7 +95,10 @@ def test_a_shard_map_over_other_axes_stays_replicated():
     x, w = _data()
     sf = jaxpar.shard(f, mesh=jaxpar.make_mesh(8))
     _check(jax.jit(f), sf, x, w)
-    assert sf.plan(x, w).in_specs[0].to_pspec() == P()
+    plan = sf.plan(x, w)
+    assert plan.in_specs[0].to_pspec() == P()
+    (note,) = [n for n in plan.notes if "shard_map over another mesh" in n]
+    assert "batch=8" in note and "not in the predicted collectives" in note
 
 
 def test_body_work_counts_flops_collectives_and_scan_trips():

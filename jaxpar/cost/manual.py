@@ -52,6 +52,18 @@ def on_mesh(params: dict, mesh: MeshInfo) -> bool:
                for a, n in zip(own.axis_names, own.axis_sizes, strict=True))
 
 
+def off_mesh(graph, mesh: MeshInfo) -> list[str]:
+    """The meshes (described) of the graph's shard_maps, region bodies included, that are not
+    `mesh` (on_mesh): those run replicated in the plan, and what they move is not priced."""
+    found = []
+    for _, op in graph.walk():
+        if op.name == "shard_map" and not on_mesh(op.params, mesh):
+            own = op.params["mesh"]
+            found.append(" x ".join(f"{a}={n}" for a, n in zip(own.axis_names, own.axis_sizes,
+                                                               strict=True)))
+    return found
+
+
 def misordered(params: dict, shapes, dtypes, mesh: MeshInfo) -> list[Collective]:
     """The collective-permutes XLA adds around a shard_map whose in_specs or out_specs cut a
     dimension over several axes out of mesh order (P(("d2", "d0"))): a spec here holds its
