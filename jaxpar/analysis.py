@@ -48,7 +48,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh
 
 from jaxpar._hlo import (
     Instr,
@@ -390,6 +390,9 @@ def estimate_time(compiled: Any, mesh: Mesh | MeshInfo,
       >>> t = estimate_time(jax.jit(step).lower(*args).compile(), mesh, "h100-nvlink")
       >>> t["compute_s"], t["comm_s"], t["collectives"]["all-reduce"]["seconds"]
     """
+    if not isinstance(mesh, MeshInfo | Mesh | AbstractMesh):
+        raise TypeError(f"estimate_time: mesh={mesh!r} must be the jax.sharding.Mesh (or "
+                        "MeshInfo) the program was compiled for, e.g. jaxpar.make_mesh(8).")
     info = mesh if isinstance(mesh, MeshInfo) else MeshInfo.of(mesh)
     profile = load_profile(hardware)
     module = parse_module(_hlo_text(compiled))

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import io
 import json
+import math
+import numbers
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -120,6 +123,11 @@ class Plan:
     def explain(self, width: int = 160, decisions: bool = False) -> str:
         """The plan as text: one row per op (chosen spec, runner-up, modeled costs), totals;
         with decisions=True also the search's decision log (recursive_programming)."""
+        if isinstance(width, bool) or not isinstance(width, numbers.Integral) or width < 1:
+            raise ValueError(f"Plan.explain: width={width!r} must be a positive whole number of "
+                             "columns (default 160).")
+        if not isinstance(decisions, bool):
+            raise TypeError(f"Plan.explain: decisions={decisions!r} must be True or False.")
         buf = io.StringIO()
         console = Console(file=buf, width=width, force_terminal=False, color_system=None,
                           markup=False, highlight=False)
@@ -150,6 +158,10 @@ class Plan:
 
     def verify(self, compiled, rtol: float = 0.10):
         """Predicted vs measured collectives and output shardings of a compiled program."""
+        if isinstance(rtol, bool) or not isinstance(rtol, numbers.Real) or \
+                not math.isfinite(rtol) or rtol < 0:
+            raise ValueError(f"Plan.verify: rtol={rtol!r} must be a finite number >= 0, the "
+                             "relative tolerance on collective bytes (default 0.1).")
         from jaxpar.verify import verify_plan
         return verify_plan(self, compiled, rtol)
 
@@ -163,10 +175,16 @@ class Plan:
                              "its argument shapes or dtypes differ. Plan again.")
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+        _check_path(path, "Plan.save")
+        try:
+            Path(path).write_text(json.dumps(self.to_json(), indent=1))
+        except OSError as err:
+            raise ValueError(f"Plan.save({str(path)!r}): cannot write the plan ({err}); pass "
+                             "a path in a directory that exists and is writable.") from None
 
     @staticmethod
     def load(path: str | Path) -> Plan:
+        _check_path(path, "Plan.load")
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as err:
@@ -282,6 +300,11 @@ def build_plan(graph, gp: GraphPlan, model, traced, in_specs: list[Spec], out_sp
                 list(traced.in_paths), list(traced.out_paths), cost, _by_kind(total.collectives),
                 lambda: list(_rows(graph, gp, model)), search_mode, hardware, traced.in_tree,
                 traced.out_tree, layout=describe_layout(graph, gp, model.mesh, weights))
+
+
+def _check_path(path, where: str) -> None:
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"{where}: path={path!r} must be a file path (str or pathlib.Path).")
 
 
 _PASS_THROUGH = frozenset({"convert_element_type", "transpose", "reshape", "broadcast_in_dim",

@@ -381,3 +381,39 @@ def test_carried_pairs_match_state_returned_in_place():
     assert carried_pairs((x, params), params) == []  # only a first argument is replaced whole
     other = {"w": jax.ShapeDtypeStruct((4, 4), jnp.bfloat16), "b": params["b"]}
     assert carried_pairs((params, x), (other, loss)) == []  # dtype changed: not the same state
+
+
+def test_plan_methods_and_estimate_time_refuse_bad_arguments(tmp_path):
+    """Each was passed on to pathlib, rich or the HLO reader (a TypeError from inside them, a
+    raw FileNotFoundError, or an empty table for width=0 and any report for rtol='x')."""
+    f = jaxpar.shard(dense_relu, in_strategy=((4, 2), None, None))
+    plan, compiled = f.plan(X, W, B), f.lower(X, W, B).compile()
+    with pytest.raises(TypeError, match="path=3"):
+        plan.save(3)
+    with pytest.raises(TypeError, match="path=None"):
+        jaxpar.Plan.load(None)
+    with pytest.raises(ValueError, match="cannot write the plan"):
+        plan.save(tmp_path / "missing" / "plan.json")
+    for width in (0, -5, "wide", 1.5, True):
+        with pytest.raises(ValueError, match="width="):
+            plan.explain(width=width)
+    with pytest.raises(TypeError, match="decisions='yes'"):
+        plan.explain(decisions="yes")
+    for rtol in ("x", -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="rtol="):
+            plan.verify(compiled, rtol=rtol)
+    assert plan.verify(compiled, rtol=0.2).ok
+    with pytest.raises(TypeError, match="mesh='mesh'"):
+        jaxpar.estimate_time(compiled, "mesh", "cpu")
+
+
+def test_a_hardware_file_that_is_not_yaml_or_lacks_a_key_is_named(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("foo: [1")
+    with pytest.raises(ValueError, match="hardware=.*bad.yaml.*cannot read"):
+        jaxpar.shard(dense_relu, hardware=str(bad)).plan(X, W, B)
+    short = tmp_path / "short.yaml"
+    short.write_text("name: x\npeak_flops: 1.0e12\nmemory_bytes: 1.0e9\n"
+                     "memory_bandwidth: 1.0e11\n")
+    with pytest.raises(ValueError, match="missing key 'intra'"):
+        jaxpar.shard(dense_relu, hardware=str(short)).plan(X, W, B)

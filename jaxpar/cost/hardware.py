@@ -153,7 +153,14 @@ def load_profile(profile: str | Path | HardwareProfile | None) -> HardwareProfil
     if not path.is_file():
         raise ValueError(f"hardware={str(profile)!r}: no such profile or file. Known profiles: "
                          f"{available_profiles()}, or pass the path of a YAML profile.")
-    return profile_from_dict(yaml.safe_load(path.read_text()), str(path))
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"hardware={str(profile)!r}: cannot read {path} as a YAML profile "
+                         f"({first}). Fix the file, or pass a profile name: "
+                         f"{available_profiles()}.") from None
+    return profile_from_dict(data, str(path))
 
 
 def profile_from_dict(data: dict, where: str = "profile") -> HardwareProfile:
@@ -182,7 +189,10 @@ def profile_from_dict(data: dict, where: str = "profile") -> HardwareProfile:
                              f"{list(COMPUTE_TIMES)} (flops: heavy ops' flops at peak; "
                              "roofline: also memory-bound time).")
         return HardwareProfile(**data)
-    except (KeyError, TypeError, AttributeError) as err:
+    except KeyError as err:
+        raise ValueError(f"{where}: malformed hardware profile, missing key {err}; a profile "
+                         f"has {sorted(f.name for f in fields(HardwareProfile))}.") from None
+    except (TypeError, AttributeError) as err:
         raise ValueError(f"{where}: malformed hardware profile ({err}).") from None
 
 
