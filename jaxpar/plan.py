@@ -215,12 +215,30 @@ class Plan:
     @staticmethod
     def from_json(d: dict) -> Plan:
         mesh = MeshInfo(tuple(d["mesh"]["names"]), tuple(d["mesh"]["sizes"]))
+        specs = {}
+        for side in ("in", "out"):
+            if not isinstance(d[f"{side}_specs"], list):
+                raise ValueError(f"field {side}_specs: a list of specs expected")
+            specs[side] = [Spec.from_json(s) for s in d[f"{side}_specs"]]
+        for side, got in specs.items():  # what the program is lowered with: checked here, or
+            paths = d[f"{side}_paths"]  # a stray axis ends inside jax.sharding
+            if not isinstance(paths, list) or len(paths) != len(got) or \
+                    not all(isinstance(p, str) for p in paths):
+                raise ValueError(f"field {side}_paths: {len(got)} names expected")
+            for spec in got:
+                if not set(spec.axes()) <= set(mesh.names):
+                    raise ValueError(f"field {side}_specs: {spec} uses axes outside the mesh "
+                                     f"{mesh.describe()}")
+        collectives = d["collectives"]
+        if not isinstance(collectives, dict) or not all(
+                isinstance(v, dict) and {"count", "bytes"} <= set(v) for v in collectives.values()):
+            raise ValueError("field collectives: {kind: {count, bytes}} expected")
         return Plan(d["fingerprint"], mesh,
-                    _graph_from_json(d["graph"]), [Spec.from_json(s) for s in d["in_specs"]],
-                    [Spec.from_json(s) for s in d["out_specs"]], d["in_paths"], d["out_paths"],
-                    PlanCost(**d["cost"]), d["collectives"], [Row(**r) for r in d["rows"]],
-                    d["search_mode"], d["hardware"], notes=list(d.get("notes", [])),
-                    layout=d.get("layout", ""), decisions=list(d.get("decisions", [])))
+                    _graph_from_json(d["graph"]), specs["in"], specs["out"], d["in_paths"],
+                    d["out_paths"], PlanCost(**d["cost"]), collectives,
+                    [Row(**r) for r in d["rows"]], d["search_mode"], d["hardware"],
+                    notes=list(d.get("notes", [])), layout=d.get("layout", ""),
+                    decisions=list(d.get("decisions", [])))
 
 
 def _unflatten(tree, leaves):

@@ -417,3 +417,20 @@ def test_a_hardware_file_that_is_not_yaml_or_lacks_a_key_is_named(tmp_path):
                      "memory_bandwidth: 1.0e11\n")
     with pytest.raises(ValueError, match="missing key 'intra'"):
         jaxpar.shard(dense_relu, hardware=str(short)).plan(X, W, B)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("in_specs", "garbage"), ("in_specs", [[["zz"]], [[]], [[]]]), ("out_paths", "garbage"),
+    ("in_paths", ["x"]), ("collectives", "garbage"), ("collectives", {"all-gather": 3})])
+def test_a_plan_file_with_a_corrupt_field_is_refused_when_loaded(tmp_path, field, value):
+    """Such files loaded, then failed inside jax.sharding when lowered (a stray axis) or in
+    explain() (zip, str.items)."""
+    import json
+
+    plan = jaxpar.shard(dense_relu, in_strategy=((4, 2), None, None)).plan(X, W, B)
+    data = plan.to_json()
+    data[field] = value
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=f"corrupt plan file .*field {field}"):
+        jaxpar.Plan.load(path)
