@@ -18,11 +18,10 @@ Example (a shard_map on make_mesh(8) of `lambda xb, w: jax.lax.psum(xb @ w, "d0"
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from jaxpar.cost.comm import Collective
-from jaxpar.ir.graph import itemsize
+from jaxpar.rules.registry import OpInfo
 from jaxpar.spec import MeshInfo, Spec
 
 # Body primitive -> the collective XLA runs for it (jax 0.10 names; psum is psum_invariant
@@ -69,14 +68,15 @@ def misordered(params: dict, shapes, dtypes, mesh: MeshInfo) -> list[Collective]
     dimension over several axes out of mesh order (P(("d2", "d0"))): a spec here holds its
     axes in mesh order, so each such operand is permuted into the shard_map's order on the
     way in and each such result back on the way out (its shard's bytes, once each)."""
+    from jaxpar.cost.model import nbytes  # (cost.model reads this module)
+
     out = []
     for pspec, shape, dtype in zip(tuple(params["in_specs"]) + tuple(params["out_specs"]),
                                    shapes, dtypes, strict=True):
         entries = [tuple(e) for e in pspec if isinstance(e, tuple | list) and len(e) > 1]
         axes = [a for e in entries if e != mesh.order(e) for a in e]
         if axes:
-            spec = Spec.from_pspec(pspec, len(shape))
-            shard = float(math.prod(shape)) * itemsize(dtype) / spec.shards(mesh)
+            shard = nbytes(shape, dtype) / Spec.from_pspec(pspec, len(shape)).shards(mesh)
             out.append(Collective("collective-permute", mesh.order(axes), shard))
     return out
 
@@ -91,11 +91,12 @@ def body_work(jaxpr) -> BodyWork:
 def _add(jaxpr, times: float, work: BodyWork) -> None:
     from jax.extend.core import jaxprs_in_params
 
-    from jaxpar.cost.model import flops
-    from jaxpar.rules.registry import OpInfo
+    from jaxpar.cost.model import flops, nbytes  # (cost.model reads this module)
 
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
+        if name in _MARKERS:
+            continue
         inner = list(jaxprs_in_params(eqn.params))
         if inner:
             trips = eqn.params.get("length", 1) if name == "scan" else 1
@@ -104,11 +105,9 @@ def _add(jaxpr, times: float, work: BodyWork) -> None:
             continue
         ins = [v.aval for v in eqn.invars if hasattr(v.aval, "shape")]
         outs = [v.aval for v in eqn.outvars if hasattr(v.aval, "shape")]
-        sizes_in = [_nbytes(a) for a in ins]
-        sizes_out = [_nbytes(a) for a in outs]
+        sizes_in = [nbytes(a.shape, a.dtype) for a in ins]
+        sizes_out = [nbytes(a.shape, a.dtype) for a in outs]
         kind = _KINDS.get(name)
-        if name in _MARKERS:
-            continue
         if kind is not None:
             axes = _axes(eqn.params)
             moved = max(sum(sizes_in), sum(sizes_out))
@@ -126,7 +125,3 @@ def _axes(params: dict) -> tuple[str, ...]:
     names = params.get("axes", params.get("axis_name", ()))
     names = names if isinstance(names, tuple | list) else (names,)
     return tuple(n for n in names if isinstance(n, str))
-
-
-def _nbytes(aval) -> float:
-    return float(math.prod(aval.shape)) * itemsize(aval.dtype)

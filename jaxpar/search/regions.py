@@ -136,31 +136,30 @@ def known_trips(op: Op) -> int | None:
     """How many times a while loop runs, where XLA can tell (it then runs each collective in
     the body that many times): a carried counter that starts at a literal, goes up by a
     literal 1 each trip, and is tested against a literal bound (`while i < n`, i an integer).
-    None where it cannot be told (a bound known only when the program runs)."""
+    None where it cannot be told (a bound known only when the program runs). Remembered on
+    the op: the searches plan a loop for several operand specs."""
+    if "_trips" not in op.__dict__:
+        op.__dict__["_trips"] = _count_up(op)
+    return op.__dict__["_trips"]
+
+
+def _count_up(op: Op) -> int | None:
     cn, bn = op.params["cond_nconsts"], op.params["body_nconsts"]
     cond, body = op.regions
-    made = {w: o for o in cond.ops for w in o.outputs}
-    test = made.get(cond.outputs[0]) if isinstance(cond.outputs[0], int) else None
+    test = cond.producers().get(cond.outputs[0])
     if test is None or test.name != "lt" or not isinstance(test.inputs[1], Lit) or \
             test.inputs[0] not in cond.inputs[cn:]:
         return None
     k = cond.inputs[cn:].index(test.inputs[0])
     start, counter = op.inputs[cn + bn + k], body.inputs[bn + k]
-    step = {w: o for o in body.ops for w in o.outputs}.get(body.outputs[k])
+    step = body.producers().get(body.outputs[k])
     if not isinstance(start, Lit) or not np.issubdtype(start.dtype, np.integer) or \
-            step is None or step.name != "add" or \
-            sorted(map(_one_or_counter(counter), step.inputs)) != [0, 1]:
+            step is None or step.name != "add" or counter not in step.inputs:
+        return None
+    one = step.inputs[1] if step.inputs[0] == counter else step.inputs[0]
+    if not (isinstance(one, Lit) and one.shape == () and one.value == 1):
         return None
     return max(int(test.inputs[1].value) - int(start.value), 0)
-
-
-def _one_or_counter(counter: int):
-    """0 for the counter itself, 1 for a literal 1, 2 for anything else."""
-    def which(v) -> int:
-        if v == counter and not isinstance(v, Lit):
-            return 0
-        return 1 if isinstance(v, Lit) and v.shape == () and v.value == 1 else 2
-    return which
 
 
 def _cond(op: Op, info: OpInfo, known, model: CostModel):
