@@ -143,7 +143,8 @@ class _Launch:
         self.failure: str | None = None
         self.status = 0
         self.stop_deadline: float | None = None  # when stopping ranks: SIGKILL after this
-        self.signalled: int | None = None        # a signal the launcher received
+        self.signalled: int | None = None        # the first signal the launcher received
+        self.pending: list[int] = []             # signals received, not yet forwarded
         self.exits: queue.Queue[tuple[int, int, float]] = queue.Queue()  # (rank, status, when)
 
     def run(self) -> int:
@@ -171,6 +172,8 @@ class _Launch:
         if cfg.log_dir is not None:
             os.makedirs(cfg.log_dir, exist_ok=True)
         for i in range(cfg.num_processes):
+            if self.signalled is not None:
+                break  # interrupted while starting: start no more; _watch stops the others
             env = os.environ | launch_environment(coordinator, cfg.num_processes, i,
                                                   cfg.devices_per_process)
             self.ranks.append(self._start(i, env | {"PYTHONUNBUFFERED": "1"}))
@@ -226,6 +229,7 @@ class _Launch:
         failed: list[tuple[int, int, float]] = []  # (rank, status, reaped at)
         settled = float("inf")
         while running:
+            self._forward_pending()
             try:
                 index, code, reaped = self.exits.get(timeout=POLL_S)
             except queue.Empty:
@@ -283,14 +287,21 @@ class _Launch:
         return previous
 
     def _on_signal(self, sig: int, frame) -> None:
-        """Forward the signal; ranks that ignore it (or sit in a collective) are killed after
-        the grace period."""
+        """Note the signal; _watch forwards it. Forwarding here would miss a rank that is
+        started but not yet in self.ranks (this handler can run in the middle of _start_all)."""
         if self.signalled is None:
             self.signalled, self.status = sig, 128 + sig
             self.failure = f"received {signal.Signals(sig).name}; stopped all ranks"
             self.stop_deadline = time.monotonic() + self.cfg.grace_s
-        for rank in self.ranks:
-            _signal_group(rank.proc.pid, sig)
+        self.pending.append(sig)
+
+    def _forward_pending(self) -> None:
+        """Send the signals received so far to every rank; ranks that ignore them (or sit in a
+        collective) are killed after the grace period."""
+        while self.pending:
+            sig = self.pending.pop(0)
+            for rank in self.ranks:
+                _signal_group(rank.proc.pid, sig)
 
     @staticmethod
     def _restore_signals(previous: dict[int, object]) -> None:

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import cli
 from jaxpar.analysis import collective_ops
 from jaxpar.distributed import ENV_NUM_PROCESSES, init, launch_environment
-from jaxpar.launch import launch
+from jaxpar.launch import LaunchConfig, _Launch, launch
 
 SCRIPTS = Path(__file__).parent / "multiprocess"
 REPO = Path(__file__).parent.parent
@@ -115,7 +115,7 @@ def test_blame_names_a_rank_killed_by_a_signal_before_a_peer_that_failed_with_it
     when a thread of the launcher wakes, and on a loaded machine rank 0's came first ("rank 0
     exited with status 1" for a SIGKILL of rank 1). Deaths that close are not ordered by
     time: the signal names the cause. Far apart, the first death is named whatever it was."""
-    from jaxpar.launch import SETTLE_S, LaunchConfig, _Launch, _Rank
+    from jaxpar.launch import SETTLE_S, _Rank
 
     def blame(died: dict[int, float], codes: dict[int, int]) -> tuple[str, int]:
         run = _Launch(LaunchConfig(2, ("x.py",)))
@@ -151,6 +151,27 @@ def test_sigint_is_forwarded_to_every_rank(tmp_path):
     assert proc.returncode == 128 + signal.SIGINT, stderr
     assert "received SIGINT; stopped all ranks" in stderr
     assert stdout.count("KeyboardInterrupt") == 2  # each rank got it and exited
+    _assert_all_gone(_pids(tmp_path))
+
+
+def test_signal_while_starting_reaches_the_rank_being_started(tmp_path, monkeypatch, capsys):
+    # The handler can run between a rank's Popen and its entry in the launch's list of ranks
+    # (so CI once saw: the test above sent SIGINT once both ranks said "ready", rank 1 was
+    # missed and slept until the grace ran out). Run the handler in that window.
+    start_rank = _Launch._start
+
+    def start_then_interrupted(self, index, env):
+        rank = start_rank(self, index, env)
+        self._on_signal(signal.SIGINT, None)
+        return rank
+
+    monkeypatch.setattr(_Launch, "_start", start_then_interrupted)
+    begin = time.monotonic()
+    code = _Launch(LaunchConfig(2, (str(SCRIPTS / "sleep.py"), str(tmp_path)), grace_s=60)).run()
+    assert time.monotonic() - begin < 30  # not stopped by the grace's SIGKILL
+    assert code == 128 + signal.SIGINT
+    assert "received SIGINT; stopped all ranks" in capsys.readouterr().err
+    assert len(_pids(tmp_path)) <= 1  # no rank is started after the signal
     _assert_all_gone(_pids(tmp_path))
 
 
