@@ -54,6 +54,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import progress
 from jaxpar.cost.hardware import HardwareProfile, Link, save_profile
 from jaxpar.mesh import make_mesh
+from jaxpar.plan import check_writable
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -429,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.memory_gb is not None and not args.memory_gb > 0:
             raise ValueError(f"--memory-gb {args.memory_gb}: give the memory per device in GB.")
         shape, names = _parse_mesh(args.mesh, args.names, args.devices)
+        check_writable(args.out, "--out")  # before measuring, which takes a while
         _start_backend(args.devices, args.device)
         mesh = _cli_mesh(shape, names, args.devices, args.device)
     except (ValueError, TypeError, RuntimeError) as err:

@@ -83,8 +83,11 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from jaxpar.plan import check_writable
     from jaxpar.run_config import load_run_config, plan_run
 
+    if args.out:
+        check_writable(args.out, "--out")  # before planning, which may take a while
     run = load_run_config(args.config)
     planned = plan_run(run, mode=args.mode, devices=args.devices, hardware=args.hardware)
     if args.out:

@@ -175,7 +175,7 @@ class Plan:
                              "its argument shapes or dtypes differ. Plan again.")
 
     def save(self, path: str | Path) -> None:
-        _check_path(path, "Plan.save")
+        check_writable(path, "Plan.save")
         try:
             Path(path).write_text(json.dumps(self.to_json(), indent=1))
         except OSError as err:
@@ -323,6 +323,29 @@ def build_plan(graph, gp: GraphPlan, model, traced, in_specs: list[Spec], out_sp
 def _check_path(path, where: str) -> None:
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"{where}: path={path!r} must be a file path (str or pathlib.Path).")
+
+
+def check_writable(path, where: str) -> None:
+    """Raise a ValueError naming `where` unless a file can be written at `path`: its directory
+    exists and is writable, and `path` is no directory. Commands that save their result check
+    this first, so that bad output paths fail before the work, not after it.
+
+    Example:
+      >>> check_writable("out/plan.json", "--out")  # out/ missing: ValueError
+    """
+    _check_path(path, where)
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        problem = "is a directory"
+    elif not folder.is_dir():
+        problem = f"its directory {str(folder)!r} does not exist"
+    elif not os.access(folder, os.W_OK):
+        problem = f"its directory {str(folder)!r} is not writable"
+    else:
+        return
+    raise ValueError(f"{where} {str(path)!r}: cannot write a file there ({problem}); pass a "
+                     "file path in a directory that exists and is writable.")
 
 
 _PASS_THROUGH = frozenset({"convert_element_type", "transpose", "reshape", "broadcast_in_dim",

@@ -392,8 +392,10 @@ def test_plan_methods_and_estimate_time_refuse_bad_arguments(tmp_path):
         plan.save(3)
     with pytest.raises(TypeError, match="path=None"):
         jaxpar.Plan.load(None)
-    with pytest.raises(ValueError, match="cannot write the plan"):
+    with pytest.raises(ValueError, match="Plan.save .*missing.* does not exist"):
         plan.save(tmp_path / "missing" / "plan.json")
+    with pytest.raises(ValueError, match="Plan.save .*is a directory"):
+        plan.save(tmp_path)
     for width in (0, -5, "wide", 1.5, True):
         with pytest.raises(ValueError, match="width="):
             plan.explain(width=width)

@@ -95,9 +95,19 @@ def test_calibrated_profile_drives_shard(calibrated):
     (["--devices", "0"], "positive device count"),
     (["--memory-gb", "-1"], "--memory-gb -1.0"),
 ])
-def test_bad_arguments_exit_2_with_a_message(argv, match, capsys):
-    assert main(argv + ["--out", "/nonexistent/never-written.yaml"]) == 2
+def test_bad_arguments_exit_2_with_a_message(argv, match, capsys, tmp_path):
+    assert main(argv + ["--out", str(tmp_path / "never-written.yaml")]) == 2
     assert match in capsys.readouterr().err
+    assert not (tmp_path / "never-written.yaml").exists()
+
+
+def test_an_output_path_that_cannot_be_written_is_refused_before_measuring(tmp_path, capsys):
+    # (it had measured for a while, then failed inside pathlib)
+    assert main(["--mesh", "2,4", "--out", str(tmp_path / "missing" / "p.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "does not exist" in err
+    assert main(["--mesh", "2,4", "--out", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", available_profiles())

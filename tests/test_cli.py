@@ -102,6 +102,13 @@ def test_missing_files_exit_2(capsys, tmp_path):
     assert status == 2 and "not a jaxpar plan file" in err
 
 
+def test_plan_refuses_an_out_path_it_cannot_write_before_planning(capsys, tmp_path):
+    status, out, err = _main(capsys, "plan", str(CONFIGS[0]), "--out",
+                             str(tmp_path / "missing" / "plan.json"))
+    assert status == 2 and out == ""  # nothing planned: it had planned, then failed to save
+    assert err.startswith("jaxpar plan: error: --out") and "does not exist" in err
+
+
 def test_demo_quick_trains_like_one_device(capsys):
     status, out, err = _main(capsys, "demo", "--quick", "--steps", "3")
     assert status == 0, out + err
