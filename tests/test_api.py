@@ -1,5 +1,7 @@
 """jaxpar.shard end to end: the reference examples, plans, save/load, and malformed input."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -381,6 +383,25 @@ def test_carried_pairs_match_state_returned_in_place():
     assert carried_pairs((x, params), params) == []  # only a first argument is replaced whole
     other = {"w": jax.ShapeDtypeStruct((4, 4), jnp.bfloat16), "b": params["b"]}
     assert carried_pairs((params, x), (other, loss)) == []  # dtype changed: not the same state
+
+
+def test_an_argument_used_as_a_python_value_gets_jaxpars_advice():
+    """JAX's own error advises static_argnums, which jaxpar.shard does not have."""
+    def zeros_plus(x, n):
+        return jnp.zeros((n,)) + x.sum()
+
+    def relu_if(x, positive):
+        return jnp.maximum(x, 0) if positive else x
+
+    with pytest.raises(TypeError, match=r"functools.partial\(zeros_plus, n=...\)") as err:
+        jaxpar.shard(zeros_plus)(X, 3)
+    assert "static_argnums or" not in str(err.value)  # JAX's advice is left out
+    with pytest.raises(TypeError, match="jaxpar could not trace relu_if"):
+        jaxpar.shard(relu_if)(X, True)
+    with pytest.raises(TypeError, match="dot_general requires"):  # other errors pass as they are
+        jaxpar.shard(lambda x: x @ x[0, :3])(X)
+    got = jaxpar.shard(functools.partial(zeros_plus, n=3))(X)  # as the message says
+    np.testing.assert_allclose(got, jnp.full((3,), X.sum()), rtol=1e-5)
 
 
 def test_plan_methods_and_estimate_time_refuse_bad_arguments(tmp_path):

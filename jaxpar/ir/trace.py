@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,8 +79,30 @@ def arg_paths(fn, args: tuple) -> list[str]:
 def trace(fn, args: tuple) -> Traced:
     """Trace fn(*args) to a ClosedJaxpr; args may hold ShapeDtypeStructs."""
     in_paths = arg_paths(fn, args)
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    try:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError,
+            jax.errors.TracerBoolConversionError) as err:
+        raise TypeError(_needs_a_value(fn, err)) from None
+    except TypeError as err:
+        if "static_argnums" not in str(err):  # JAX's advice for a traced value used as one
+            raise
+        raise TypeError(_needs_a_value(fn, err)) from None
     in_tree = jax.tree_util.tree_structure(args)
     out_tree = jax.tree_util.tree_structure(out_shape)
     out_paths = leaf_paths(out_shape, "out")
     return Traced(closed, in_tree, out_tree, tuple(in_paths), tuple(out_paths))
+
+
+def _needs_a_value(fn, err: Exception) -> str:
+    """jaxpar's advice where JAX's names static_argnums (jaxpar.shard has no such option)."""
+    said = str(err).split("\n")
+    said = "\n".join(line for line in said if "static_argnums" not in line).strip()
+    name = getattr(fn, "__name__", "fn")
+    found = re.search(r"value of the argument (\w+)", str(err))
+    arg = found.group(1) if found else "name"
+    return (f"jaxpar could not trace {name}: it uses an argument's value in Python (as a shape, "
+            "a loop bound or in an `if`), and jaxpar traces every argument, as jax.jit does "
+            "without static_argnums. Bind such arguments before sharding: "
+            f"jaxpar.shard(functools.partial({name}, {arg}=...), ...), and call it without them. "
+            f"JAX said: {said}")
