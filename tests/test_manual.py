@@ -173,3 +173,24 @@ def test_a_shard_map_cutting_over_axes_out_of_mesh_order_predicts_the_permutes(o
     check = sf.plan(x).verify(sf.lower(x).compile())
     assert check.ok and check.predicted == check.measured, str(check)
     assert check.measured_bytes == (256 if order == ("d2", "d0") else 0)
+
+
+def test_a_cond_in_a_body_counts_the_branch_that_communicates_most():
+    """A cond runs one branch; its branches' collectives were all counted (a permute of 64 B
+    predicted beside the all-gather, which analysis.collective_stats alone counts)."""
+    mesh = jaxpar.make_mesh(8)
+
+    def inner(xb, flag):
+        return jax.lax.cond(flag, lambda y: jax.lax.ppermute(y, "d0", [(0, 1), (1, 0)]),
+                            lambda y: jax.lax.all_gather(y, "d0", axis=0, tiled=True)[:8], xb)
+
+    def f(x, flag):
+        return jax.shard_map(inner, mesh=mesh, in_specs=(P("d0"), P()), out_specs=P("d0"))(x, flag)
+
+    x = jnp.arange(32.0).reshape(16, 2)
+    sf = jaxpar.shard(f, mesh=mesh)
+    for flag in (True, False):
+        _check(jax.jit(f), sf, x, jnp.asarray(flag))
+    check = sf.plan(x, jnp.asarray(True)).verify(sf.lower(x, jnp.asarray(True)).compile())
+    assert check.ok, str(check)
+    assert check.predicted == check.measured and set(check.predicted) == {"all-gather"}

@@ -5,9 +5,10 @@ the user wrote a collective (psum, all_gather, psum_scatter, ppermute, all_to_al
 However jaxpar lays out its operands, the body does that same work: its operands are first
 resharded into the shard_map's in_specs (the rule in rules/manual.py asks for those), then the
 body runs. So the op's cost is not its strategy's but its body's: the flops and bytes of every
-op in it (nested calls and loops included, a scan's body times its length) and the collectives,
-priced as `analysis.collective_stats` counts them in the compiled program (per device, the
-larger of operand and result; a tuple collective is one, its elements' bytes summed).
+op in it (nested calls and loops included: a scan's body times its length, a while loop's
+once, a cond's branch that communicates most) and the collectives, priced as
+`analysis.collective_stats` counts them in the compiled program (per device, the larger of
+operand and result; a tuple collective is one, its elements' bytes summed).
 
 Example (a shard_map on make_mesh(8) of `lambda xb, w: jax.lax.psum(xb @ w, "d0")`, x of
 (16, 32) cut on d0 and w of (32, 8) whole, its eqn in the traced jaxpr):
@@ -98,9 +99,18 @@ def _add(jaxpr, times: float, work: BodyWork) -> None:
         if name in _MARKERS:
             continue
         inner = list(jaxprs_in_params(eqn.params))
+        if name == "cond":  # one branch runs: the one that communicates most, as
+            works = [body_work(b) for b in inner]  # analysis.collective_stats counts it
+            loud = max(works, key=lambda w: (sum(c.bytes for c in w.collectives),
+                                             sum(c.count for c in w.collectives)))
+            work.flops += max(w.flops for w in works) * times
+            work.nbytes += max(w.nbytes for w in works) * times
+            work.collectives += [Collective(c.kind, c.axes, c.bytes * times, c.count * times)
+                                 for c in loud.collectives]
+            continue
         if inner:
             trips = eqn.params.get("length", 1) if name == "scan" else 1
-            for body in inner:  # a cond's branches all counted: an upper bound
+            for body in inner:  # a while loop's body counted once (its trip count unknown)
                 _add(getattr(body, "jaxpr", body), times * trips, work)
             continue
         ins = [v.aval for v in eqn.invars if hasattr(v.aval, "shape")]
