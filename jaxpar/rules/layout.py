@@ -1,7 +1,10 @@
 """sharding_constraint: the user's own `with_sharding_constraint` inside the function.
 
 The op keeps the spec the user wrote, as its one candidate, so jaxpar plans around it instead of
-overriding it. A constraint on another mesh's axes (or not a NamedSharding) is left replicated.
+overriding it: XLA keeps it whatever the plan says, so no replicated candidate is offered beside
+it (registry.EXCLUSIVE; one was chosen where gathering looked cheaper than the user's layout,
+and the resharding into and out of that layout went unpredicted). A constraint on another
+mesh's axes (or not a NamedSharding) is left replicated.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 from jax._src import pjit
 from jax.sharding import NamedSharding
 
-from jaxpar.rules.registry import RULES, OpInfo
+from jaxpar.rules.registry import EXCLUSIVE, RULES, OpInfo
 from jaxpar.spec import MeshInfo, OpStrategy, Spec
 
 
@@ -28,3 +31,4 @@ def sharding_constraint_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
 
 
 RULES[pjit.sharding_constraint_p] = sharding_constraint_rule
+EXCLUSIVE.add(pjit.sharding_constraint_p)
