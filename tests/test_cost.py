@@ -102,6 +102,10 @@ CASES = [
     (S(None, ("d0", "d1", "d2")), S(("d0", "d1"), "d2"),
      {"all-to-all": 128, "collective-permute": 128}),  # d2 stays in dim 1, renumbered
     (S(None, None, partial=("d0",)), S(None, None), {"all-reduce": 1024}),
+    # Axes dropped for others cutting as many ways, the rest a move: renumbered and moved (an
+    # all-to-all and a permute, not a gather: half the array, and all of it).
+    (S("d0", None), S(None, "d2"), {"all-to-all": 512, "collective-permute": 512}),
+    (S(("d0", "d2"), None), S("d2", "d1"), {"all-to-all": 256, "collective-permute": 256}),
     # One cut dimension to another that neither carries all its axes nor is cut as many ways:
     # no path, XLA gathers the whole array ("involuntary full rematerialization"), slices it.
     (S(None, ("d0", "d1")), S("d2", None), {"all-gather": 1024}),
@@ -148,10 +152,10 @@ CASES3 = [
 ]
 
 
-def _as_planned(src: Spec, dst: Spec, shape: tuple[int, ...]) -> dict[str, float]:
+def _as_planned(src: Spec, dst: Spec, shape: tuple[int, ...], mesh=None) -> dict[str, float]:
     """Collective bytes XLA compiles for src -> dst in the context a plan lowers to: a value
     made under one sharding constraint, constrained to another before an op reads it."""
-    mesh = make_mesh(8)
+    mesh = mesh or make_mesh(8)
     a, b = NamedSharding(mesh, src.to_pspec()), NamedSharding(mesh, dst.to_pspec())
 
     def f(x):
@@ -170,6 +174,20 @@ def test_reshard_predicts_compiled_collectives(src, dst, expected):
     assert predicted == expected
     if not src.partial:  # a partial sum has no PartitionSpec; test_rules_core's dots cover it
         assert _as_planned(src, dst, (16,) * src.rank) == expected
+
+
+@pytest.mark.parametrize("src,dst", [(S("d0", "d1"), S("d1", "d0")),
+                                     (S("d1", "d0", None), S("d0", "d1", None))])
+def test_axes_of_unequal_sizes_swapped_are_moved_and_renumbered(src, dst):
+    # On 4 x 2 devices the all-to-all leaves the pieces out of place: a permute follows.
+    mesh = make_mesh((4, 2))
+    shape = (16,) * src.rank
+    predicted = {}
+    for c in reshard(src, dst, 4.0 * 16 ** src.rank, MeshInfo.of(mesh)):
+        predicted[c.kind] = predicted.get(c.kind, 0) + c.bytes
+    local = 4.0 * 16 ** src.rank / 8
+    assert predicted == {"all-to-all": local, "collective-permute": local}
+    assert _as_planned(src, dst, shape, mesh) == predicted
 
 
 def test_model_prices_one_layout_change_alike_at_every_size():

@@ -91,6 +91,9 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
     if _within(src, dst, mesh):
         # Each device slices its piece of dst from what some device holds: one permute.
         return [Collective("collective-permute", dst.axes(), nbytes / dst.shards(mesh))]
+    renamed = _renamed(src, dst, nbytes, mesh)
+    if renamed is not None:
+        return renamed
     if _rematerialized(src, dst, mesh):
         # XLA finds no path ("involuntary full rematerialization"): the whole array is
         # gathered, then sliced to dst.
@@ -147,7 +150,8 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
     if moved:
         out.append(Collective("all-to-all", moved, local))
     renumbered = _renumbered(src, dst)
-    if moved and not renumbered and _misplaced(src, dst, ahead=not first):
+    if moved and not renumbered and (_misplaced(src, dst, ahead=not first) or
+                                     _uneven_swap(src, dst, moved, mesh)):
         renumbered = moved
     if renumbered:
         out.append(Collective("collective-permute", renumbered, local))
@@ -267,6 +271,59 @@ def _misplaced(src: Spec, dst: Spec, ahead: bool = True) -> bool:
             dims[d].remove(a)
             dims[j].append(a)
     return tuple(map(tuple, dims)) != dst.dims
+
+
+def _renamed(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collective] | None:
+    """XLA's path when dst drops axes of one dimension of src's for others, unused by src, that
+    cut as many ways, and what is left is a move of axes between dimensions: the pieces are
+    renumbered (one collective-permute, the dropped axes renamed the new ones where they are,
+    or after the all-to-all, where the new ones go) and moved (an all-to-all). None
+    otherwise (benchmarks/reshard_accuracy.py, 2 x 2 x 2 devices: [d0, -] -> [-, d2] and
+    [d0+d2, -] -> [d2, d1] had been priced as gathers of half and all of the array)."""
+    if src.partial:
+        return None
+    gone = tuple(a for a in src.axes() if dst.dim_of(a) is None)
+    new = tuple(a for a in dst.axes() if src.dim_of(a) is None)
+    if not gone or not new or mesh.group_size(gone) != mesh.group_size(new) or \
+            len({src.dim_of(a) for a in gone}) > 1 or len({dst.dim_of(a) for a in new}) > 1:
+        return None
+    permute = Collective("collective-permute", dst.axes(), nbytes / src.shards(mesh))
+
+    def moves(a: Spec, b: Spec) -> list[Collective] | None:
+        """The all-to-alls from a to b where that is all it takes but a renumbering (which
+        the one permute does as it renames)."""
+        found = reshard(a, b, nbytes, mesh)
+        kinds = [c.kind for c in found]
+        if "all-to-all" not in kinds or set(kinds) - {"all-to-all", "collective-permute"}:
+            return None
+        return [c for c in found if c.kind == "all-to-all"]
+
+    d, j = src.dim_of(gone[0]), dst.dim_of(new[0])
+    kept, at = [a for a in src.dims[d] if a not in gone], src.dims[d].index(gone[0])
+    # Renamed in place: the new axes in mesh order with the kept ones, else where the first
+    # dropped one was.
+    for axes in (mesh.order(tuple(kept) + new), tuple(kept[:at]) + new + tuple(kept[at:])):
+        found = moves(Spec(tuple(axes if i == d else a for i, a in enumerate(src.dims))), dst)
+        if found:
+            return [permute, *found]
+    # Moved first, the dropped axes where dst puts the new ones, then renamed.
+    kept, at = [a for a in dst.dims[j] if a not in new], dst.dims[j].index(new[0])
+    axes = tuple(kept[:at]) + gone + tuple(kept[at:])
+    found = moves(src, Spec(tuple(axes if i == j else a for i, a in enumerate(dst.dims))))
+    return [*found, permute] if found else None
+
+
+def _uneven_swap(src: Spec, dst: Spec, moved: Axes, mesh: MeshInfo) -> bool:
+    """Whether a dimension trades axes with another for axes that cut it a different number of
+    ways ([d0, d1] -> [d1, d0] on 4 x 2 devices): XLA's all-to-all then leaves the pieces on
+    the wrong devices, and a collective-permute renumbers them (benchmarks/
+    reshard_accuracy.py)."""
+    for d in range(len(src.dims)):
+        out = tuple(a for a in src.dims[d] if a in moved)
+        into = tuple(a for a in dst.dims[d] if a in moved)
+        if out and into and mesh.group_size(out) != mesh.group_size(into):
+            return True
+    return False
 
 
 def _renumbered(src: Spec, dst: Spec) -> Axes:
