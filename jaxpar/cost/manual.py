@@ -99,8 +99,10 @@ def _add(jaxpr, times: float, work: BodyWork) -> None:
         if name in _MARKERS:
             continue
         inner = list(jaxprs_in_params(eqn.params))
-        if name == "cond":  # one branch runs: the one that communicates most, as
-            works = [body_work(b) for b in inner]  # analysis.collective_stats counts it
+        if name == "cond":
+            # One branch runs: priced as the one that communicates most (as
+            # analysis.collective_stats counts the compiled program), flops at the dearest.
+            works = [body_work(b) for b in inner]
             loud = max(works, key=lambda w: (sum(c.bytes for c in w.collectives),
                                              sum(c.count for c in w.collectives)))
             work.flops += max(w.flops for w in works) * times

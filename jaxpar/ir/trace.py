@@ -100,7 +100,7 @@ def _needs_a_value(fn, err: Exception) -> str:
     said = "\n".join(line for line in said if "static_argnums" not in line).strip()
     name = getattr(fn, "__name__", "fn")
     found = re.search(r"value of the argument (\w+)", str(err))
-    arg = found.group(1) if found else "name"
+    arg = found.group(1) if found else "<argument>"
     return (f"jaxpar could not trace {name}: it uses an argument's value in Python (as a shape, "
             "a loop bound or in an `if`), and jaxpar traces every argument, as jax.jit does "
             "without static_argnums. Bind such arguments before sharding: "
