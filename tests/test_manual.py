@@ -194,3 +194,26 @@ def test_a_cond_in_a_body_counts_the_branch_that_communicates_most():
     check = sf.plan(x, jnp.asarray(True)).verify(sf.lower(x, jnp.asarray(True)).compile())
     assert check.ok, str(check)
     assert check.predicted == check.measured and set(check.predicted) == {"all-gather"}
+
+
+def test_a_while_loop_in_a_body_runs_its_collectives_per_known_trip():
+    """A counter from 0 to 3 by 1: XLA knows the trip count and runs the permute three times,
+    where one was predicted."""
+    mesh = jaxpar.make_mesh(8)
+
+    def inner(xb):
+        def body(carry):
+            i, y = carry
+            return i + 1, jax.lax.ppermute(y, "d0", [(0, 1), (1, 0)]) * 0.5
+        return jax.lax.while_loop(lambda c: c[0] < 3, body, (0, xb))[1]
+
+    def f(x):
+        return jax.shard_map(inner, mesh=mesh, in_specs=P("d0"), out_specs=P("d0"))(x)
+
+    x = jnp.arange(32.0).reshape(16, 2)
+    sf = jaxpar.shard(f, mesh=mesh)
+    _check(jax.jit(f), sf, x)
+    check = sf.plan(x).verify(sf.lower(x).compile())
+    assert check.ok, str(check)
+    assert check.predicted == check.measured
+    assert check.measured["collective-permute"]["count"] == 3

@@ -6,7 +6,8 @@ However jaxpar lays out its operands, the body does that same work: its operands
 resharded into the shard_map's in_specs (the rule in rules/manual.py asks for those), then the
 body runs. So the op's cost is not its strategy's but its body's: the flops and bytes of every
 op in it (nested calls and loops included: a scan's body times its length, a while loop's
-once, a cond's branch that communicates most) and the collectives, priced as
+body times its trip count where XLA knows it, else once, a cond's branch that communicates
+most) and the collectives, priced as
 `analysis.collective_stats` counts them in the compiled program (per device, the larger of
 operand and result; a tuple collective is one, its elements' bytes summed).
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from jaxpar.cost.comm import Collective
+from jaxpar.ir.graph import literal, while_trips
 from jaxpar.rules.registry import OpInfo
 from jaxpar.spec import MeshInfo, Spec
 
@@ -110,9 +112,14 @@ def _add(jaxpr, times: float, work: BodyWork) -> None:
             work.collectives += [Collective(c.kind, c.axes, c.bytes * times, c.count * times)
                                  for c in loud.collectives]
             continue
+        if name == "while":  # as XLA runs it: its test once more than its body
+            trips = while_trips(eqn.params, [literal(v) for v in eqn.invars]) or 1
+            _add(eqn.params["cond_jaxpr"].jaxpr, times * (trips + 1), work)
+            _add(eqn.params["body_jaxpr"].jaxpr, times * trips, work)
+            continue
         if inner:
             trips = eqn.params.get("length", 1) if name == "scan" else 1
-            for body in inner:  # a while loop's body counted once (its trip count unknown)
+            for body in inner:
                 _add(getattr(body, "jaxpr", body), times * trips, work)
             continue
         ins = [v.aval for v in eqn.invars if hasattr(v.aval, "shape")]

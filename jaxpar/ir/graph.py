@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,10 +192,48 @@ def _drop_dead(graph: OpGraph) -> None:
 
 
 def _read(env, atom) -> int | Lit:
-    if isinstance(atom, jcore.Literal):
-        aval = atom.aval
-        return Lit(atom.val, tuple(aval.shape), as_dtype(aval.dtype))
-    return env[atom]
+    return literal(atom) or env[atom]
+
+
+def literal(atom) -> Lit | None:
+    """A jaxpr operand as a Lit where it is a literal (None where it is a variable)."""
+    if not isinstance(atom, jcore.Literal):
+        return None
+    return Lit(atom.val, tuple(atom.aval.shape), as_dtype(atom.aval.dtype))
+
+
+def while_trips(params: dict, operands: Sequence) -> int | None:
+    """How many times a while loop runs, where XLA can tell (it then runs each collective in
+    the body that many times): a carried counter that starts at a literal, goes up by a
+    literal 1 each trip, and is tested against a literal bound (`while i < n`, i an integer).
+    None where it cannot be told (a bound known only when the program runs).
+
+    Args:
+      params: the while eqn's params (its cond_jaxpr, body_jaxpr and their const counts).
+      operands: its operands, each a Lit where it is a literal (`literal(atom)`).
+    """
+    cn, bn = params["cond_nconsts"], params["body_nconsts"]
+    cond, body = params["cond_jaxpr"].jaxpr, params["body_jaxpr"].jaxpr
+    test = _made_by(cond, cond.outvars[0])
+    if test is None or test.primitive.name != "lt" or literal(test.invars[1]) is None or \
+            not any(test.invars[0] is v for v in cond.invars[cn:]):
+        return None
+    k = next(i for i, v in enumerate(cond.invars[cn:]) if v is test.invars[0])
+    start, counter = operands[cn + bn + k], body.invars[bn + k]
+    step = _made_by(body, body.outvars[k])
+    if not isinstance(start, Lit) or not np.issubdtype(start.dtype, np.integer) or \
+            step is None or step.primitive.name != "add" or \
+            not any(v is counter for v in step.invars):
+        return None
+    one = literal(step.invars[1] if step.invars[0] is counter else step.invars[0])
+    if one is None or one.shape != () or one.value != 1:
+        return None
+    return max(int(test.invars[1].val) - int(start.value), 0)
+
+
+def _made_by(jaxpr, var):
+    """The eqn of `jaxpr` whose result `var` is (None: an input or a literal)."""
+    return next((e for e in jaxpr.eqns if any(v is var for v in e.outvars)), None)
 
 
 def _source(eqn) -> str:

@@ -22,10 +22,8 @@ operands it ran replicated). In what follows "loop" means any of these region op
 
 from __future__ import annotations
 
-import numpy as np
-
 from jaxpar.cost.model import CostModel, OpCost
-from jaxpar.ir.graph import Lit, Op, OpGraph, scan_counts
+from jaxpar.ir.graph import Op, OpGraph, scan_counts, while_trips
 from jaxpar.rules.registry import OpInfo
 from jaxpar.search.propagation import GraphPlan, graph_cost, out_spec, propagate
 from jaxpar.spec import OpStrategy, Spec
@@ -133,33 +131,11 @@ def _while(op: Op, info: OpInfo, known, model: CostModel, plan_body=_loop_body):
 
 
 def known_trips(op: Op) -> int | None:
-    """How many times a while loop runs, where XLA can tell (it then runs each collective in
-    the body that many times): a carried counter that starts at a literal, goes up by a
-    literal 1 each trip, and is tested against a literal bound (`while i < n`, i an integer).
-    None where it cannot be told (a bound known only when the program runs). Remembered on
-    the op: the searches plan a loop for several operand specs."""
+    """How many times a while loop runs, where XLA can tell (ir.graph.while_trips), remembered
+    on the op: the searches plan a loop for several operand specs."""
     if "_trips" not in op.__dict__:
-        op.__dict__["_trips"] = _count_up(op)
+        op.__dict__["_trips"] = while_trips(op.params, op.inputs)
     return op.__dict__["_trips"]
-
-
-def _count_up(op: Op) -> int | None:
-    cn, bn = op.params["cond_nconsts"], op.params["body_nconsts"]
-    cond, body = op.regions
-    test = cond.producers().get(cond.outputs[0])
-    if test is None or test.name != "lt" or not isinstance(test.inputs[1], Lit) or \
-            test.inputs[0] not in cond.inputs[cn:]:
-        return None
-    k = cond.inputs[cn:].index(test.inputs[0])
-    start, counter = op.inputs[cn + bn + k], body.inputs[bn + k]
-    step = body.producers().get(body.outputs[k])
-    if not isinstance(start, Lit) or not np.issubdtype(start.dtype, np.integer) or \
-            step is None or step.name != "add" or counter not in step.inputs:
-        return None
-    one = step.inputs[1] if step.inputs[0] == counter else step.inputs[0]
-    if not (isinstance(one, Lit) and one.shape == () and one.value == 1):
-        return None
-    return max(int(test.inputs[1].value) - int(start.value), 0)
 
 
 def _cond(op: Op, info: OpInfo, known, model: CostModel):
