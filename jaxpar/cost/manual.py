@@ -7,9 +7,9 @@ resharded into the shard_map's in_specs (the rule in rules/manual.py asks for th
 body runs. So the op's cost is not its strategy's but its body's: the flops and bytes of every
 op in it (nested calls and loops included: a scan's body times its length, a while loop's
 body times its trip count where XLA knows it, else once, a cond's branch that communicates
-most) and the collectives, priced as
-`analysis.collective_stats` counts them in the compiled program (per device, the larger of
-operand and result; a tuple collective is one, its elements' bytes summed).
+most) and the collectives, priced as `analysis.collective_stats` counts them in the compiled
+program (per device, the larger of operand and result; a tuple collective is one, its
+elements' bytes summed).
 
 Example (a shard_map on make_mesh(8) of `lambda xb, w: jax.lax.psum(xb @ w, "d0")`, x of
 (16, 32) cut on d0 and w of (32, 8) whole, its eqn in the traced jaxpr):

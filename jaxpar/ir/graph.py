@@ -192,7 +192,8 @@ def _drop_dead(graph: OpGraph) -> None:
 
 
 def _read(env, atom) -> int | Lit:
-    return literal(atom) or env[atom]
+    lit = literal(atom)
+    return env[atom] if lit is None else lit
 
 
 def literal(atom) -> Lit | None:
