@@ -60,9 +60,7 @@ def off_mesh(graph, mesh: MeshInfo) -> list[str]:
     found = []
     for _, op in graph.walk():
         if op.name == "shard_map" and not on_mesh(op.params, mesh):
-            own = op.params["mesh"]
-            found.append(" x ".join(f"{a}={n}" for a, n in zip(own.axis_names, own.axis_sizes,
-                                                               strict=True)))
+            found.append(MeshInfo.of(op.params["mesh"]).describe())
     return found
 
 
