@@ -135,6 +135,19 @@ CASES = [
     # all-to-all moves the gathered pieces.
     (S(("d0", "d1"), "d2"), S(None, ("d0", "d2")),
      {"all-gather": 256, "all-to-all": 256, "collective-permute": 256}),
+    # Some axes renamed to others of their size, then gathers alone: the pieces renumbered
+    # (one permute), then gathered ([d0, d1+d2] read as [d1, d2+d0], d0 gathered).
+    (S("d0", ("d1", "d2")), S("d1", "d2"), {"collective-permute": 128, "all-gather": 256}),
+    (S("d0", ("d1", "d2")), S("d1", None), {"collective-permute": 128, "all-gather": 512}),
+    # A dimension that loses an axis and moves another: gathered, moved, renumbered.
+    (S("d0", ("d1", "d2")), S(("d0", "d1"), None),
+     {"all-gather": 256, "all-to-all": 256, "collective-permute": 256}),
+    # Moved axes landing in another order after the dropped one is gathered: renumbered.
+    (S("d0", ("d1", "d2")), S(("d2", "d1"), None),
+     {"all-gather": 256, "all-to-all": 256, "collective-permute": 256}),
+    # New axes are sliced in mesh order, whatever dst's: renumbered where that is not it.
+    (S(None, "d0"), S(("d2", "d1", "d0"), None), {"all-to-all": 128, "collective-permute": 128}),
+    (S(None, "d0"), S(("d1", "d2", "d0"), None), {"all-to-all": 128}),
 ]
 # Rank 3: a 16 x 16 x 16 f32 array (16384 bytes). Several cut dimensions merged into one
 # (that src leaves whole, or every axis from three dimensions): XLA gathers the whole array,
@@ -188,6 +201,30 @@ def test_axes_of_unequal_sizes_swapped_are_moved_and_renumbered(src, dst):
     local = 4.0 * 16 ** src.rank / 8
     assert predicted == {"all-to-all": local, "collective-permute": local}
     assert _as_planned(src, dst, shape, mesh) == predicted
+
+
+@pytest.mark.parametrize("shape,src,dst,expected", [
+    # 4 x 2: d0 (4) dropped, d1 (2) moved into its dimension: renumbered, gathered in groups of
+    # 2 twice (0.25 + 0.5 of the array).
+    ((4, 2), S("d0", "d1"), S("d1", None), {"collective-permute": 128, "all-gather": 256 + 512}),
+    ((4, 2), S(None, "d1", "d0"), S(None, None, "d1"),
+     {"collective-permute": 2048, "all-gather": 4096 + 8192}),
+    # d1 (2) dropped, d0 (4) moved into its dimension: d1 gathered first, then the all-to-all.
+    ((4, 2), S("d0", "d1"), S(None, "d0"), {"all-gather": 256, "all-to-all": 256}),
+    # 2 x 2 x 2, as many pieces each way: renumbered, then gathered once.
+    ((2, 2, 2), S("d0", "d1"), S("d1", None), {"collective-permute": 256, "all-gather": 512}),
+    ((2, 2, 2), S("d2", ("d0", "d1")), S(None, "d2"),
+     {"collective-permute": 128, "all-gather": 256 + 512}),
+], ids=["4x2-wide-dropped", "4x2-rank3", "4x2-narrow-dropped", "2x2x2-even", "2x2x2-two-axes"])
+def test_a_dimensions_axes_dropped_for_anothers(shape, src, dst, expected):
+    # dst moves one dimension's axes into another whose axes it drops, leaving the first whole.
+    mesh = make_mesh(shape)
+    nbytes = 4.0 * 16 ** src.rank
+    predicted = {}
+    for c in reshard(src, dst, nbytes, MeshInfo.of(mesh)):
+        predicted[c.kind] = predicted.get(c.kind, 0) + c.bytes
+    assert predicted == expected
+    assert _as_planned(src, dst, (16,) * src.rank, mesh) == expected
 
 
 def test_model_prices_one_layout_change_alike_at_every_size():

@@ -12,6 +12,7 @@ A group spanning several axes runs at its slowest link.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -73,9 +74,11 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
 
     When every piece of dst lies within one piece of src (src cuts each dimension into pieces
     dst cuts further) but not where the device holding it needs it, one collective-permute moves
-    the pieces. Where XLA finds no direct path it falls back, and so does the model: the whole
-    array gathered at once (_rematerialized) or a dimension at a time (_merged), or the pieces
-    renumbered and gathered in groups (_swapped). Otherwise, in order: slices first (free, they
+    the pieces; when dst is src with some axes renamed to others of their size and then
+    gathers alone, one permute renumbers the pieces and the gathers follow (_relabelled). Where
+    XLA finds no direct path it falls back, and so does the model: the whole array gathered at
+    once (_rematerialized) or a dimension at a time (_merged), or the pieces renumbered and
+    gathered in groups (_swapped, _dropped_for). Otherwise, in order: slices first (free, they
     shrink the pieces); partial sums reduced (a reduce-scatter onto the first dimension `dst`
     cuts with partial axes, an all-reduce before it, at full size, of those `dst` cuts on later
     dimensions, and one after it of those `dst` does not cut); axes moving between dimensions
@@ -91,6 +94,9 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
     if _within(src, dst, mesh):
         # Each device slices its piece of dst from what some device holds: one permute.
         return [Collective("collective-permute", dst.axes(), nbytes / dst.shards(mesh))]
+    relabelled = _relabelled(src, dst, nbytes, mesh)
+    if relabelled is not None:
+        return relabelled
     renamed = _renamed(src, dst, nbytes, mesh)
     if renamed is not None:
         return renamed
@@ -114,6 +120,9 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
         return [Collective("collective-permute", cut + into, local),
                 Collective("all-gather", cut,
                            local * mesh.group_size(cut) / mesh.group_size(into))]
+    dropped = _dropped_for(src, dst, nbytes, mesh)
+    if dropped is not None:
+        return dropped
     new = [a for d, axes in enumerate(dst.dims) for a in axes
            if a not in src.axes() and a not in src.dims[d]]
     local /= mesh.group_size(tuple(new))
@@ -150,8 +159,9 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
     if moved:
         out.append(Collective("all-to-all", moved, local))
     renumbered = _renumbered(src, dst)
-    if moved and not renumbered and (_misplaced(src, dst, ahead=not first) or
-                                     _uneven_swap(src, dst, moved, mesh)):
+    if moved and not renumbered and (_misplaced(src, dst, mesh, ahead=not first) or
+                                     _uneven_swap(src, dst, moved, mesh) or
+                                     (first and _split(src, dst))):
         renumbered = moved
     if renumbered:
         out.append(Collective("collective-permute", renumbered, local))
@@ -250,16 +260,18 @@ def _gathers_first(src: Spec, dst: Spec, moved: Axes) -> bool:
     return not any(dst.dim_of(a) is None for m in moved for a in src.dims[dst.dim_of(m)])
 
 
-def _misplaced(src: Spec, dst: Spec, ahead: bool = True) -> bool:
+def _misplaced(src: Spec, dst: Spec, mesh: MeshInfo, ahead: bool = True) -> bool:
     """Whether an all-to-all leaves the axes out of dst's order. XLA slices the axes src does
-    not use onto their dimensions first, then moves each axis changing dimension after those
-    its new dimension holds; where that order is not dst's, or (`ahead`) an axis moves out
-    from before one that stays in its dimension, the pieces are renumbered. With the dropped
-    axes gathered first (`ahead` False) the second does not hold (benchmarks/
-    reshard_accuracy.py: 2 x 2 x 2 devices, rank 3)."""
+    not use onto their dimensions first, in mesh order whatever dst's ([-, d0] ->
+    [d2+d1+d0, -] is renumbered on 2 x 2 x 2 devices, [-, d0] -> [d1+d2+d0, -] is not), then
+    moves each axis changing dimension after those its new dimension holds; where that order
+    is not dst's, or (`ahead`) an axis moves out from before one that stays in its
+    dimension, the pieces are renumbered. With the dropped axes gathered first (`ahead`
+    False) the second does not hold (benchmarks/reshard_accuracy.py: 2 x 2 x 2 devices,
+    rank 3)."""
     dims = [[a for a in axes if dst.dim_of(a) is not None] for axes in src.dims]
     for d, axes in enumerate(dst.dims):
-        dims[d].extend(a for a in axes if src.dim_of(a) is None)
+        dims[d].extend(mesh.order(a for a in axes if src.dim_of(a) is None))
     for d, axes in enumerate(src.dims):
         for a in axes:
             j = dst.dim_of(a)
@@ -271,6 +283,40 @@ def _misplaced(src: Spec, dst: Spec, ahead: bool = True) -> bool:
             dims[d].remove(a)
             dims[j].append(a)
     return tuple(map(tuple, dims)) != dst.dims
+
+
+def _relabelled(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo
+                ) -> list[Collective] | None:
+    """XLA's path when dst is src with some axes renamed to others of the same size, and then
+    gathers alone: dst keeps the leading axes of each dimension of the renamed spec
+    ([d0, d1+d2] -> [d1, d2] on 2 x 2 x 2 devices: renamed [d1, d2+d0], d0 gathered). The
+    renaming is a renumbering of the devices' pieces (one collective-permute), then each
+    dimension that loses axes is gathered, the last first. None where gathers alone do
+    (no renaming needed) or no renaming leads to gathers. On 2 x 2 x 2 devices every such
+    pair of rank 2 (522) and a sample of 400 of rank 3 compile so (benchmarks/
+    reshard_accuracy.py); an all-to-all and a gather had been predicted for a sixth of them."""
+    if src.partial or all(dst.dims[d] == axes[:len(dst.dims[d])]
+                          for d, axes in enumerate(src.dims)):
+        return None
+    names = mesh.names
+    for image in itertools.permutations(names):
+        if any(mesh.axis_size(a) != mesh.axis_size(b) for a, b in zip(names, image, strict=True)):
+            continue
+        rename = dict(zip(names, image, strict=True))
+        dims = [tuple(rename[a] for a in axes) for axes in src.dims]
+        if dims == list(src.dims) or any(dst.dims[d] != axes[:len(dst.dims[d])]
+                                         for d, axes in enumerate(dims)):
+            continue
+        local = nbytes / src.shards(mesh)
+        moved = tuple(a for a in names if rename[a] != a and a in src.axes())
+        out = [Collective("collective-permute", moved, local)]
+        for d in reversed(range(len(dims))):
+            gone = dims[d][len(dst.dims[d]):]
+            if gone:
+                local *= mesh.group_size(gone)
+                out.append(Collective("all-gather", gone, local))
+        return out
+    return None
 
 
 def _renamed(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collective] | None:
@@ -313,6 +359,44 @@ def _renamed(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collec
     return [*found, permute] if found else None
 
 
+def _dropped_for(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo
+                 ) -> list[Collective] | None:
+    """XLA's path when dst moves one dimension's axes (B, from dimension q) into another (p)
+    whose axes (A) it drops, leaving q whole, every other dimension alike ([d0, d1] -> [d1, -]).
+    With A cutting at least as many ways as B, the pieces are renumbered (one
+    collective-permute) and gathered, in groups of |B| and then of |A| / |B|; with A cutting
+    fewer, A is gathered first and an all-to-all moves B (and a permute renumbers the pieces
+    where B lands in another order). None for other pairs. Every such
+    pair on 4 x 2 and 2 x 2 x 2 devices, rank 2 and 3, compiles so
+    (benchmarks/reshard_accuracy.py): an all-to-all and one gather had been predicted, short
+    of the bytes by a third where |A| > |B| and by a quarter where |A| < |B|."""
+    if src.partial:
+        return None
+    differ = [d for d, (a, b) in enumerate(zip(src.dims, dst.dims, strict=True)) if a != b]
+    if len(differ) != 2:
+        return None
+    for p, q in (differ, differ[::-1]):
+        cut, moved = src.dims[p], src.dims[q]
+        if cut and moved and sorted(dst.dims[p]) == sorted(moved) and not dst.dims[q] and \
+                not set(cut) & set(dst.axes()):
+            break
+    else:
+        return None
+    local = nbytes / src.shards(mesh)
+    a, b = mesh.group_size(cut), mesh.group_size(moved)
+    if a < b:  # and the moved axes renumbered where they land in another order
+        return [Collective("all-gather", cut, local * a),
+                Collective("all-to-all", moved, local * a)] + \
+            [Collective("collective-permute", moved, local * a)] * (dst.dims[p] != moved)
+    if dst.dims[p] != moved:
+        return None
+    out = [Collective("collective-permute", src.axes(), local),
+           Collective("all-gather", cut, local * b)]
+    if a > b:
+        out.append(Collective("all-gather", cut, local * a))
+    return out
+
+
 def _uneven_swap(src: Spec, dst: Spec, moved: Axes, mesh: MeshInfo) -> bool:
     """Whether a dimension trades axes with another for axes that cut it a different number of
     ways ([d0, d1] -> [d1, d0] on 4 x 2 devices): XLA's all-to-all then leaves the pieces on
@@ -324,6 +408,16 @@ def _uneven_swap(src: Spec, dst: Spec, moved: Axes, mesh: MeshInfo) -> bool:
         if out and into and mesh.group_size(out) != mesh.group_size(into):
             return True
     return False
+
+
+def _split(src: Spec, dst: Spec) -> bool:
+    """Whether some dimension of src both loses axes (gathered) and moves others to another
+    dimension ([d0, d1+d2] -> [d0+d1, -]). Gathered first, XLA then renumbers the pieces
+    after the all-to-all: every such pair on 2 x 2 x 2 devices, rank 2, compiles so
+    (benchmarks/reshard_accuracy.py)."""
+    return any(any(dst.dim_of(a) is None for a in axes) and
+               any(dst.dim_of(a) not in (None, d) for a in axes)
+               for d, axes in enumerate(src.dims))
 
 
 def _renumbered(src: Spec, dst: Spec) -> Axes:
