@@ -487,25 +487,50 @@ def carried_pairs(args: tuple, out_shapes) -> list[tuple[int, int]]:
 def optimizer_followers(paths: list[str], shapes: list[tuple]) -> dict[int, int]:
     """{leaf: parameter leaf} for optimizer-state leaves that belong to a parameter.
 
-    A leaf follows parameter leaf j when it lies in another argument, has j's shape, and its
-    path ends with j's path below the argument name: `opt_state/0/mu/blocks/0/w` follows
-    `params/blocks/0/w` (optax keeps one such leaf per parameter and moment). The longest such
-    match wins.
+    Leaf i follows leaf j when both have one shape and i's path ends with j's below a shorter
+    prefix, the longest such match winning:
+    - j in another argument, its path below the argument name: `opt_state/0/mu/blocks/0/w`
+      follows `params/blocks/0/w` (optax keeps one such leaf per parameter and moment);
+    - or, in one argument, i's prefix mirrors j's: for more than half the leaves below j's
+      prefix, one of that shape lies at the same path below i's. A flax TrainState holds
+      `state/params/Dense_0/kernel` and `state/opt_state/0/mu/Dense_0/kernel`; two
+      parameters of one shape at different depths (`params/w`, `params/block/w`) follow
+      nothing.
     """
-    by_suffix: dict[tuple[str, tuple], list[int]] = {}
-    for j, (path, shape) in enumerate(zip(paths, shapes, strict=True)):
-        head, _, rest = path.partition("/")
-        if rest:
-            by_suffix.setdefault((rest, tuple(shape)), []).append(j)
+    parts = [path.split("/") for path in paths]
+    leaves = {(path, tuple(shape)) for path, shape in zip(paths, shapes, strict=True)}
+    ends: dict[tuple[str, tuple], list[tuple[int, int]]] = {}  # (suffix, shape) -> (leaf,
+    for j, (names, shape) in enumerate(zip(parts, shapes, strict=True)):  # prefix length)
+        for start in range(1, len(names)):
+            ends.setdefault(("/".join(names[start:]), tuple(shape)), []).append((j, start))
+    below: dict[str, list[tuple[str, tuple]]] = {}  # prefix -> (rest of path, shape) per leaf
+    mirrors: dict[tuple[str, str], bool] = {}
+
+    def mirrored(mine: str, theirs: str) -> bool:
+        """Whether prefix `mine` holds, for more than half of the leaves below `theirs`, a
+        leaf of that shape at the same path below it."""
+        key = (mine, theirs)
+        if key not in mirrors:
+            if not below:
+                for names, shape in zip(parts, shapes, strict=True):
+                    for start in range(1, len(names)):
+                        below.setdefault("/".join(names[:start]), []).append(
+                            ("/".join(names[start:]), tuple(shape)))
+            rests = below.get(theirs, [])
+            hits = sum((f"{mine}/{rest}", shape) in leaves for rest, shape in rests)
+            mirrors[key] = 2 * hits > len(rests)
+        return mirrors[key]
+
     follows = {}
-    for i, (path, shape) in enumerate(zip(paths, shapes, strict=True)):
-        parts = path.split("/")
-        for start in range(1, len(parts)):  # longest suffix first
-            for j in by_suffix.get(("/".join(parts[start:]), tuple(shape)), []):
-                if paths[j].partition("/")[0] != parts[0]:
-                    follows[i] = j
-                    break
-            if i in follows:
+    for i, (names, shape) in enumerate(zip(parts, shapes, strict=True)):
+        for start in range(1, len(names)):  # longest suffix first
+            found = [j for j, at in ends.get(("/".join(names[start:]), tuple(shape)), [])
+                     if at < start and j != i and (
+                         (at == 1 and parts[j][0] != names[0]) or
+                         (parts[j][0] == names[0] and
+                          mirrored("/".join(names[:start]), "/".join(parts[j][:at]))))]
+            if found:
+                follows[i] = found[0]
                 break
     return follows
 

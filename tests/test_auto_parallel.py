@@ -224,6 +224,36 @@ def test_optimizer_parallel_levels_cut_memory_and_train_alike(mlp_problem):
         _close_trees(params, want_params)
 
 
+def test_optimizer_parallel_cuts_a_train_states_moments():
+    # A flax TrainState holds the parameters and Adam's moments in one argument: the moments
+    # are still known as the parameters' and cut (they were left replicated).
+    from flax import linen
+    from flax.training import train_state
+
+    model = linen.Sequential([linen.Dense(64), linen.relu, linen.Dense(8)])
+    x, y = jnp.ones((16, 32)), jnp.zeros((16,), jnp.int32)
+    tx = optax.adam(1e-2)
+    state = train_state.TrainState.create(
+        apply_fn=model.apply, params=model.init(jax.random.key(0), x)["params"], tx=tx)
+
+    def step(state, x, y):
+        def loss(p):
+            logits = model.apply({"params": p}, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        value, grads = jax.value_and_grad(loss)(state.params)
+        return state.apply_gradients(grads=grads), value
+
+    net = AutoParallel(step)
+    net.hsdp(threshold=0, optimizer_level="level1")
+    new, value = net(state, x, y)
+    spec = new.opt_state[0].mu["layers_0"]["kernel"].sharding.spec
+    assert sorted(a for d in spec if d for a in (d if isinstance(d, tuple) else (d,))) == \
+        ["d0", "d1", "d2"]  # cut over every device
+    want, want_value = jax.jit(step)(state, x, y)
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    _close_trees(new.params, want.params)
+
+
 def test_optimizer_parallel_threshold_keeps_small_tensors(mlp_problem):
     step, args, _, _ = mlp_problem
     net = AutoParallel(step)

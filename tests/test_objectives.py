@@ -119,6 +119,17 @@ def test_optimizer_state_follows_a_fixed_parameter():
     assert optimizer_followers(paths, shapes) == {3: 0, 4: 0, 5: 1}
     assert optimizer_followers(["params/w", "opt/w"], [(8, 4), (4, 8)]) == {}  # shapes differ
 
+    # A flax TrainState: parameters and moments in one argument.
+    paths = ["state/step", "state/params/Dense_0/kernel", "state/params/Dense_0/bias",
+             "state/opt_state/0/count", "state/opt_state/0/mu/Dense_0/kernel",
+             "state/opt_state/0/mu/Dense_0/bias", "state/opt_state/0/nu/Dense_0/kernel",
+             "state/opt_state/0/nu/Dense_0/bias", "x"]
+    shapes = [(), (8, 4), (4,), (), (8, 4), (4,), (8, 4), (4,), (16, 8)]
+    assert optimizer_followers(paths, shapes) == {4: 1, 5: 2, 6: 1, 7: 2}
+    # Two parameters of one shape at different depths of one argument follow nothing.
+    assert optimizer_followers(["params/w", "params/block/w", "params/b"],
+                               [(4, 4), (4, 4), (4,)]) == {}
+
     opt = optax.adam(1e-2)
 
     def step(params, opt_state, x):
