@@ -126,6 +126,7 @@ class Module:
     comps: dict[str, list[Instr]]
     entry: str
     num_devices: int | None = None
+    roots: dict[str, str] = field(default_factory=dict)  # computation -> its ROOT's name
     _users: dict[str, dict[str, list[Instr]]] = field(default_factory=dict, repr=False)
 
     def users(self, comp: str, value: str) -> list[Instr]:
@@ -146,6 +147,18 @@ class Module:
     def _params(self) -> dict[tuple[str, int], Instr]:
         return {(c, int(i.operands[0])): i for c, body in self.comps.items() for i in body
                 if i.opcode == "parameter" and i.operands and i.operands[0].isdigit()}
+
+    def instr(self, comp: str, value: str) -> Instr | None:
+        """Instruction `value` of computation `comp` (None if there is none)."""
+        return self._instrs.get((comp, value))
+
+    @cached_property
+    def _instrs(self) -> dict[tuple[str, str], Instr]:
+        return {(c, i.name): i for c, body in self.comps.items() for i in body}
+
+    def root(self, comp: str) -> Instr | None:
+        """The ROOT instruction of `comp` (None if the text marks none)."""
+        return self.instr(comp, self.roots.get(comp, ""))
 
     def type_of(self, comp: str, value: str) -> str:
         """Result type of instruction `value` of computation `comp` ("" if there is none)."""
@@ -202,6 +215,7 @@ def _operand_names(args: str) -> tuple[str, ...]:
 def parse_module(text: str) -> Module:
     """Computations of an HLO module's text. The entry is the `ENTRY` one (else the last)."""
     comps: dict[str, list[Instr]] = {}
+    roots: dict[str, str] = {}
     entry, current, pending = None, None, ""
     first = re.search(r"^\s*HloModule.*$", text, re.MULTILINE)
     num = {k: int(v) for k, v in _MODULE_INT.findall(first.group() if first else "")}
@@ -209,7 +223,7 @@ def parse_module(text: str) -> Module:
         line = raw.strip()
         header = _HEADER.match(line) if "=" not in line.split("(")[0] else None
         if header or line.startswith("}") or _NAME.match(line) or not line:
-            _flush(comps, current, pending)
+            _flush(comps, current, pending, roots)
             pending = ""
         if header:
             current = header.group(2)
@@ -219,16 +233,19 @@ def parse_module(text: str) -> Module:
             current = None
         elif current is not None and line:
             pending = f"{pending} {line}" if pending else line
-    _flush(comps, current, pending)
+    _flush(comps, current, pending, roots)
     assert comps, "no HLO computation found in the text"
     devices = max(num.values()) if num else None
-    return Module(comps, entry or list(comps)[-1], devices)
+    return Module(comps, entry or list(comps)[-1], devices, roots)
 
 
-def _flush(comps: dict[str, list[Instr]], current: str | None, pending: str) -> None:
+def _flush(comps: dict[str, list[Instr]], current: str | None, pending: str,
+           roots: dict[str, str]) -> None:
     ins = parse_instr(pending) if pending and current is not None else None
     if ins is not None:
         comps[current].append(ins)
+        if pending.startswith("ROOT"):
+            roots[current] = ins.name
 
 
 # ---- replica groups --------------------------------------------------------------------------

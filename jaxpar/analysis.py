@@ -25,11 +25,12 @@ per device, the larger of its operand and result buffers:
   all-reduce, each with the bytes of its elements.
 - XLA:CPU reduces 16-bit floats (bf16, f16) in float32: it widens such an all-reduce's
   operands and clones its reducer as `<name>_promoted` (the combiner may then merge f32
-  reductions into it). Such an all-reduce counts its f32 buffer in `bytes` (what this backend
-  moves) and half of it in `CollectiveOp.widened`: what widening added at most, as the HLO no
-  longer tells which elements were 16-bit. A backend that reduces 16-bit floats natively
-  (GPU, TPU) moves between `bytes - widened` and `bytes`; `Plan.verify` accepts a plan
-  within that range.
+  reductions into it). It moves them as float32 too: an all-gather, all-to-all or
+  collective-permute of converts from 16-bit floats, or whose every use converts back to
+  them. Such a collective counts its f32 buffer in `bytes` (what this backend moves) and half
+  of it in `CollectiveOp.widened`: what widening added at most, as the HLO no longer tells
+  which elements were 16-bit. A backend that moves 16-bit floats natively (GPU, TPU) moves
+  between `bytes - widened` and `bytes`; `Plan.verify` accepts a plan within that range.
 - A collective that moves nothing is left out: a collective-permute whose source-target pairs
   are all `{i,i}`, or a collective whose every replica group has one device. So `{}` means the
   program does not communicate. A permute with some identity pairs counts its whole buffer
@@ -209,6 +210,8 @@ def _collectives(mod: Module, comp: str, ins: Instr) -> list[CollectiveOp]:
     if kind == "reduce-scatter":
         operands = sum(shape_bytes(mod.type_of(comp, o)) for o in ins.operands)
         return [replace(op, bytes=max(op.bytes * (len(groups[0]) if groups else 1), operands))]
+    if _carries_16bit(mod, comp, ins):
+        op = replace(op, widened=op.bytes // 2)
     if kind == "collective-permute":
         return [replace(op, pairs=tuple(source_target_pairs(ins.attrs)))]
     return [op]
@@ -241,6 +244,64 @@ def _widened(ins: Instr) -> bool:
     """Whether XLA:CPU widened an all-reduce from 16-bit floats to float32: its reducer is a
     `*_promoted` clone (float normalization names it so)."""
     return any(name.endswith("_promoted") for name in ins.attr_names("to_apply"))
+
+
+def _carries_16bit(mod: Module, comp: str, ins: Instr) -> bool:
+    """Whether XLA:CPU widened the 16-bit floats a data-moving collective (all-gather,
+    all-to-all, collective-permute) carries to float32: its result is float32 and every
+    operand is a convert from a 16-bit float, or every use converts it back to one (directly,
+    through bitcasts, reshapes, copies and tuple elements, or as what a fusion does with it
+    first)."""
+    if not all(_float32(t) for t in tuple_elements(_result_type(mod, comp, ins))):
+        return False
+    operands = [o for o in ins.operands if mod.type_of(comp, o)]
+    if operands and all(_from_16bit(mod, comp, o) for o in operands):
+        return True
+    return _to_16bit(mod, comp, ins.name)
+
+
+def _float32(type_text: str) -> bool:
+    return type_text.lstrip().startswith("f32[")
+
+
+def _is_16bit(type_text: str) -> bool:
+    return type_text.lstrip().startswith(("bf16[", "f16["))
+
+
+def _from_16bit(mod: Module, comp: str, value: str) -> bool:
+    """`value` is a float32 convert of a 16-bit float (directly, through pass-through ops, or
+    as a fusion's root)."""
+    ins = mod.instr(comp, value)
+    if ins is None:
+        return False
+    if ins.opcode == "convert":
+        return bool(ins.operands) and _is_16bit(mod.type_of(comp, ins.operands[0]))
+    if ins.opcode in _PASS_THROUGH - {"get-tuple-element"} and ins.operands:
+        return _from_16bit(mod, comp, ins.operands[0])
+    if ins.opcode == "fusion" and ins.attr_names("calls"):
+        fused = ins.attr_names("calls")[0]
+        root = mod.root(fused)
+        return root is not None and _from_16bit(mod, fused, root.name)
+    return False
+
+
+def _to_16bit(mod: Module, comp: str, value: str) -> bool:
+    """Every use of `value` converts it to a 16-bit float (directly, through pass-through ops,
+    or as the first thing a fusion does with it)."""
+    users = mod.users(comp, value)
+    return bool(users) and all(_narrows(mod, comp, value, u) for u in users)
+
+
+def _narrows(mod: Module, comp: str, value: str, user: Instr) -> bool:
+    if user.opcode == "convert":
+        return _is_16bit(user.type)
+    if user.opcode in _PASS_THROUGH:
+        return _to_16bit(mod, comp, user.name)
+    if user.opcode != "fusion" or not user.attr_names("calls"):
+        return False
+    fused = user.attr_names("calls")[0]
+    params = [mod.parameter(fused, i) for i, o in enumerate(user.operands) if o == value]
+    return all(p is not None and _to_16bit(mod, fused, p.name) for p in params)
 
 
 def _moves_nothing(mod: Module, ins: Instr, kind: str) -> bool:

@@ -18,7 +18,7 @@ class Verification:
     rtol: float = 0.10
     atol: float = 64.0  # bytes: XLA may reduce a scalar (a loss) once per mesh axis
     widened: float = 0.0  # of the measured bytes, at most this was added by XLA:CPU
-                          # reducing 16-bit floats in float32 (analysis.CollectiveOp.widened):
+                          # moving 16-bit floats as float32 (analysis.CollectiveOp.widened):
                           # GPUs and TPUs move between measured - widened and measured
 
     @property
@@ -51,7 +51,7 @@ class Verification:
         lines.append(f"{'total bytes':<20}{total}")
         if self.widened:
             lines.append(f"{'widened, at most':<20}{'':>22}{self.widened:>22.0f}")
-            lines.append("(XLA:CPU reduced 16-bit floats in float32: on a GPU or TPU the "
+            lines.append("(XLA:CPU moved 16-bit floats as float32: on a GPU or TPU the "
                          "program moves between the total less the widened bytes and the total)")
         lines += [f"output sharding differs: {s}" for s in self.sharding_mismatches]
         return "\n".join(lines)

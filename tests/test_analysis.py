@@ -33,11 +33,11 @@ def mesh(shape=(8,), names=("d",)):
     return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
 
 
-def compiled(fn, in_specs, out_spec, *shapes, m=None):
+def compiled(fn, in_specs, out_spec, *shapes, m=None, dtype=jnp.float32):
     m = m or mesh()
     in_specs = (in_specs,) if isinstance(in_specs, P) else in_specs
     ins = tuple(NamedSharding(m, s) for s in in_specs)
-    args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
     return jax.jit(fn, in_shardings=ins, out_shardings=NamedSharding(m, out_spec)).lower(
         *args).compile()
 
@@ -85,6 +85,20 @@ def test_cpu_widens_a_bf16_all_reduce_and_says_by_how_much_at_most():
     assert (op.kind, op.bytes, op.widened) == ("all-reduce", 8 * 16 * F32, 8 * 16 * 2)
     f32 = jax.jit(fn).lower(jnp.ones((64, 16), jnp.float32)).compile()
     assert collective_ops(f32)[0].widened == 0
+
+
+@pytest.mark.parametrize("src,dst,kind", [(P("d", None), P(), "all-gather"),
+                                           (P("d", None), P(None, "d"), "all-to-all")])
+def test_cpu_moves_bf16_as_f32_and_says_by_how_much_at_most(src, dst, kind):
+    # XLA:CPU converts a bf16 value to f32 before an all-gather or all-to-all and back after
+    # it: the collective moves twice the bytes a GPU or TPU would.
+    def fn(x):
+        return jnp.sin(x) * 2
+    shape = (64, 64)
+    c = compiled(fn, src, dst, shape, dtype=jnp.bfloat16)
+    (op,) = collective_ops(c)
+    assert op.kind == kind and op.widened == op.bytes // 2 > 0
+    assert collective_ops(compiled(fn, src, dst, shape))[0].widened == 0  # f32 moves f32
 
 
 def test_all_to_all_reshard():

@@ -95,6 +95,15 @@ def test_a_bf16_training_step_verifies_on_cpu():
     assert check.bytes_ok, str(check)
 
 
+def test_a_bf16_gather_verifies_on_cpu():
+    # XLA:CPU gathers bf16 as f32: the plan's bf16 bytes are half what it measures.
+    f = jaxpar.shard(lambda x: jnp.sin(x) * 2, in_strategy=((8, 1),), out_strategy=((1, 1),))
+    x = jnp.ones((64, 16), jnp.bfloat16)
+    check = f.plan(x).verify(f.lower(x).compile())
+    assert (check.predicted_bytes, check.measured_bytes) == (64 * 16 * 2, 64 * 16 * 4)
+    assert check.bytes_ok, str(check)
+
+
 def test_a_scan_trained_through_moves_what_its_plan_says():
     """A scan over stacked weights and its backward scan, which reads the forward's residuals:
     each loop's state (carry, xs slices) is laid out as its plan says, so the partitioner
