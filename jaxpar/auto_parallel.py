@@ -32,9 +32,12 @@ strategy_ckpt_load_file/save_file and pipeline_stages.
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
+import math
 import numbers
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -553,15 +556,35 @@ def _dataset_specs(config, shapes: list[tuple], mesh: Mesh | AbstractMesh) -> li
     if config == "full_batch":
         return [PartitionSpec() for _ in shapes]
     if config == "data_parallel":
-        axes = tuple(mesh.axis_names)
-        size = mesh.size
-        return [PartitionSpec(axes) if s and s[0] % size == 0 else None for s in shapes]
+        return [_batch_spec(shape, mesh) if shape else None for shape in shapes]
     if len(config) != len(shapes):
         raise ValueError(f"dataset_strategy({config!r}): {len(config)} strategies for "
                          f"{len(shapes)} data inputs; give one each.")
     dummies = tuple(jax.ShapeDtypeStruct(shape, "float32") for shape in shapes)
     specs = strat.parse_in_strategy(tuple(config), dummies, mesh)
     return [None if spec is None else spec.to_pspec() for spec in specs]
+
+
+def _batch_spec(shape: tuple, mesh: Mesh | AbstractMesh) -> PartitionSpec | None:
+    """The batch dim cut over every mesh axis; where the device count does not divide the
+    batch, over the axes whose sizes multiply to the most that does (the outer first among
+    equals), with a warning: the rest of the devices hold copies (None: no axis divides it)."""
+    axes, sizes, batch = tuple(mesh.axis_names), dict(mesh.shape), shape[0]
+    if batch % mesh.size == 0:
+        return PartitionSpec(axes)
+    fits = [c for k in range(len(axes) - 1, 0, -1) for c in itertools.combinations(axes, k)
+            if batch % math.prod(sizes[a] for a in c) == 0]
+    best = max(fits, key=lambda c: math.prod(sizes[a] for a in c), default=())
+    ways = math.prod(sizes[a] for a in best)
+    warnings.warn(
+        f"dataset_strategy 'data_parallel': the batch of {batch} does not divide into "
+        f"{mesh.size} devices; " + (f"it is cut {ways} ways, over {' x '.join(best)}, and "
+                                    f"each piece is computed on {mesh.size // ways} devices"
+                                    if best else "no mesh axis divides it, so every device "
+                                    "computes the whole batch") +
+        f". Use a batch divisible by {mesh.size}, or give dataset_strategy split counts.",
+        stacklevel=2)
+    return PartitionSpec(best) if best else None
 
 
 def _check_dataset_entry(i: int, entry) -> None:

@@ -99,6 +99,23 @@ def test_semi_auto_is_data_parallel_with_replicated_parameters(problem):
     assert all(not s.axes() for p, s in by_path.items() if p.startswith("params/"))
 
 
+@pytest.mark.parametrize("batch, axes", [(12, ("d0", "d1")), (6, ("d0",)), (7, None)])
+def test_data_parallel_cuts_a_batch_the_devices_do_not_divide_as_far_as_it_goes(batch, axes):
+    # semi_auto's data parallel with a batch of 12 on 8 devices: cut 4 ways (it ran
+    # replicated, every device computing the whole step), with a warning.
+    params = mlp.init_mlp(jax.random.key(6), [64, 32, 64])
+    tx = optax.sgd(1e-2)
+    step = mlp.make_train_step(tx)
+    x = jax.random.normal(jax.random.key(7), (batch, 64))
+    args = (params, tx.init(params), x, x)
+    net = AutoParallel(step)
+    with pytest.warns(UserWarning, match=f"batch of {batch} does not divide into 8"):
+        spec = _specs(net, args)["x"]
+    assert spec.dims[0] == (axes or ())
+    loss = net(*args)[2]
+    np.testing.assert_allclose(loss, jax.jit(step)(*args)[2], rtol=1e-5)
+
+
 def test_dataset_strategy_full_batch_and_split_counts(mlp_problem):
     step, args, _, _ = mlp_problem
     net = AutoParallel(step)
