@@ -333,9 +333,15 @@ class ShardedFunction:
             plan.in_tree = jax.tree_util.tree_structure(args)
             plan.out_tree = jax.tree_util.tree_structure(jax.eval_shape(self.fn, *args))
         donate = tuple(i for i, owner in enumerate(leaf_owners(args)) if owner in donated)
+        in_tree, out_tree, fn = plan.in_tree, plan.out_tree, self.fn
+
+        def source(*flat):  # fn of the flat inputs, returning its flat outputs
+            out = fn(*jax.tree_util.tree_unflatten(in_tree, list(flat)))
+            return out_tree.flatten_up_to(out)
+
         return _Compiled(plan, lambda traced: build_callable(
             graph, plan.graph_plan, self.mesh, plan.in_specs, plan.out_specs, donate,
-            self.opts.fp32_communication, traced), donate=donate)
+            self.opts.fp32_communication, traced, source), donate=donate)
 
     def _donated(self, n_args: int) -> set[int]:
         """The positions donate_argnums names among n_args arguments (negative ones count

@@ -389,6 +389,31 @@ def test_a_sharded_function_composes_with_jit_grad_and_vmap():
     assert inside and inside == jaxpar.collective_stats(f.lower(X, W, B).compile())
 
 
+def test_a_sharded_function_differentiated_from_outside_keeps_custom_derivatives():
+    # The graph inlines custom_jvp and custom_vjp functions as their primal computes; the
+    # derivative must still be theirs (it was the primal's: relu's 0.5 at 0, the identity's 1).
+    @jax.custom_vjp
+    def clip_gradient(x):
+        return x
+
+    clip_gradient.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -0.1, 0.1),))
+
+    def loss(x, w):
+        return jnp.sum(3.0 * clip_gradient(jax.nn.relu(x @ w)))
+
+    x = jnp.zeros((8, 16)).at[:4].set(1.0)  # relu at 0 for half the rows
+    w = jnp.ones((16, 8))
+    f = jaxpar.shard(loss, in_strategy=((8, 1), None))
+    for got, want in [(jax.grad(f, argnums=(0, 1))(x, w), jax.grad(loss, argnums=(0, 1))(x, w)),
+                      (jax.jit(jax.grad(f))(x, w), jax.grad(loss)(x, w)),
+                      (jax.vmap(jax.grad(f), in_axes=(None, 0))(x, jnp.stack([w, -w])),
+                       jax.vmap(jax.grad(loss), in_axes=(None, 0))(x, jnp.stack([w, -w])))]:
+        for g, v in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want),
+                        strict=True):
+            np.testing.assert_allclose(g, v, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(f)(x, w), loss(x, w), rtol=1e-6)
+
+
 def test_carried_pairs_match_state_returned_in_place():
     from jaxpar.api import carried_pairs
 

@@ -108,6 +108,9 @@ class OpGraph:
     inputs: tuple[int, ...] = ()
     outputs: tuple[int | Lit, ...] = ()
     consts: dict[int, Any] = field(default_factory=dict)
+    # The program holds a custom_jvp or custom_vjp function (in a loop body too): its ops are
+    # inlined as the primal computes, without the derivative rule (lower.jit keeps it).
+    custom_derivatives: bool = False
     _tail: frozenset[int] | None = field(default=None, repr=False, compare=False)
 
     def producers(self) -> dict[int, Op]:
@@ -175,7 +178,17 @@ def build_graph(closed, in_names: tuple[str, ...] | None = None) -> OpGraph:
     b.graph.inputs = inputs
     b.graph.outputs = tuple(_read(env, v) for v in jaxpr.outvars)
     _drop_dead(b.graph)
+    b.graph.custom_derivatives = _custom_derivatives(jaxpr)
     return b.graph
+
+
+_CUSTOM_RULES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+def _custom_derivatives(jaxpr) -> bool:
+    """Whether `jaxpr` or a jaxpr nested in it calls a custom_jvp or custom_vjp function."""
+    return any(eqn.primitive.name in _CUSTOM_RULES for eqn in jaxpr.eqns) or any(
+        _custom_derivatives(sub) for sub in jax_core.subjaxprs(jaxpr))
 
 
 def _drop_dead(graph: OpGraph) -> None:

@@ -159,22 +159,41 @@ _REGIONS = {"scan": _scan, "while": _while}
 
 def build_callable(graph: OpGraph, plan: GraphPlan, mesh: Mesh, in_specs: list[Spec],
                    out_specs: list[Spec], donate: tuple[int, ...] = (),
-                   fp32_communication: bool = False, traced: bool = False) -> Callable:
+                   fp32_communication: bool = False, traced: bool = False,
+                   source: Callable | None = None) -> Callable:
     """A jitted function of the flat inputs returning the flat outputs, placed per the specs
     (fp32_communication: see the module docstring).
 
     traced: for inputs that are tracers of an enclosing transformation (jax.jit, grad,
     vmap): the inputs are constrained to their specs inside the program rather than by
     in_shardings, which jit checks against the concrete values a transformation carries (a
-    committed array laid out otherwise would be refused), and nothing is donated."""
+    committed array laid out otherwise would be refused), and nothing is donated.
+
+    source: the function of the flat inputs the graph was traced from. Where the graph holds
+    custom derivative rules (graph.custom_derivatives: its ops are inlined as the primal
+    computes), the traced program's derivative is the source's (jax.vjp of it, its inputs and
+    outputs laid out as planned): differentiated from outside, the replay would give the
+    primal's derivative instead (jax.nn.relu's at 0, a gradient clip's identity)."""
     in_sh = tuple(NamedSharding(mesh, s.to_pspec()) for s in in_specs)
     out_sh = tuple(NamedSharding(mesh, s.to_pspec()) for s in out_specs)
 
+    def placed(xs, specs):
+        return [_constrain(x, s, mesh) for x, s in zip(xs, specs, strict=True)]
+
     def run(*flat):
         if traced:
-            flat = [_constrain(x, s, mesh) for x, s in zip(flat, in_specs, strict=True)]
+            flat = placed(flat, in_specs)
         return tuple(replay(graph, plan, mesh, list(flat), fp32_communication))
 
+    if traced and source is not None and graph.custom_derivatives:
+        program = jax.custom_vjp(run)
+
+        def forward(*flat):
+            return jax.vjp(lambda *xs: tuple(placed(source(*placed(xs, in_specs)), out_specs)),
+                           *flat)
+
+        program.defvjp(forward, lambda back, cotangents: back(cotangents))
+        return jax.jit(program, out_shardings=out_sh)
     if traced:
         return jax.jit(run, out_shardings=out_sh)
     return jax.jit(run, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
