@@ -171,9 +171,10 @@ def build_callable(graph: OpGraph, plan: GraphPlan, mesh: Mesh, in_specs: list[S
 
     source: the function of the flat inputs the graph was traced from. Where the graph holds
     custom derivative rules (graph.custom_derivatives: its ops are inlined as the primal
-    computes), the traced program's derivative is the source's (jax.vjp of it, its inputs and
-    outputs laid out as planned): differentiated from outside, the replay would give the
-    primal's derivative instead (jax.nn.relu's at 0, a gradient clip's identity)."""
+    computes), the traced program's derivative is the source's (a custom_jvp whose rule is
+    jax.jvp of it, its inputs and outputs laid out as planned; reverse mode transposes it):
+    differentiated from outside, the replay would give the primal's derivative instead
+    (jax.nn.relu's at 0, a gradient clip's identity)."""
     in_sh = tuple(NamedSharding(mesh, s.to_pspec()) for s in in_specs)
     out_sh = tuple(NamedSharding(mesh, s.to_pspec()) for s in out_specs)
 
@@ -186,13 +187,12 @@ def build_callable(graph: OpGraph, plan: GraphPlan, mesh: Mesh, in_specs: list[S
         return tuple(replay(graph, plan, mesh, list(flat), fp32_communication))
 
     if traced and source is not None and graph.custom_derivatives:
-        program = jax.custom_vjp(run)
+        program = jax.custom_jvp(run)
 
-        def forward(*flat):
-            return jax.vjp(lambda *xs: tuple(placed(source(*placed(xs, in_specs)), out_specs)),
-                           *flat)
+        def exact(*xs):
+            return tuple(placed(source(*placed(xs, in_specs)), out_specs))
 
-        program.defvjp(forward, lambda back, cotangents: back(cotangents))
+        program.defjvp(lambda primals, tangents: jax.jvp(exact, primals, tangents))
         return jax.jit(program, out_shardings=out_sh)
     if traced:
         return jax.jit(run, out_shardings=out_sh)
