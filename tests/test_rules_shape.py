@@ -201,6 +201,28 @@ def test_optimization_barrier():
     assert all(i.dims == o.dims for s in checked for i, o in zip(s.ins, s.outs, strict=True))
 
 
+def test_checkpoint_name():
+    # checkpoint_name tags a value for remat policies; it had no rule, so the tagged value was
+    # gathered whole (a data parallel matmul's result, in every mode).
+    from jax.ad_checkpoint import checkpoint_name
+
+    import jaxpar
+
+    checked = check_grad(lambda x: checkpoint_name(x, "h"), (arr(8, 4),), "name")
+    assert all(s.ins[0].dims == s.outs[0].dims for s in checked)
+    x, w = arr(64, 32), arr(32, 32)
+
+    def f(x, w):
+        return jnp.sum(jnp.tanh(checkpoint_name(x @ w, "h")) @ w)
+    sharded = jaxpar.shard(f, in_strategy=((8, 1), None))
+    # the loss's sum is the only collective: no gather of the tagged value
+    assert set(jaxpar.collective_stats(sharded.lower(x, w).compile())) == {"all-reduce"}
+    policy = jax.checkpoint_policies.save_only_these_names("h")
+    grad = jax.grad(jax.checkpoint(f, policy=policy), argnums=1)
+    np.testing.assert_allclose(jaxpar.shard(grad, in_strategy=((8, 1), None))(x, w),
+                               grad(x, w), rtol=1e-4, atol=1e-6)
+
+
 MESH8 = [
     ("broadcast_in_dim", lambda x: lax.broadcast_in_dim(x, (2, 4, 8), (1, 2)), (arr(4, 8),)),
     ("reshape", lambda x: x.reshape(8, 6), (arr(4, 12),)),

@@ -144,7 +144,8 @@ def _reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[in
 
 
 def identity_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
-    """Ops that return their operands unchanged (device_put, optimization_barrier)."""
+    """Ops that return their operands unchanged (device_put, optimization_barrier, and
+    jax.ad_checkpoint.checkpoint_name's `name`, which tags a value for remat policies)."""
     if any(d is not None for d in info.params.get("devices", ())):
         return []
     k = len(info.in_shapes)
@@ -168,6 +169,8 @@ def _register() -> None:
         prim = getattr(lax, f"{name}_p", None)
         if prim is not None:
             RULES[prim] = rule
+    from jax._src.ad_checkpoint import name_p  # checkpoint_name (no public handle)
+    RULES[name_p] = identity_rule
 
 
 _register()
