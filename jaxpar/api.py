@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 
 from jaxpar import progress
 from jaxpar.cost.hardware import load_profile
@@ -146,6 +146,7 @@ def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, sea
         raise TypeError(f"shard(mesh={mesh!r}): pass a jax.sharding.Mesh, e.g. "
                         "jaxpar.make_mesh(8), an AbstractMesh (plans only, any size), or None "
                         "for all devices.")
+    check_auto_axes(mesh, "shard(mesh=...)")
     if memory_budget == "hardware":  # the profile's memory per device
         memory_budget = load_profile(hardware).memory_bytes
     if memory_budget is not None and (not isinstance(memory_budget, numbers.Real)
@@ -171,6 +172,20 @@ def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, sea
         mesh = make_mesh(len(mesh_devices(device)), device=device)  # not among them
     return ShardOptions(in_strategy, out_strategy, parameter_plan, level, mesh, mode, hardware,
                         memory_budget, float(mem_coeff), tuple(donate))
+
+
+def check_auto_axes(mesh, where: str) -> None:
+    """A ValueError unless every axis of `mesh` (None: none given) is AxisType.Auto: jaxpar
+    chooses every sharding itself, as jit does on Auto axes; Explicit axes (jax.make_mesh's
+    default) put shardings in the arrays' types, and their arrays do not mix with Auto ones."""
+    types = getattr(mesh, "axis_types", None) or ()
+    if any(t != AxisType.Auto for t in types):
+        names = tuple(mesh.axis_names)
+        raise ValueError(
+            f"{where}: the mesh's axes {names} are {tuple(t.name for t in types)}; jaxpar "
+            "chooses the shardings itself and needs Auto axes (jax.make_mesh makes Explicit "
+            f"ones by default). Use jaxpar.make_mesh({tuple(mesh.axis_sizes)}, {names}) or "
+            f"jax.make_mesh(..., axis_types=(AxisType.Auto,) * {len(names)}).")
 
 
 class ShardedFunction:
@@ -555,13 +570,21 @@ def _placed(x, sharding: NamedSharding):
     host value (numpy, scalars) is the global value, the same in every process: each process
     fills its own devices' pieces of it (jit takes no host values for sharded inputs there)."""
     if isinstance(x, jax.Array):
-        if x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim):
+        if x.sharding == sharding or (x.sharding.is_equivalent_to(sharding, x.ndim)
+                                      and not _explicit(x.sharding)):
             return x  # equality first: a step's own outputs pass without the longer check
         return jax.device_put(x, sharding)
     if jax.process_count() > 1:
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
     return x
+
+
+def _explicit(sharding) -> bool:
+    """Whether a sharding lies on a mesh with axes that are not Auto (an array placed on
+    jax.make_mesh's default mesh): jit refuses it beside arrays on the plan's Auto mesh."""
+    mesh = getattr(sharding, "mesh", None)
+    return any(t != AxisType.Auto for t in getattr(mesh, "axis_types", None) or ())
 
 
 def _own_buffers(flat: list, donate: tuple[int, ...]) -> list:

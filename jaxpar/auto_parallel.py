@@ -50,6 +50,7 @@ from jaxpar.api import (
     ShardedFunction,
     array_arguments,
     carried_pairs,
+    check_auto_axes,
     leaf_owners,
     optimizer_followers,
     positional_arguments,
@@ -154,6 +155,7 @@ class AutoParallel:
         if not isinstance(self.mesh, Mesh | AbstractMesh):
             raise TypeError(f"AutoParallel(mesh={mesh!r}): pass a jax.sharding.Mesh, e.g. "
                             "jaxpar.make_mesh(8), or an AbstractMesh to plan only.")
+        check_auto_axes(self.mesh, "AutoParallel(mesh=...)")
         if parameter_plan is not None and not isinstance(parameter_plan, dict):
             raise TypeError(f"AutoParallel(parameter_plan={parameter_plan!r}): must be a dict "
                             "mapping parameter paths to strategies, e.g. {'params/w': (1, 8)}.")

@@ -277,6 +277,20 @@ def test_malformed_options(kwargs, exc, match):
         jaxpar.shard(dense_relu, **kwargs)
 
 
+def test_a_mesh_with_explicit_axes_is_refused_and_its_arrays_are_taken():
+    # jax.make_mesh's default axes are Explicit: jaxpar's constraints failed deep inside JAX.
+    explicit = jax.make_mesh((2, 4), ("a", "b"))
+    with pytest.raises(ValueError, match=r"\('a', 'b'\) are \('Explicit', 'Explicit'\).*Auto"):
+        jaxpar.shard(dense_relu, mesh=explicit)
+    with pytest.raises(ValueError, match="AutoParallel.*Auto axes"):
+        jaxpar.AutoParallel(dense_relu, mesh=explicit)
+    # An argument placed on such a mesh is traced by its shape and placed on the plan's.
+    x = jax.device_put(X, NamedSharding(explicit, P("a", "b")))
+    f = jaxpar.shard(dense_relu, in_strategy=((2, 4), None, None))
+    for _ in range(2):  # planned from it, then called again once planned
+        np.testing.assert_allclose(f(x, W, B), dense_relu(X, W, B), rtol=1e-6)
+
+
 def test_not_callable():
     with pytest.raises(TypeError, match="callable"):
         jaxpar.shard("dense_relu")

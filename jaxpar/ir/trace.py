@@ -79,8 +79,11 @@ def arg_paths(fn, args: tuple) -> list[str]:
 def trace(fn, args: tuple) -> Traced:
     """Trace fn(*args) to a ClosedJaxpr; args may hold ShapeDtypeStructs."""
     in_paths = arg_paths(fn, args)
+    # Traced from shapes alone: an array placed on a mesh with Explicit axes would write its
+    # sharding into the program's types, which the plan's own mesh cannot replay.
+    shapes = jax.tree_util.tree_map(_shape_only, args)
     try:
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*shapes)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError,
             jax.errors.TracerBoolConversionError) as err:
         raise TypeError(_needs_a_value(fn, err)) from None
@@ -92,6 +95,14 @@ def trace(fn, args: tuple) -> Traced:
     out_tree = jax.tree_util.tree_structure(out_shape)
     out_paths = leaf_paths(out_shape, "out")
     return Traced(closed, in_tree, out_tree, tuple(in_paths), tuple(out_paths))
+
+
+def _shape_only(x):
+    """A jax.Array as a ShapeDtypeStruct with no sharding (weak type kept); anything else as
+    it is."""
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
+    return x
 
 
 def _needs_a_value(fn, err: Exception) -> str:
