@@ -205,6 +205,11 @@ class ShardedFunction:
         args = positional_arguments(self.fn, args, kwargs)
         leaves, tree = jax.tree_util.tree_flatten(args)
         args, leaves = array_arguments(self.fn, args, leaves, tree)
+        shapes = [i for i, x in enumerate(leaves) if type(x) is jax.ShapeDtypeStruct]
+        if shapes:
+            path = arg_paths(self.fn, args)[shapes[0]]
+            raise TypeError(f"{_name(self.fn)}({path}=ShapeDtypeStruct): a call needs arrays; "
+                            "shapes alone are for .plan(...) and .lower(...).")
         c = self._compiled(args, leaves, tree)
         if "tracer" in _kinds(leaves):
             # Inside jax.jit, grad, vmap...: the program is one more jitted call in the
@@ -282,6 +287,7 @@ class ShardedFunction:
                           fp32_communication=o.fp32_communication)
         if self._pinned is not None:
             self._pinned.check_matches(traced.fingerprint, model.mesh)
+            _check_pinned(self._pinned, fixed, out_fixed, paths)
             return self._finish(graph, self._pinned, args, donated)
         fixed_in = {graph.inputs[i]: s for i, s in enumerate(fixed) if s}
         fixed_out = {i: s for i, s in enumerate(out_fixed) if s}
@@ -376,6 +382,20 @@ class ShardedFunction:
                              f"{self.mesh.size} devices: it only plans (`.plan(...)`). Shard it "
                              "over a Mesh of real devices (jaxpar.make_mesh) to run it.")
 
+
+
+def _check_pinned(plan: Plan, fixed: list, out_fixed: list, paths: list[str]) -> None:
+    """A ValueError where in_strategy, out_strategy or parameter_plan lays out an input or
+    output otherwise than the pinned plan (with_plan) does: the plan would win silently."""
+    sides = (("input", fixed, plan.in_specs, paths),
+             ("output", out_fixed, plan.out_specs, [f"out[{j}]" for j in range(len(out_fixed))]))
+    for side, asked, planned, names in sides:
+        for name, want, spec in zip(names, asked, planned, strict=True):
+            if want is not None and want.resolved().dims != spec.resolved().dims:
+                raise ValueError(
+                    f"with_plan: the plan lays out {side} {name} as {spec}, but the strategy "
+                    f"given to shard asks for {want}. Drop that strategy (the plan holds its "
+                    "own), or plan again with it.")
 
 
 def _name(fn) -> str:

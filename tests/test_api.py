@@ -291,6 +291,27 @@ def test_a_mesh_with_explicit_axes_is_refused_and_its_arrays_are_taken():
         np.testing.assert_allclose(f(x, W, B), dense_relu(X, W, B), rtol=1e-6)
 
 
+def test_calls_that_cannot_run_say_why_before_planning():
+    # A ShapeDtypeStruct given to a call: JAX's error came after planning, naming 'flat[0]'.
+    f = jaxpar.shard(dense_relu)
+    with pytest.raises(TypeError, match=r"x=ShapeDtypeStruct.*\.plan"):
+        f(jax.ShapeDtypeStruct(X.shape, X.dtype), W, B)
+    assert not f._cache, "refused before planning"
+    # A jitted function's static argument, traced by jaxpar: the advice to bind it.
+    jitted = jax.jit(lambda x, w, n: (x @ w) * n, static_argnums=2)
+    with pytest.raises(TypeError, match="functools.partial"):
+        jaxpar.shard(jitted)(X, W, 3)
+
+
+def test_a_pinned_plan_refuses_a_strategy_it_does_not_follow():
+    plan = jaxpar.shard(dense_relu, in_strategy=((2, 4), None, None)).plan(X, W, B)
+    same = jaxpar.shard(dense_relu, in_strategy=((2, 4), None, None)).with_plan(plan)
+    np.testing.assert_allclose(same(X, W, B), dense_relu(X, W, B), rtol=1e-6)
+    other = jaxpar.shard(dense_relu, in_strategy=((8, 1), None, None)).with_plan(plan)
+    with pytest.raises(ValueError, match=r"with_plan: the plan lays out input x as \[d0, d1\+d2\]"):
+        other(X, W, B)
+
+
 def test_not_callable():
     with pytest.raises(TypeError, match="callable"):
         jaxpar.shard("dense_relu")

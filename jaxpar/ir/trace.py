@@ -91,6 +91,10 @@ def trace(fn, args: tuple) -> Traced:
         if "static_argnums" not in str(err):  # JAX's advice for a traced value used as one
             raise
         raise TypeError(_needs_a_value(fn, err)) from None
+    except ValueError as err:  # a jax.jit(..., static_argnums=...) given a traced argument
+        if "Non-hashable static arguments" not in str(err):
+            raise
+        raise TypeError(_needs_a_value(fn, err)) from None
     in_tree = jax.tree_util.tree_structure(args)
     out_tree = jax.tree_util.tree_structure(out_shape)
     out_paths = leaf_paths(out_shape, "out")
