@@ -288,20 +288,8 @@ def _from_16bit(mod: Module, comp: str, value: str) -> bool:
 def _to_16bit(mod: Module, comp: str, value: str) -> bool:
     """Every use of `value` converts it to a 16-bit float (directly, through pass-through ops,
     or as the first thing a fusion does with it)."""
-    users = mod.users(comp, value)
-    return bool(users) and all(_narrows(mod, comp, value, u) for u in users)
-
-
-def _narrows(mod: Module, comp: str, value: str, user: Instr) -> bool:
-    if user.opcode == "convert":
-        return _is_16bit(user.type)
-    if user.opcode in _PASS_THROUGH:
-        return _to_16bit(mod, comp, user.name)
-    if user.opcode != "fusion" or not user.attr_names("calls"):
-        return False
-    fused = user.attr_names("calls")[0]
-    params = [mod.parameter(fused, i) for i, o in enumerate(user.operands) if o == value]
-    return all(p is not None and _to_16bit(mod, fused, p.name) for p in params)
+    return _every_use(mod, comp, value,
+                      lambda user, _: user.opcode == "convert" and _is_16bit(user.type))
 
 
 def _moves_nothing(mod: Module, ins: Instr, kind: str) -> bool:
@@ -327,20 +315,28 @@ def _result_type(mod: Module, comp: str, ins: Instr) -> str:
 
 def _only_sliced(mod: Module, comp: str, value: str) -> bool:
     """Every use of `value` in `comp` dynamic-slices it (the CPU reduce-scatter pattern)."""
+    return _every_use(mod, comp, value, lambda user, v: user.opcode == "dynamic-slice" and
+                      user.operands[0] == v and v not in user.operands[1:])
+
+
+def _every_use(mod: Module, comp: str, value: str, does) -> bool:
+    """Every use of `value` in `comp` is one that `does(user, value)` accepts: directly,
+    through pass-through ops (bitcast, reshape, copy, get-tuple-element), or as the first thing
+    a fusion does with its parameter."""
     users = mod.users(comp, value)
-    return bool(users) and all(_slices(mod, comp, value, u) for u in users)
+    return bool(users) and all(_use_does(mod, comp, value, u, does) for u in users)
 
 
-def _slices(mod: Module, comp: str, value: str, user: Instr) -> bool:
-    if user.opcode == "dynamic-slice":
-        return user.operands[0] == value and value not in user.operands[1:]
+def _use_does(mod: Module, comp: str, value: str, user: Instr, does) -> bool:
+    if does(user, value):
+        return True
     if user.opcode in _PASS_THROUGH:
-        return _only_sliced(mod, comp, user.name)
+        return _every_use(mod, comp, user.name, does)
     if user.opcode != "fusion" or not user.attr_names("calls"):
         return False
     fused = user.attr_names("calls")[0]
     params = [mod.parameter(fused, i) for i, o in enumerate(user.operands) if o == value]
-    return all(p is not None and _only_sliced(mod, fused, p.name) for p in params)
+    return all(p is not None and _every_use(mod, fused, p.name, does) for p in params)
 
 
 def memory_stats(compiled: Any) -> dict[str, int]:
