@@ -178,9 +178,8 @@ def check_auto_axes(mesh, where: str) -> None:
     """A ValueError unless every axis of `mesh` (None: none given) is AxisType.Auto: jaxpar
     chooses every sharding itself, as jit does on Auto axes; Explicit axes (jax.make_mesh's
     default) put shardings in the arrays' types, and their arrays do not mix with Auto ones."""
-    types = getattr(mesh, "axis_types", None) or ()
-    if any(t != AxisType.Auto for t in types):
-        names = tuple(mesh.axis_names)
+    if not _all_auto(mesh):
+        names, types = tuple(mesh.axis_names), mesh.axis_types
         raise ValueError(
             f"{where}: the mesh's axes {names} are {tuple(t.name for t in types)}; jaxpar "
             "chooses the shardings itself and needs Auto axes (jax.make_mesh makes Explicit "
@@ -540,8 +539,9 @@ def optimizer_followers(paths: list[str], shapes: list[tuple]) -> dict[int, int]
     """
     parts = [path.split("/") for path in paths]
     leaves = {(path, tuple(shape)) for path, shape in zip(paths, shapes, strict=True)}
-    ends: dict[tuple[str, tuple], list[tuple[int, int]]] = {}  # (suffix, shape) -> (leaf,
-    for j, (names, shape) in enumerate(zip(parts, shapes, strict=True)):  # prefix length)
+    # (suffix, shape) -> (leaf, how many path components come before the suffix)
+    ends: dict[tuple[str, tuple], list[tuple[int, int]]] = {}
+    for j, (names, shape) in enumerate(zip(parts, shapes, strict=True)):
         for start in range(1, len(names)):
             ends.setdefault(("/".join(names[start:]), tuple(shape)), []).append((j, start))
     below: dict[str, list[tuple[str, tuple]]] = {}  # prefix -> (rest of path, shape) per leaf
@@ -603,8 +603,13 @@ def _placed(x, sharding: NamedSharding):
 def _explicit(sharding) -> bool:
     """Whether a sharding lies on a mesh with axes that are not Auto (an array placed on
     jax.make_mesh's default mesh): jit refuses it beside arrays on the plan's Auto mesh."""
-    mesh = getattr(sharding, "mesh", None)
-    return any(t != AxisType.Auto for t in getattr(mesh, "axis_types", None) or ())
+    return not _all_auto(getattr(sharding, "mesh", None))
+
+
+def _all_auto(mesh) -> bool:
+    """Whether every axis of `mesh` is AxisType.Auto (True for None or a mesh without
+    types)."""
+    return all(t == AxisType.Auto for t in getattr(mesh, "axis_types", None) or ())
 
 
 def _own_buffers(flat: list, donate: tuple[int, ...]) -> list:
