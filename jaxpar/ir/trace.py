@@ -102,9 +102,9 @@ def trace(fn, args: tuple) -> Traced:
 
 
 def _shape_only(x):
-    """A jax.Array as a ShapeDtypeStruct with no sharding (weak type kept); anything else as
-    it is."""
-    if isinstance(x, jax.Array):
+    """A jax.Array or ShapeDtypeStruct as a ShapeDtypeStruct with no sharding (weak type
+    kept); anything else as it is."""
+    if isinstance(x, jax.Array | jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
     return x
 
