@@ -220,7 +220,7 @@ def test_checkpoint_name():
     policy = jax.checkpoint_policies.save_only_these_names("h")
     grad = jax.grad(jax.checkpoint(f, policy=policy), argnums=1)
     np.testing.assert_allclose(jaxpar.shard(grad, in_strategy=((8, 1), None))(x, w),
-                               grad(x, w), rtol=1e-4, atol=1e-6)
+                               grad(x, w), rtol=1e-4, atol=1e-5)  # sums reordered
 
 
 MESH8 = [
