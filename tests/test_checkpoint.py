@@ -126,6 +126,15 @@ def test_optax_step_counter_round_trips(tmp_path, mesh8):
     assert restored["count"].dtype == jnp.int32 and int(restored["count"]) == 1
 
 
+def test_numpy_scalars_round_trip(tmp_path):
+    # Saved, but restoring one failed inside orbax ("Unsupported type: numpy.float32").
+    state = {"w": jnp.ones(4), "lr": np.float32(0.1), "n": np.int64(3)}
+    save_checkpoint(tmp_path / "ck", state)
+    back = restore_checkpoint(tmp_path / "ck", state)
+    assert type(back["lr"]) is np.float32 and back["lr"] == np.float32(0.1)
+    assert type(back["n"]) is np.int64 and back["n"] == 3
+
+
 def test_step_management(tmp_path, mesh8):
     root = tmp_path / "run"
     assert latest_step(root) is None and checkpoint_steps(root) == []

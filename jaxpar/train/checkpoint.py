@@ -105,7 +105,14 @@ def restore_checkpoint(path: PathLike, target: Any, *, step: int | None = None,
     restore_target = [_restore_leaf(keypath, leaf, saved[_names(keypath)][1], placement, mesh)
                       for (keypath, leaf), placement in zip(leaves, placements, strict=True)]
     with ocp.StandardCheckpointer() as checkpointer:
-        return checkpointer.restore(directory, treedef.unflatten(restore_target))
+        restored = checkpointer.restore(directory, treedef.unflatten(restore_target))
+    # A numpy scalar target (np.float32(0.1)) is restored through a 0-d array: back to one.
+    scalars = [isinstance(leaf, np.generic) for _, leaf in leaves]
+    if not any(scalars):
+        return restored
+    values = treedef.flatten_up_to(restored)
+    return treedef.unflatten([np.asarray(v)[()] if scalar else v
+                              for v, scalar in zip(values, scalars, strict=True)])
 
 
 def checkpoint_steps(path: PathLike) -> list[int]:
@@ -303,8 +310,8 @@ def _restore_leaf(keypath: KeyPath, leaf: Any, saved: Any, explicit: Sharding | 
     _check_shape(where, shape, saved)
     _check_dtype(where, shape, dtype, saved)
     sharding = _placement(leaf, explicit, mesh)
-    if sharding is None:
-        return leaf
+    if sharding is None:  # orbax restores numpy arrays, not numpy scalars
+        return np.asarray(leaf) if isinstance(leaf, np.generic) else leaf
     _check_sharding(where, shape, sharding)
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
