@@ -190,8 +190,12 @@ def check_auto_axes(mesh, where: str) -> None:
 class ShardedFunction:
     """fn sharded by jaxpar; see `shard`."""
 
-    def __init__(self, fn, opts: ShardOptions, pinned: Plan | None = None):
+    def __init__(self, fn, opts: ShardOptions, pinned: Plan | None = None,
+                 strict: bool = True):
         self.fn, self.opts, self._pinned = fn, opts, pinned
+        # strict: a pinned plan must follow the strategies given to shard (with_plan); an
+        # AutoParallel loading a strategy file fixes its own defaults and checks the file so.
+        self._strict = strict
         self._cache: dict[Any, _Compiled] = {}
         self.__wrapped__ = fn
 
@@ -249,6 +253,11 @@ class ShardedFunction:
             raise TypeError(f"with_plan(plan={plan!r}): pass a jaxpar.Plan (Plan.load(path)).")
         return ShardedFunction(self.fn, self.opts, plan)
 
+    def _loaded(self, plan: Plan) -> ShardedFunction:
+        """with_plan without holding the plan to this function's strategies (AutoParallel's
+        strategy files: its semi_auto defaults fix what a saved plan may have cut)."""
+        return ShardedFunction(self.fn, self.opts, plan, strict=False)
+
     def _compiled(self, args: tuple, leaves: list | None = None, tree=None) -> _Compiled:
         if leaves is None:
             leaves, tree = jax.tree_util.tree_flatten(args)
@@ -286,7 +295,8 @@ class ShardedFunction:
                           fp32_communication=o.fp32_communication)
         if self._pinned is not None:
             self._pinned.check_matches(traced.fingerprint, model.mesh)
-            _check_pinned(self._pinned, fixed, out_fixed, paths)
+            if self._strict:
+                _check_pinned(self._pinned, fixed, out_fixed, paths)
             return self._finish(graph, self._pinned, args, donated)
         fixed_in = {graph.inputs[i]: s for i, s in enumerate(fixed) if s}
         fixed_out = {i: s for i, s in enumerate(out_fixed) if s}

@@ -338,15 +338,17 @@ class AutoParallel:
         fixed = self._fixed(args, paths, shapes, self._batch_positions(args, n_state, state))
         sharded = self._shard(pure, fixed, donate)
         if o.load_operator_file:
-            sharded = sharded.with_plan(_load_plan(o.load_operator_file))
+            sharded = sharded._loaded(_load_plan(o.load_operator_file))
             _check_loaded(sharded, args, o.load_operator_file)
+            if o.hsdp is not None and self._optimizer_parallel(sharded.plan(*args), paths,
+                                                               shapes, args):
+                raise ValueError(
+                    f"hsdp(optimizer_level={o.hsdp[2]!r}) and load_operator_strategy_file("
+                    f"{o.load_operator_file!r}): the loaded plan does not cut the optimizer "
+                    "state as hsdp asks, and a loaded plan is used as it is. Save the plan "
+                    "with hsdp set, or drop one of the two.")
         elif o.hsdp is not None:
-            plan = sharded.plan(*args)
-            followers = optimizer_followers(paths, shapes)
-            sizes = [x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(args)]
-            more = optimizer_parallel_specs(plan.in_specs, shapes, sizes, followers,
-                                            MeshInfo.of(self.mesh), o.hsdp[2], o.hsdp[1],
-                                            o.hsdp[0])
+            more = self._optimizer_parallel(sharded.plan(*args), paths, shapes, args)
             if more:
                 fixed = {**fixed, **{paths[i]: s.to_pspec() for i, s in more.items()}}
                 sharded = self._shard(pure, fixed, donate)
@@ -357,6 +359,15 @@ class AutoParallel:
         if o.save_param_file:
             program.save_param_file(o.save_param_file, args)
         return program
+
+    def _optimizer_parallel(self, plan: Plan, paths: list[str], shapes: list[tuple],
+                            args: tuple) -> dict[int, Spec]:
+        """{leaf: spec} hsdp adds to `plan` (optimizer_parallel_specs; empty: none)."""
+        o = self._opts
+        sizes = [x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(args)]
+        return optimizer_parallel_specs(plan.in_specs, shapes, sizes,
+                                        optimizer_followers(paths, shapes),
+                                        MeshInfo.of(self.mesh), o.hsdp[2], o.hsdp[1], o.hsdp[0])
 
     def _shard(self, pure, fixed: dict[str, Any], donate: tuple[int, ...]) -> ShardedFunction:
         return shard(pure, parameter_plan=fixed or None, level=self.level, mesh=self.mesh,

@@ -300,6 +300,28 @@ def test_operator_strategy_file_reproduces_the_program(mlp_problem, tmp_path):
     assert again.plan(*args).search_mode == "recursive_programming"
 
 
+def test_a_loaded_plan_with_hsdp_must_cut_the_optimizer_state_so(mlp_problem, tmp_path):
+    # hsdp was dropped without a word when a plan file was loaded.
+    step, args, _, _ = mlp_problem
+    plain, cut = str(tmp_path / "plain.json"), str(tmp_path / "cut.json")
+    net = AutoParallel(step)
+    net.save_operator_strategy_file(plain)
+    net(*args)
+    net = AutoParallel(step)
+    net.hsdp(threshold=0, optimizer_level="level1")
+    net.save_operator_strategy_file(cut)
+    want = _specs(net, args)
+    again = AutoParallel(step)
+    again.hsdp(threshold=0, optimizer_level="level1")
+    again.load_operator_strategy_file(cut)  # saved with this hsdp: taken
+    assert _specs(again, args) == want
+    refused = AutoParallel(step)
+    refused.hsdp(threshold=0, optimizer_level="level1")
+    refused.load_operator_strategy_file(plain)
+    with pytest.raises(ValueError, match="loaded plan does not cut the optimizer state"):
+        refused(*args)
+
+
 def test_bad_operator_strategy_files_are_refused(mlp_problem, tmp_path):
     step, args, _, _ = mlp_problem
     net = AutoParallel(step)
