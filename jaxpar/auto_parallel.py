@@ -109,8 +109,10 @@ class AutoParallel:
       network: a function of arrays/pytrees (a training step, a forward pass), a function some
         of whose arguments are nnx objects (updated in place, as `nnx.jit` does), or an nnx
         Module (its `__call__`; its state is the first argument, named "model").
-      parallel_mode: "semi_auto" (default), "sharding_propagation", "recursive_programming" or
-        "dynamic_programming" (see the module docstring).
+      parallel_mode: "semi_auto", "sharding_propagation", "recursive_programming" or
+        "dynamic_programming" (see the module docstring). None (the default): the context's,
+        as MindSpore reads it: its search_mode under parallel_mode "auto_parallel", else
+        semi_auto.
       mesh: the device mesh; default `make_mesh(device_num)` from the context (all devices).
         An AbstractMesh plans for any number of devices (`.plan` only; calls refuse).
       parameter_plan: {parameter path: strategy}; an unknown path is an error listing the
@@ -131,7 +133,7 @@ class AutoParallel:
       >>> print(net.plan(params, opt_state, tokens, targets).explain())
     """
 
-    def __init__(self, network, parallel_mode: str = "semi_auto", *,
+    def __init__(self, network, parallel_mode: str | None = None, *,
                  mesh: Mesh | AbstractMesh | None = None, parameter_plan: dict | None = None,
                  hardware=None, level: int = 0, mem_coeff: float | None = None,
                  memory_budget=None, batch_argnums: int | tuple[int, ...] | None = None,
@@ -140,16 +142,19 @@ class AutoParallel:
         if not callable(network):
             raise TypeError(f"AutoParallel(network={network!r}): network must be a function or "
                             "a Flax nnx Module.")
-        if not isinstance(parallel_mode, str):
+        if parallel_mode is not None and not isinstance(parallel_mode, str):
             raise TypeError(f"AutoParallel(parallel_mode={parallel_mode!r}): must be a str, one "
-                            f"of {list(PARALLEL_MODES)}.")
-        if parallel_mode not in PARALLEL_MODES:
+                            f"of {list(PARALLEL_MODES)}, or None for the context's.")
+        if parallel_mode is not None and parallel_mode not in PARALLEL_MODES:
             raise ValueError(f"AutoParallel(parallel_mode={parallel_mode!r}): must be one of "
                              f"{list(PARALLEL_MODES)}.")
         if context is not None and not isinstance(context, ParallelContext):
             raise TypeError(f"AutoParallel(context={context!r}): pass a jaxpar.ParallelContext "
                             "or None for the current one.")
         ctx = context if context is not None else current_context()
+        if parallel_mode is None:
+            parallel_mode = ctx.search_mode if ctx.parallel_mode == "auto_parallel" else \
+                "semi_auto"
         self.network, self.parallel_mode, self.context = network, parallel_mode, ctx
         self.mesh = mesh if mesh is not None else make_mesh(ctx.device_num or len(jax.devices()))
         if not isinstance(self.mesh, Mesh | AbstractMesh):

@@ -63,7 +63,9 @@ class ParallelContext:
     device_num: int | None = None
     # This process's global rank, in [0, 4095].
     global_rank: int = 0
-    # Divide all-reduced gradients by the number of devices (a mean, not a sum).
+    # Divide all-reduced gradients by the number of devices (a mean, not a sum). Recorded for
+    # MindSpore configs; jaxpar's programs see the global batch, so a mean loss's gradients are
+    # means already (make_train_step(gradients_mean=False) sums the replicas' instead).
     gradients_mean: bool = False
     # All-reduce gradients in float32 even when they are half precision.
     gradient_fp32_sync: bool = True
@@ -86,7 +88,8 @@ class ParallelContext:
     # optimizer_weight_shard_size (-1 or > 1); missing keys take PARALLEL_OPTIMIZER_DEFAULTS.
     parallel_optimizer_config: dict[str, Any] = field(
         default_factory=lambda: dict(PARALLEL_OPTIMIZER_DEFAULTS))
-    # Allow all-to-all collectives (else all-gather + split + concat).
+    # MindSpore's switch for all-to-all collectives (else all-gather + split + concat). Read
+    # from configs but without effect: XLA's partitioner emits the all-to-alls jaxpar prices.
     enable_alltoall: bool = False
     # Gradient indices that split all-reduce fusion groups, strictly increasing; () = no fusion.
     all_reduce_fusion_config: tuple[int, ...] = ()

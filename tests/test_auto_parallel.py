@@ -279,6 +279,17 @@ def test_optimizer_parallel_threshold_keeps_small_tensors(mlp_problem):
     assert net.plan(*args).in_specs == plain.plan(*args).in_specs
 
 
+def test_the_mode_comes_from_the_context_unless_given():
+    # The context's parallel_mode and search_mode were ignored: AutoParallel stayed semi_auto.
+    assert AutoParallel(_step).parallel_mode == "semi_auto"
+    jaxpar.set_auto_parallel_context(parallel_mode="auto_parallel",
+                                     search_mode="dynamic_programming")
+    assert AutoParallel(_step).parallel_mode == "dynamic_programming"
+    assert AutoParallel(_step, "semi_auto").parallel_mode == "semi_auto"
+    jaxpar.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
+    assert AutoParallel(_step).parallel_mode == "semi_auto"
+
+
 def test_context_enables_the_parallel_optimizer(mlp_problem):
     step, args, _, _ = mlp_problem
     jaxpar.set_auto_parallel_context(enable_parallel_optimizer=True, parallel_optimizer_config={
