@@ -37,6 +37,7 @@ import json
 import math
 import numbers
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -579,7 +580,10 @@ def _dataset_specs(config, shapes: list[tuple], mesh: Mesh | AbstractMesh) -> li
         raise ValueError(f"dataset_strategy({config!r}): {len(config)} strategies for "
                          f"{len(shapes)} data inputs; give one each.")
     dummies = tuple(jax.ShapeDtypeStruct(shape, "float32") for shape in shapes)
-    specs = strat.parse_in_strategy(tuple(config), dummies, mesh)
+    try:
+        specs = strat.parse_in_strategy(tuple(config), dummies, mesh)
+    except (TypeError, ValueError) as err:  # its words name in_strategy, which was not given
+        raise type(err)(str(err).replace("in_strategy", "dataset_strategy")) from None
     return [None if spec is None else spec.to_pspec() for spec in specs]
 
 
@@ -601,8 +605,20 @@ def _batch_spec(shape: tuple, mesh: Mesh | AbstractMesh) -> PartitionSpec | None
                                     if best else "no mesh axis divides it, so every device "
                                     "computes the whole batch") +
         f". Use a batch divisible by {mesh.size}, or give dataset_strategy split counts.",
-        stacklevel=2)
+        stacklevel=_caller_level())
     return PartitionSpec(best) if best else None
+
+
+def _caller_level() -> int:
+    """warnings.warn's stacklevel, for its caller, that names the first frame outside jaxpar
+    (the user's call)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # the jaxpar/ folder
 
 
 def _check_dataset_entry(i: int, entry) -> None:
