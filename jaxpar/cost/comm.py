@@ -132,8 +132,16 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
     # XLA reduce-scatters onto one dimension, the first that `dst` cuts with partial axes;
     # the partial axes `dst` puts on later dimensions are all-reduced first, at full size,
     # and then sliced.
+    # With axes new to dst sliced first (besides the partial ones), XLA reduce-scatters onto
+    # every dimension at once and renumbers the pieces (a permute) instead: partial (y, z) ->
+    # [y, x+z] on 2 x 2 x 2 devices.
     first = min((dst.dim_of(a) for a in scatter), default=None)
     early = tuple(a for a in scatter if dst.dim_of(a) != first)
+    if early and new:
+        out.append(Collective("reduce-scatter", scatter, local))
+        local /= mesh.group_size(scatter)
+        out.append(Collective("collective-permute", scatter, local))
+        early = scatter = ()
     if early:
         out.append(Collective("all-reduce", early, local))
         scatter = tuple(a for a in scatter if a not in early)
