@@ -81,11 +81,13 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
     gathered in groups (_swapped, _dropped_for). Otherwise, in order: slices first (free, they
     shrink the pieces); partial sums reduced (a reduce-scatter onto the first dimension `dst`
     cuts with partial axes, an all-reduce before it, at full size, of those `dst` cuts on later
-    dimensions, and one after it of those `dst` does not cut); axes moving between dimensions
-    (an all-to-all); one collective-permute when a dimension keeps an axis but the axes outside
-    it change, or when the moved axes land out of dst's order (the pieces are renumbered); then
-    one all-gather per dimension that loses axes, last dimension first. Axes of size 1 cut
-    nothing and are left out first (specs that differ only in them move nothing).
+    dimensions, or one reduce-scatter onto them all and a permute where `dst` also slices
+    axes `src` does not use; and an all-reduce of those `dst` does not cut); axes moving
+    between dimensions (an all-to-all); one collective-permute when a dimension keeps an axis
+    but the axes outside it change, or when the moved axes land out of dst's order (the pieces
+    are renumbered); then one all-gather per dimension that loses axes, last dimension first.
+    Axes of size 1 cut nothing and are left out first (specs that differ only in them move
+    nothing).
     """
     src, dst = _cutting(src, mesh), _cutting(dst.resolved(), mesh)
     if src.placed_as(dst):
@@ -132,9 +134,9 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
     # XLA reduce-scatters onto one dimension, the first that `dst` cuts with partial axes;
     # the partial axes `dst` puts on later dimensions are all-reduced first, at full size,
     # and then sliced.
-    # With axes new to dst sliced first (besides the partial ones), XLA reduce-scatters onto
-    # every dimension at once and renumbers the pieces (a permute) instead: partial (y, z) ->
-    # [y, x+z] on 2 x 2 x 2 devices.
+    # Where dst also slices axes src does not use, XLA reduce-scatters onto every dimension
+    # at once and renumbers the pieces (a permute) instead: partial (y, z) -> [y, x+z] on
+    # 2 x 2 x 2 devices.
     first = min((dst.dim_of(a) for a in scatter), default=None)
     early = tuple(a for a in scatter if dst.dim_of(a) != first)
     if early and new:
