@@ -311,31 +311,27 @@ def test_placed_as_is_where_resharding_moves_nothing():
             assert model.reshard_line(src, dst) != (0.0, 0.0)
 
 
-@pytest.mark.parametrize("out", [("d1", ("d0", "d2")), (("d0", "d1"), "d2"), ("d1", "d2"),
-                                 ("d0", ("d1", "d2"))], ids=str)
-def test_partial_sum_onto_two_dims_beside_a_new_axis_matches_compiled(out):
-    # Partial over d1 and d2 onto two dims, d0 sliced besides: one reduce-scatter and a
-    # permute (an all-reduce at full size and a reduce-scatter had been predicted).
-    mesh = make_mesh((2, 2, 2), K)
-    part = ("d1", "d2")
-    f = jax.jit(lambda x, w: jax.lax.with_sharding_constraint(
-        x @ w, NamedSharding(mesh, P(*out))),
-        in_shardings=(NamedSharding(mesh, P(None, part)), NamedSharding(mesh, P(part, None))))
-    compiled = f.lower(jax.ShapeDtypeStruct((64, 32), jnp.float32),
-                       jax.ShapeDtypeStruct((32, 128), jnp.float32)).compile()
-    measured = {k: v["bytes"] for k, v in collective_stats(compiled).items()}
-    predicted = {}
-    for c in reshard(Spec(((), ()), part), S(*out), 64 * 128 * 4, MeshInfo.of(mesh)):
-        predicted[c.kind] = predicted.get(c.kind, 0) + c.bytes
-    assert predicted == measured
-
-
 def test_reduce_scatter_when_destination_cuts_the_partial_axis():
     cs = reshard(S(None, None, partial=("d0",)), S("d0", None), 1024, MESH)
     assert [(c.kind, c.bytes) for c in cs] == [("reduce-scatter", 1024)]
 
 
 K = ("d0", "d1", "d2")
+
+
+def _partial_product(part: tuple, out: tuple) -> tuple[dict, dict]:
+    """(predicted, measured) bytes by kind of x @ w with the contraction cut on `part`, its
+    product (a partial sum over `part`) constrained to `out`, on 2 x 2 x 2 devices."""
+    mesh = make_mesh((2, 2, 2), K)
+    f = jax.jit(lambda x, w: jax.lax.with_sharding_constraint(
+        x @ w, NamedSharding(mesh, P(*out))),
+        in_shardings=(NamedSharding(mesh, P(None, part)), NamedSharding(mesh, P(part, None))))
+    compiled = f.lower(jax.ShapeDtypeStruct((64, 32), jnp.float32),
+                       jax.ShapeDtypeStruct((32, 128), jnp.float32)).compile()
+    predicted = {}
+    for c in reshard(Spec(((), ()), part), S(*out), 64 * 128 * 4, MeshInfo.of(mesh)):
+        predicted[c.kind] = predicted.get(c.kind, 0) + c.bytes
+    return predicted, {k: v["bytes"] for k, v in collective_stats(compiled).items()}
 
 
 @pytest.mark.parametrize("out", [(K, None), (("d1", "d2"), "d0"), ("d0", ("d1", "d2")),
@@ -345,16 +341,16 @@ def test_partial_sum_onto_several_dims_matches_compiled(out):
     # x @ w with the contraction cut on every axis: the product is a partial sum over all
     # three. XLA reduce-scatters onto one dim (the first the result cuts) and all-reduces
     # the rest: what reshard predicts must be what it compiles, kind by kind.
-    mesh = make_mesh((2, 2, 2), K)
-    f = jax.jit(lambda x, w: jax.lax.with_sharding_constraint(
-        x @ w, NamedSharding(mesh, P(*out))),
-        in_shardings=(NamedSharding(mesh, P(None, K)), NamedSharding(mesh, P(K, None))))
-    compiled = f.lower(jax.ShapeDtypeStruct((64, 32), jnp.float32),
-                       jax.ShapeDtypeStruct((32, 128), jnp.float32)).compile()
-    measured = {k: v["bytes"] for k, v in collective_stats(compiled).items()}
-    predicted = {}
-    for c in reshard(Spec(((), ()), K), S(*out), 64 * 128 * 4, MeshInfo.of(mesh)):
-        predicted[c.kind] = predicted.get(c.kind, 0) + c.bytes
+    predicted, measured = _partial_product(K, out)
+    assert predicted == measured
+
+
+@pytest.mark.parametrize("out", [("d1", ("d0", "d2")), (("d0", "d1"), "d2"), ("d1", "d2"),
+                                 ("d0", ("d1", "d2"))], ids=str)
+def test_partial_sum_onto_two_dims_beside_a_new_axis_matches_compiled(out):
+    # Partial over d1 and d2 onto two dims, d0 sliced besides: one reduce-scatter and a
+    # permute (an all-reduce at full size and a reduce-scatter had been predicted).
+    predicted, measured = _partial_product(("d1", "d2"), out)
     assert predicted == measured
 
 
