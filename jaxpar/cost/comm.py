@@ -305,20 +305,18 @@ def _relabelled(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo
     (no renaming needed) or no renaming leads to gathers. On 2 x 2 x 2 devices every such
     pair of rank 2 (522) and a sample of 400 of rank 3 compile so (benchmarks/
     reshard_accuracy.py); an all-to-all and a gather had been predicted for a sixth of them."""
-    if src.partial or all(dst.dims[d] == axes[:len(dst.dims[d])]
-                          for d, axes in enumerate(src.dims)):
+    # Renaming keeps each dimension's number of axes and gathers only drop some: dst holds
+    # no more in any dimension (most pairs stop here).
+    if src.partial or any(len(b) > len(a) for a, b in zip(src.dims, dst.dims, strict=True)) \
+            or all(dst.dims[d] == axes[:len(dst.dims[d])] for d, axes in enumerate(src.dims)):
         return None
-    names = mesh.names
-    for image in itertools.permutations(names):
-        if any(mesh.axis_size(a) != mesh.axis_size(b) for a, b in zip(names, image, strict=True)):
-            continue
-        rename = dict(zip(names, image, strict=True))
+    for rename in _renamings(mesh):
         dims = [tuple(rename[a] for a in axes) for axes in src.dims]
         if dims == list(src.dims) or any(dst.dims[d] != axes[:len(dst.dims[d])]
                                          for d, axes in enumerate(dims)):
             continue
         local = nbytes / src.shards(mesh)
-        moved = tuple(a for a in names if rename[a] != a and a in src.axes())
+        moved = tuple(a for a in mesh.names if rename[a] != a and a in src.axes())
         out = [Collective("collective-permute", moved, local)]
         for d in reversed(range(len(dims))):
             gone = dims[d][len(dst.dims[d]):]
@@ -327,6 +325,19 @@ def _relabelled(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo
                 out.append(Collective("all-gather", gone, local))
         return out
     return None
+
+
+def _renamings(mesh: MeshInfo) -> list[dict[str, str]]:
+    """Every renaming of the mesh's axes to axes of the same size but the identity (kept in
+    mesh.cache)."""
+    hit = mesh.cache.get("renamings")
+    if hit is None:
+        names = mesh.names
+        hit = mesh.cache["renamings"] = [
+            dict(zip(names, image, strict=True)) for image in itertools.permutations(names)
+            if image != names and all(mesh.axis_size(a) == mesh.axis_size(b)
+                                      for a, b in zip(names, image, strict=True))]
+    return hit
 
 
 def _renamed(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collective] | None:
