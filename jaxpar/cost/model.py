@@ -193,6 +193,11 @@ class CostModel:
             hit = self._reshard_cache[key] = self._moving(src, dst, size, share)
         return hit
 
+    def reshard_bytes(self, src: Spec, dst: Spec, nbytes: float) -> OpCost:
+        """reshard() of an array of `nbytes`, priced from the pair's collectives for one byte
+        (worked out once per pair, whatever the size)."""
+        return self._moving(src, dst, nbytes, 1.0)
+
     def _moving(self, src: Spec, dst: Spec, nbytes: float, share: float) -> OpCost:
         """reshard() of an array of `nbytes`: _one_byte's collectives, scaled."""
         return self.collectives_cost(

@@ -88,7 +88,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxpar import progress
-from jaxpar.cost.comm import reshard as comm_reshard
 from jaxpar.cost.model import CostModel
 from jaxpar.ir.graph import Lit, Op, OpGraph
 from jaxpar.ir.repeat import op_classes
@@ -917,8 +916,7 @@ class _Sapp:
     def _reshard(self, src: Spec, dst: Spec, nbytes: int) -> float:
         key = (src, dst, nbytes)
         if key not in self.scores_cache:
-            self.scores_cache[key] = self.model.score(self.model.collectives_cost(
-                comm_reshard(src, dst, nbytes, self.mesh)))
+            self.scores_cache[key] = self.model.score(self.model.reshard_bytes(src, dst, nbytes))
         return self.scores_cache[key]
 
     def _base(self, x: int, slot: Slot) -> Spec:
