@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import PartitionSpec as P
 from rule_harness import check_rule
 
 from jaxpar.mesh import make_mesh
@@ -75,14 +76,29 @@ GATHERS = {
 def test_gather(case):
     fn, args, gathered, paired = GATHERS[case]
     checked = check_rule(fn, args, "gather", grad=True)
-    assert gathered not in cut_dims(checked, 0), "the gathered operand dim is never cut"
+    # The gathered dim may be cut (each device looks up the rows it holds, the others
+    # masked): the result is then partial over exactly those axes.
+    rows = [s for s in checked if s.ins[0].dims[gathered]]
+    assert rows, "the gathered operand dim is a loop (vocab-parallel lookup)"
+    assert all(s.partial[0] == s.ins[0].dims[gathered] for s in checked)
     assert all(not s.ins[1].dims[-1] for s in checked), "nor the index vector dim"
     assert 0 in cut_dims(checked, 1), "index batch dims are loops"
-    assert not any(any(s.partial) for s in checked)
     if paired is not None:
         assert all(s.ins[0].dims[paired] == s.ins[1].dims[0] for s in checked)
     if case == "embedding":
         sample_mesh8(fn, args, "gather")
+
+
+def assert_rows_local(checked, rows: int) -> None:
+    """Some strategies cut the operand's indexed `rows` (each device updates the rows it
+    holds); those read the indices and updates whole on those axes, leave nothing partial on
+    them, and cut the result so too (and maybe more: a partial sum reduce-scattered onto it)."""
+    cut = [s for s in checked if s.ins[0].dims[rows]]
+    assert cut, "the indexed operand dim is a loop"
+    for s in cut:
+        axes = set(s.ins[0].dims[rows])
+        assert axes <= set(s.outs[0].dims[rows])
+        assert not axes & (set(s.ins[1].axes()) | set(s.ins[2].axes()) | set(s.partial[0]))
 
 
 def test_scatter_add_embedding_grad():
@@ -91,7 +107,8 @@ def test_scatter_add_embedding_grad():
 
     args = (arr(16, 8), ints(16, 8), arr(8, 8))
     checked = check_rule(fn, args, "scatter-add", grad=True)
-    assert cut_dims(checked, 0) == {1}, "table rows are indexed, never cut"
+    assert cut_dims(checked, 0) == {0, 1}
+    assert_rows_local(checked, 0)
     partial = [s for s in checked if any(s.partial)]
     assert partial and all(s.ins[2].dims[0] for s in partial), "cut update rows: partial sums"
     sample_mesh8(fn, args, "scatter-add")
@@ -108,7 +125,8 @@ def test_scatter_add_paired_batch_dims():
     # the take_along_axis gradient: operand rows, label rows and update rows form one loop
     fn = jax.vmap(lambda x, y, u: x.at[y].add(u))
     checked = check_rule(fn, (arr(8, 16), ints(16, 8, 1), arr(8, 1)), "scatter-add", grad=True)
-    assert cut_dims(checked, 0) == {0}
+    assert cut_dims(checked, 0) == {0, 1}
+    assert_rows_local(checked, 1)
     assert all(s.ins[0].dims[0] == s.ins[1].dims[0] == s.ins[2].dims[0] for s in checked)
 
 
@@ -147,9 +165,10 @@ def test_scatter_set(batched):
     args = (arr(*batch, 16, 8), unique_rows(6, 16, batch), arr(*batch, 6, 8))
     checked = check_rule(fn, args, "scatter", grad=True)
     rows = len(batch)
-    assert rows not in cut_dims(checked, 0) | cut_dims(checked, 2), \
+    assert rows not in cut_dims(checked, 2), \
         "overwrites from different devices cannot be combined: update rows are never cut"
     assert rows + 1 in cut_dims(checked, 0)
+    assert_rows_local(checked, rows)
     assert not any(any(s.partial) for s in checked)
     if batched:
         assert all(s.ins[0].dims[0] == s.ins[1].dims[0] == s.ins[2].dims[0] for s in checked)
@@ -166,6 +185,30 @@ def test_scatter_combiners(name, method):
     args = (arr(16, 8), ints(16, 8), arr(8, 8))
     # jax differentiates scatter-mul in its updates only with unique_indices=True
     checked = check_rule(fn, args, name, grad=name != "scatter-mul")
-    assert cut_dims(checked, 0) == cut_dims(checked, 2) == {1}
+    assert cut_dims(checked, 0) == {0, 1} and cut_dims(checked, 2) == {1}
+    assert_rows_local(checked, 0)
     assert not any(any(s.partial) for s in checked)
     sample_mesh8(fn, args, name)
+
+
+@pytest.mark.parametrize("out", [P("dp", None, None), P("dp", None, "mp")], ids=str)
+def test_a_vocab_parallel_lookup_moves_only_its_result(out):
+    # Megatron's vocab-parallel embedding: the table cut on its rows over mp, the ids on the
+    # batch over dp. Each device looks up the rows it holds; the result is reduced over mp.
+    # The table never moves, and the plan predicts what the compiled program moves.
+    import jaxpar
+
+    mesh = make_mesh((4, 2), ("dp", "mp"))
+    table, ids = arr(64, 16), ints(64, 8, 4)
+    # take(mode="clip"): the gather alone (t[i] adds index arithmetic for negative ids)
+    f = jaxpar.shard(lambda t, i: jnp.take(t, i, axis=0, mode="clip"), mesh=mesh,
+                     in_strategy=(P("mp", None), P("dp", None)), out_strategy=(out,))
+    plan = f.plan(table, ids)
+    check = plan.verify(f.lower(table, ids).compile())
+    assert check.ok, str(check)
+    # an all-reduce of every device's (8/4, 4, 16) f32 piece, then sliced where out cuts mp
+    assert plan.collectives == {"all-reduce": {"count": 1, "bytes": 2 * 4 * 16 * 4}}
+    np.testing.assert_allclose(f(table, ids), table[ids], rtol=1e-6)
+    # ids past the end are clipped to the last row, as unsharded
+    far = ids.at[0, 0].set(99)
+    np.testing.assert_allclose(f(table, far), jnp.take(table, far, axis=0, mode="clip"))

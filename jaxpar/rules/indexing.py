@@ -11,8 +11,17 @@ piece of every array:
   the result / updates, joined by the operand dimension it is paired with in
   `operand_batching_dims` (the rows of `take_along_axis`).
 
-Dimensions an index moves (the vocabulary of an embedding table), windows narrower than their
-dimension and the index-vector dimension (always the last of `indices` in JAX) are not loops.
+- an *indexed* dimension whose window is one element wide (the vocabulary of an embedding
+  table, Megatron's vocab-parallel embedding): each device looks up or updates only the rows
+  it holds, with the indices shifted to its piece and those outside it masked. A gather's
+  result is then partial (each row comes from the one device holding it, zeros elsewhere:
+  an all-reduce over the axis makes it whole); a scatter's operand and result are cut so, and
+  its indices and updates are read whole. XLA's SPMD partitioner emits exactly that (a local
+  gather, a select, an all-reduce; a local scatter), checked against compiled HLO in
+  tests/test_rules_indexing.py.
+
+Windows narrower than their dimension at a data-dependent start and the index-vector dimension
+(always the last of `indices` in JAX) are not loops.
 Cutting a scatter's index batch dimension while the operand stays whole leaves each device with
 only some of the updates: summable for `scatter-add` / `scatter-sub` (a reducible loop), wrong
 for overwriting, multiplying or min/max scatters, which therefore never get that cut. The scalar
@@ -83,7 +92,17 @@ def gather_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
               for i, o, od in _batch_triples(indices, out, dn.offset_dims,
                                              dn.start_indices_batching_dims,
                                              dn.operand_batching_dims)]
-    return loop_strategies(info, mesh, loops)
+    rows = [Loop(operand[d], (d, None), (None,), reducible=True)
+            for d in _rows(operand, info.params["slice_sizes"], dn.start_index_map)]
+    # A masked lookup is reduced with an all-reduce: constrained to be reduce-scattered onto a
+    # dim of the result, XLA partitions the gather otherwise and moves several times more.
+    return loop_strategies(info, mesh, loops + rows, scatter_dims=() if rows else None)
+
+
+def _rows(operand: Shape, window: Sequence[int], indexed: Sequence[int]) -> list[int]:
+    """The operand dims an index moves one element at a time (an embedding table's
+    vocabulary): each device can look up or update the rows it holds, the others masked."""
+    return [d for d in dict.fromkeys(indexed) if window[d] == 1 and operand[d] > 1]
 
 
 def _scatter_loops(info: OpInfo, summable: bool) -> list[Loop]:
@@ -100,6 +119,12 @@ def _scatter_loops(info: OpInfo, summable: bool) -> list[Loop]:
             loops.append(Loop(indices[i], (od, i, u), (od,)))
         elif summable:
             loops.append(Loop(indices[i], (None, i, u), (None,), reducible=True))
+    window = [1 if d in skipped else None for d in range(len(operand))]
+    for d, w in zip([d for d in range(len(operand)) if d not in skipped],
+                    dn.update_window_dims, strict=True):
+        window[d] = updates[w]
+    loops += [Loop(operand[d], (d, None, None), (d,))
+              for d in _rows(operand, window, dn.scatter_dims_to_operand_dims)]
     return loops
 
 
