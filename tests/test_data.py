@@ -29,6 +29,8 @@ def mesh():
     ("full_batch", (P(), P())),
     (((8, 1), (8,)), (P(ALL), P(ALL))),
     (((2, 4), (1,)), (P("d0", ("d1", "d2")), P())),
+    ([[2, 4], [1]], (P("d0", ("d1", "d2")), P())),  # lists, as a YAML config gives them
+    (([8, 1], (8,)), (P(ALL), P(ALL))),
     (((4, 1), P("d2")), (P(("d0", "d1")), P("d2"))),
     ((jaxpar.Layout((2, 4), ("dp", "mp"))("dp", "mp"), (2,)),
      (P("d0", ("d1", "d2")), P("d0"))),
@@ -68,12 +70,15 @@ def test_parse_accepts_shape_dtype_structs(mesh):
 
 
 @pytest.mark.parametrize("strategy, exc, match", [
-    (["data_parallel"], TypeError, r"dataset_strategy=\['data_parallel'\] must be a str"),
+    (["data_parallel", "full_batch"], TypeError,
+     r"dataset_strategy\[0\]='data_parallel' for input 0 .* each entry must be a tuple"),
+    ({"x": (8, 1)}, TypeError, r"dataset_strategy=\{'x': \(8, 1\)\} must be a str"),
     (8, TypeError, "dataset_strategy=8 must be a str"),
     ("model_parallel", ValueError, "dataset_strategy='model_parallel' must be one of"),
     ((), ValueError, r"dataset_strategy=\(\) is empty; .* e.g. \(\(8, 1\), \(8,\)\)"),
     (((8, 1),), ValueError, "has 1 entries but the batch has 2 inputs"),
-    (([8, 1], (8,)), TypeError, r"dataset_strategy\[0\]=\[8, 1\] for input 0 of shape \(16, 4\)"),
+    (([8, "1"], (8,)), TypeError, r"dataset_strategy\[0\]=\(8, '1'\) for input 0 of shape "
+                                  r"\(16, 4\): count '1' is a str"),
     (((8, 1.0), (8,)), TypeError, r"dataset_strategy\[0\].*count 1.0 is a float, not an int"),
     (((8, True), (8,)), TypeError, "count True is a bool"),
     (((8,), (8,)), ValueError, r"dataset_strategy\[0\].* rank 2 needs 2 counts, got 1"),

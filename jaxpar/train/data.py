@@ -40,9 +40,9 @@ def parse_dataset_strategy(config: str | tuple, batch: Any,
     """The PartitionSpec of every input under a MindSpore dataset strategy.
 
     Args:
-      config: "data_parallel", "full_batch", or a tuple with one entry per input (per leaf of
-        `batch`, in jax.tree_util order): a tuple of split counts per dim, a `Layout` mapping or
-        a `PartitionSpec`.
+      config: "data_parallel", "full_batch", or a tuple (or list) with one entry per input (per
+        leaf of `batch`, in jax.tree_util order): a tuple (or list) of split counts per dim, a
+        `Layout` mapping or a `PartitionSpec`.
       batch: the global batch: a pytree of arrays or `jax.ShapeDtypeStruct`s.
       mesh: the device mesh; default `make_mesh(len(jax.devices()))`.
 
@@ -144,7 +144,9 @@ def _leaf_specs(config, shapes: list[Shape], mesh: Mesh) -> list[P]:
         if config == "full_batch":
             return [P() for _ in shapes]
         return [_data_parallel_spec(shape, i, mesh) for i, shape in enumerate(shapes)]
-    if not isinstance(config, tuple):
+    if isinstance(config, tuple | list):  # lists as the context and AutoParallel take them
+        config = tuple(tuple(e) if isinstance(e, list) else e for e in config)  # (YAML's)
+    else:
         raise TypeError(f"dataset_strategy={config!r} must be a str ('data_parallel' or "
                         "'full_batch') or a tuple with one strategy per input, e.g. "
                         "((8, 1), (8,)).")
