@@ -336,8 +336,8 @@ def test_a_tied_embedding_is_looked_up_where_its_rows_lie():
     # v5e chips at level 2, mem_coeff 0. With the rows of a table a loop of the lookup (each
     # device looks up the rows it holds, the result all-reduced), both searches cut the
     # table's vocabulary, Megatron's vocab-parallel embedding; the lookup's gradient (a
-    # scatter-add) updates the rows in place. The exact objective drops by 14% against the
-    # best plan without that loop, and recursive_programming reaches it.
+    # scatter-add) updates the rows in place. The exact objective dropped by 14% when the
+    # loop came in (0.953 -> 0.822 ms), and recursive_programming reaches it.
     step, args = abstract_train_step(GPTConfig(layers=2, d_model=512, heads=8, vocab=8192,
                                                seq=256), 16)
     graph, model, ties = _tied(step, args, jaxpar.make_mesh((4, 2), ("d0", "d1")), "tpu-v5e")
