@@ -219,8 +219,12 @@ def test_checkpoint_name():
     assert set(jaxpar.collective_stats(sharded.lower(x, w).compile())) == {"all-reduce"}
     policy = jax.checkpoint_policies.save_only_these_names("h")
     grad = jax.grad(jax.checkpoint(f, policy=policy), argnums=1)
-    np.testing.assert_allclose(jaxpar.shard(grad, in_strategy=((8, 1), None))(x, w),
-                               grad(x, w), rtol=1e-4, atol=1e-5)  # sums reordered
+    # Sums reordered: each entry sums 64 rows' terms, the largest entries near 50, so an entry
+    # near 0 may be 2e-5 off in float32 (seen in a CI run): atol 1e-4, 5e-6 of the largest.
+    want = grad(x, w)
+    assert float(jnp.abs(want).max()) > 1.0
+    np.testing.assert_allclose(jaxpar.shard(grad, in_strategy=((8, 1), None))(x, w), want,
+                               rtol=1e-4, atol=1e-4)
 
 
 MESH8 = [
