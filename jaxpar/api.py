@@ -356,7 +356,7 @@ class ShardedFunction:
             gp, decisions = recursive_programming(graph, model, fixed_in, fixed_out,
                                                   self.opts.memory_budget, ties, index)
             return gp, [], decisions
-        return propagate(graph, model, fixed_in, fixed_out, index=index), [], []
+        return propagate(graph, model, fixed_in, fixed_out, index=index, keep_fixed=True), [], []
 
     def _finish(self, graph, plan: Plan, args, donated: set[int]) -> _Compiled:
         if plan.in_tree is None:  # a loaded plan: take the structure from these arguments
