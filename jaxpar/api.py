@@ -304,8 +304,10 @@ class ShardedFunction:
         # Shared by the searches below (each prices a thing once); dynamic_programming
         # builds its own tables and reads none.
         index = None if o.search_mode == "dynamic_programming" else GraphIndex(graph)
-        gp, notes, decisions = self._search(graph, model, fixed_in, fixed_out,
-                                            [(graph.inputs[i], j) for i, j in ties], index)
+        carried = [(graph.inputs[i], j) for i, j in ties]
+        kept = None if o.search_mode in AUTOMATIC_MODES else _kept(fixed_in, carried)
+        gp, notes, decisions = self._search(graph, model, fixed_in, fixed_out, carried, index,
+                                            kept)
         if ties:  # each carried output takes the spec of the input it replaces
             spec = {i: gp.specs[graph.inputs[i]] for i, _ in ties}
             fixed_out |= {j: spec[i] for i, j in ties}
@@ -315,7 +317,7 @@ class ShardedFunction:
             if o.search_mode not in AUTOMATIC_MODES:
                 fixed_in |= {graph.inputs[i]: spec[i] for i, _ in ties}
                 gp, notes, decisions = self._search(graph, model, fixed_in, fixed_out, [],
-                                                    index)
+                                                    index, kept)
             notes.append(f"carried state: {len(ties)} outputs keep the sharding of the input "
                          "they replace, so the step can be called in a loop without resharding")
         foreign = off_mesh(graph, model.mesh)
@@ -336,15 +338,18 @@ class ShardedFunction:
         _check_budget(plan, o.memory_budget)
         return self._finish(graph, plan, args, donated)
 
-    def _search(self, graph, model, fixed_in, fixed_out, ties, index: GraphIndex | None):
+    def _search(self, graph, model, fixed_in, fixed_out, ties, index: GraphIndex | None,
+                kept: dict[int, frozenset[str]] | None = None):
         """(GraphPlan, notes, decisions) from the chosen search mode; ties: (input value,
         output position) pairs of carried state (the automatic searches price them); index:
-        the graph's GraphIndex, shared by the searches of one build (None: each its own)."""
+        the graph's GraphIndex, shared by the searches of one build (None: each its own);
+        kept: for sharding propagation, the axes each fixed input is read on as laid out
+        (_kept)."""
         mode = self.opts.search_mode
         with progress.stage(f"searching ({mode})"):
-            return self._run_search(mode, graph, model, fixed_in, fixed_out, ties, index)
+            return self._run_search(mode, graph, model, fixed_in, fixed_out, ties, index, kept)
 
-    def _run_search(self, mode, graph, model, fixed_in, fixed_out, ties, index):
+    def _run_search(self, mode, graph, model, fixed_in, fixed_out, ties, index, kept=None):
         """_search's work, under its progress stage."""
         if mode == "dynamic_programming":
             gp, sol = dynamic_programming(graph, model, fixed_in, fixed_out,
@@ -356,7 +361,7 @@ class ShardedFunction:
             gp, decisions = recursive_programming(graph, model, fixed_in, fixed_out,
                                                   self.opts.memory_budget, ties, index)
             return gp, [], decisions
-        return propagate(graph, model, fixed_in, fixed_out, index=index, keep_fixed=True), [], []
+        return propagate(graph, model, fixed_in, fixed_out, index=index, kept=kept), [], []
 
     def _finish(self, graph, plan: Plan, args, donated: set[int]) -> _Compiled:
         if plan.in_tree is None:  # a loaded plan: take the structure from these arguments
@@ -391,6 +396,20 @@ class ShardedFunction:
                              f"{self.mesh.size} devices: it only plans (`.plan(...)`). Shard it "
                              "over a Mesh of real devices (jaxpar.make_mesh) to run it.")
 
+
+
+def _kept(fixed_in: dict[int, Spec], carried: list[tuple[int, int]]) -> dict[int, frozenset]:
+    """The mesh axes on which sharding propagation reads each fixed input as laid out
+    (MindSpore's semi-auto rule: a weight's layout is the strategy of the op using it; see
+    search/propagation.py): every axis of an input that is not carried state (the batch), and
+    the axes of carried state (weights, optimizer state) that the batch's do not include. A
+    weight cut on an axis the batch is cut on too (FSDP, hsdp's level3) is stored cut and
+    gathered for use. Without carried state every axis of every input."""
+    state = {v for v, _ in carried}
+    batch = {a for v, s in fixed_in.items() if v not in state for a in s.axes()} if state \
+        else set()
+    return {v: frozenset(s.axes()) - (batch if v in state else set())
+            for v, s in fixed_in.items()}
 
 
 def _check_pinned(plan: Plan, fixed: list, out_fixed: list, paths: list[str]) -> None:

@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from jaxpar.auto_parallel import AutoParallel, StrategyFileError
@@ -391,6 +392,32 @@ def test_parameter_plan_fixes_a_leaf_in_semi_auto(problem):
     specs = _specs(net, args)
     assert specs["params/blocks/0/mlp/w1"].dims == ((), ("d0", "d1", "d2"))
     assert specs["opt_state/0/mu/blocks/0/mlp/w1"] == specs["params/blocks/0/mlp/w1"]
+    np.testing.assert_allclose(_train(net, args)[0], want_losses, rtol=1e-4)
+
+
+def test_semi_auto_reads_tensor_parallel_weights_cut_and_gathers_fsdp_ones(mlp_problem):
+    # A weight fixed cut on an axis the batch does not use (Megatron's mp) is read as laid
+    # out: its matmul runs tensor parallel. One fixed cut on the batch's axes (FSDP, hsdp's
+    # level3) is stored cut and gathered for use: its matmul runs data parallel.
+    step, args, want_losses, _ = mlp_problem
+    mesh = jaxpar.make_mesh((4, 2), ("dp", "mp"))
+    jaxpar.set_auto_parallel_context(dataset_strategy=((4, 1), (4, 1)))
+    cases = {"megatron": {"params/0/w": P(None, "mp"), "params/1/w": P("mp", None)},
+             "fsdp": {"params/0/w": P("dp", None), "params/1/w": P("dp", None)}}
+    for name, pinned in cases.items():
+        net = AutoParallel(step, mesh=mesh, parameter_plan=pinned)
+        plan = net.plan(*args)
+        traced = jaxpar.ir.trace(net.network, args)
+        graph = jaxpar.ir.build_graph(traced.closed_jaxpr, traced.in_paths)
+        w0 = graph.inputs[plan.in_paths.index("params/0/w")]
+        first = next(op for op in graph.ops if op.name == "dot_general" and w0 in op.inputs)
+        strategy = plan.graph_plan.choices[first.index].strategy
+        got = strategy.ins[first.inputs.index(w0)]
+        if name == "megatron":
+            assert got.dims == ((), ("mp",)), got  # column parallel, as laid out
+        else:
+            assert "dp" not in got.axes(), got  # gathered over dp for use
+        assert strategy.ins[0].dims[0] == ("dp",), (name, strategy)  # the batch stays cut
     np.testing.assert_allclose(_train(net, args)[0], want_losses, rtol=1e-4)
 
 

@@ -230,7 +230,7 @@ def test_semi_auto_reads_the_megatron_weights_as_laid_out(monkeypatch):
     before = propagation._Propagation.__init__
 
     def without(self, *args):  # the propagation of before: fixed weights may be resharded
-        before(self, *args[:5])
+        before(self, *args[:5], None)
     monkeypatch.setattr(propagation._Propagation, "__init__", without)
     old = plan_run(run).plan
     assert plan.cost.total_s < 0.5 * old.cost.total_s

@@ -10,14 +10,16 @@ candidate strategy is priced as its op cost plus the resharding from the known s
 operands and into the specs its already-planned consumers (or fixed outputs) require; the
 cheapest wins. When nothing is known yet, the most expensive unplanned op starts a new front.
 
-With `keep_fixed` (the sharding_propagation mode: semi_auto, and the user's strategies in
-general), the inputs the caller fixed cut are read as they are: in MindSpore's semi-auto a
-parameter's layout is the strategy of the op using it, and a weight pinned in Megatron's layout
-is pinned so that its matmul runs that way. The ops reading such inputs are planned first, in
-program order, each with the cheapest of its strategies that read them in their fixed specs.
-Without it, an embedding lookup planned while only its table was known resharded the table
-onto d_model, the cheapest move for that op alone, and every activation after it was cut so
-(configs/gpt_small_semi_auto.yaml: 3.9 ms modelled, 1.6 ms with it).
+With `kept` (the sharding_propagation mode: semi_auto, and the user's strategies in general),
+inputs the caller fixed are read as they are on the mesh axes `kept` names for them: in
+MindSpore's semi-auto a parameter's layout is the strategy of the op using it, and a weight
+pinned in Megatron's layout is pinned so that its matmul runs that way. The ops reading such
+inputs are planned first, in program order, each with the cheapest of its strategies that read
+them as fixed, less the axes not kept. Without it, an embedding lookup planned while only its
+table was known resharded the table onto d_model, the cheapest move for that op alone, and
+every activation after it was cut so (configs/gpt_small_semi_auto.yaml: 3.9 ms modelled,
+1.6 ms with it). The caller leaves out the axes a weight shares with the batch (FSDP, hsdp's
+level3): such a weight is stored cut and gathered for use.
 
 Region ops (scan, while, cond) get a single candidate made by planning their bodies with the
 operand specs known at that moment; a loop's carried values keep one spec across iterations.
@@ -80,7 +82,8 @@ def propagate(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec] | None
               fixed_ops: dict[int, OpStrategy] | None = None,
               classes: list[int] | None = None,
               ties: tuple[tuple[int, int], ...] = (),
-              index: GraphIndex | None = None, keep_fixed: bool = False) -> GraphPlan:
+              index: GraphIndex | None = None,
+              kept: dict[int, frozenset[str]] | None = None) -> GraphPlan:
     """Plan `graph` by sharding propagation; fixed_in maps value ids, fixed_out output positions,
     fixed_ops op indices to the strategy they must take (see the module docstring). classes:
     a class number per op (ir.repeat.op_classes): the ops of one class are planned together
@@ -88,12 +91,12 @@ def propagate(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec] | None
     (the repeated layers of a deep model) take one choice, made once. ties: (input value,
     output position) pairs of carried state: whichever of the two gets a spec first, the
     other is asked for it too. index: the graph's GraphIndex, when the caller has one.
-    keep_fixed: the inputs of fixed_in that are cut are read as they are, MindSpore's
-    semi-auto rule (a parameter's layout is the strategy of the op using it): the ops reading
-    them are planned first, in program order, each with the cheapest of its strategies that
-    read every such input in its fixed spec (any strategy, where none can)."""
+    kept: {input of fixed_in: mesh axes} read as fixed, MindSpore's semi-auto rule (a
+    parameter's layout is the strategy of the op using it): the ops reading them are planned
+    first, in program order, each with the cheapest of its strategies that read them as
+    fixed, less the axes not kept (any strategy, where none can). See the module docstring."""
     return _Propagation(_Graph.of(graph, model, classes, index), fixed_in or {},
-                        fixed_out or {}, fixed_ops or {}, ties, keep_fixed).run()
+                        fixed_out or {}, fixed_ops or {}, ties, kept or {}).run()
 
 
 class _Options:
@@ -306,13 +309,16 @@ class _Graph:
 
 class _Propagation:
     def __init__(self, base: _Graph, fixed_in, fixed_out, fixed_ops, ties,
-                 keep_fixed: bool = False):
+                 kept: dict[int, frozenset[str]] | None = None):
         self.b, self.g, self.model = base, base.g, base.model
         graph = self.g
         self.plan = GraphPlan(specs=dict(fixed_in))
-        # keep_fixed: inputs (and constants) fixed cut, read as they are (see propagate)
-        self.kept = {v: spec.resolved() for v, spec in fixed_in.items()
-                     if keep_fixed and v not in base.producer and spec.axes()}
+        # inputs (and constants) read as fixed on some axes (see propagate): value -> the
+        # dims they are read in (the fixed spec's, less the axes not kept)
+        self.kept = {v: tuple(tuple(a for a in d if a in axes)
+                              for d in fixed_in[v].resolved().dims)
+                     for v, axes in (kept or {}).items()
+                     if v in fixed_in and v not in base.producer and axes}
         self.fixed_out, self.fixed_ops = fixed_out, fixed_ops
         self.heap: list = []
         self.queued: dict[int, tuple] = {}  # unit -> the best priority it waits in the heap with
@@ -356,7 +362,7 @@ class _Propagation:
                 remaining.discard(self.unit[idx])
                 self._plan_op(self.g.ops[self.unit[idx]])
         readers = sorted({x for v in self.kept for x, _ in self.b.readers.get(v, ())})
-        for x in readers:  # what reads a kept input decides first (keep_fixed)
+        for x in readers:  # what reads a kept input decides first
             if self.unit[x] in remaining and x not in self.plan.choices:
                 remaining.discard(self.unit[x])
                 self._plan_op(self.g.ops[self.unit[x]])
@@ -492,7 +498,8 @@ class _Propagation:
         totals = self.b.priced(op, o, ins, needs)
         if kept and fixed is None:
             want = [(i, self.kept[op.inputs[i]]) for i in kept]
-            reads = np.array([all(s.ins[i].resolved() == w for i, w in want) for s in o.cands])
+            reads = np.array([all(s.ins[i].dims == dims for i, dims in want)
+                              for s in o.cands])
             if reads.any():  # else no strategy can: the cheapest of all, resharding included
                 totals = np.where(reads, totals, math.inf)
         choice = self.chosen[alike] = self.b.choice(o, totals)
