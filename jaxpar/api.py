@@ -401,15 +401,15 @@ class ShardedFunction:
 def _kept(fixed_in: dict[int, Spec], carried: list[tuple[int, int]]) -> dict[int, frozenset]:
     """The mesh axes on which sharding propagation reads each fixed input as laid out
     (MindSpore's semi-auto rule: a weight's layout is the strategy of the op using it; see
-    search/propagation.py): every axis of an input that is not carried state (the batch), and
-    the axes of carried state (weights, optimizer state) that the batch's do not include. A
-    weight cut on an axis the batch is cut on too (FSDP, hsdp's level3) is stored cut and
-    gathered for use. Without carried state every axis of every input."""
+    search/propagation.py): for carried state (weights, optimizer state: what a step returns
+    updated), the axes of its fixed spec that the batch's (the other fixed inputs') do not
+    include. A weight cut on an axis the batch is cut on too (FSDP, hsdp's level3) is stored cut
+    and gathered for use, and the batch, like everything else, goes where propagation prices
+    it best (keeping it, and a function's weights without carried state, made the reference
+    programs' plans 8 to 22% dearer)."""
     state = {v for v, _ in carried}
-    batch = {a for v, s in fixed_in.items() if v not in state for a in s.axes()} if state \
-        else set()
-    return {v: frozenset(s.axes()) - (batch if v in state else set())
-            for v, s in fixed_in.items()}
+    batch = {a for v, s in fixed_in.items() if v not in state for a in s.axes()}
+    return {v: frozenset(s.axes()) - batch for v, s in fixed_in.items() if v in state}
 
 
 def _check_pinned(plan: Plan, fixed: list, out_fixed: list, paths: list[str]) -> None:

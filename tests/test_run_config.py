@@ -212,7 +212,7 @@ def test_semi_auto_reads_the_megatron_weights_as_laid_out(monkeypatch):
     # table, and resharded the table onto d_model over all 8 devices, the cheapest move for
     # that op alone: every activation after it was then cut on d_model (3.9 ms modelled). The
     # ops reading a fixed cut weight now read it as it is (MindSpore's rule: a parameter's
-    # layout is the strategy of the op using it) and decide first.
+    # layout is the strategy of the op using it) and decide first. Half the time, or less.
     from jaxpar.ir import build_graph, trace
     from jaxpar.search import propagation
 
@@ -221,7 +221,9 @@ def test_semi_auto_reads_the_megatron_weights_as_laid_out(monkeypatch):
     plan = planned.plan
     traced = trace(planned.problem.step, planned.problem.args)
     graph = build_graph(traced.closed_jaxpr, traced.in_paths)
-    pinned = dict(zip(graph.inputs, plan.in_specs, strict=True))
+    pinned = {v: s for v, s, path in zip(graph.inputs, plan.in_specs, plan.in_paths, strict=True)
+              if path.startswith(("params/", "opt_state/"))}  # the carried state
+    assert sum(bool(s.axes()) for s in pinned.values()) >= 8
     for op in graph.ops:
         for v, need in zip(op.inputs, plan.graph_plan.choices[op.index].strategy.ins,
                            strict=True):

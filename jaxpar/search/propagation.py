@@ -18,8 +18,9 @@ inputs are planned first, in program order, each with the cheapest of its strate
 them as fixed, less the axes not kept. Without it, an embedding lookup planned while only its
 table was known resharded the table onto d_model, the cheapest move for that op alone, and
 every activation after it was cut so (configs/gpt_small_semi_auto.yaml: 3.9 ms modelled,
-1.6 ms with it). The caller leaves out the axes a weight shares with the batch (FSDP, hsdp's
-level3): such a weight is stored cut and gathered for use.
+1.6 ms with it). The caller (api._kept) names weights only (carried state), less the axes a
+weight shares with the batch (FSDP, hsdp's level3): such a weight is stored cut and gathered
+for use.
 
 Region ops (scan, while, cond) get a single candidate made by planning their bodies with the
 operand specs known at that moment; a loop's carried values keep one spec across iterations.
