@@ -59,10 +59,10 @@ from jaxpar.api import (
     signature,
 )
 from jaxpar.context import ParallelContext, current_context
-from jaxpar.ir import arg_paths
+from jaxpar.ir import arg_paths, trace
 from jaxpar.ir.trace import arg_names
 from jaxpar.mesh import make_mesh
-from jaxpar.plan import Plan
+from jaxpar.plan import Plan, load_plans, save_plans
 from jaxpar.spec import MeshInfo, Spec
 from jaxpar.train.optimizer_parallel import (
     check_hsdp_args,
@@ -224,16 +224,19 @@ class AutoParallel:
         self._set(dataset_strategy=config)
 
     def save_operator_strategy_file(self, file_path: str) -> None:
-        """Save each plan made from now on (and any made already) as JSON at file_path, an
-        absolute .json path; `load_operator_strategy_file` reproduces the same program."""
+        """Save the plans made from now on (and any made already) as JSON at file_path, an
+        absolute .json path: one per input signature the network is called with, the file
+        rewritten with all of them as each is made. `load_operator_strategy_file` reproduces
+        the same programs."""
         path = _strategy_path("save_operator_strategy_file", file_path)
         self._opts.save_operator_file = path
-        for program in self._functions.values():
-            program.save_operator_file(path)
+        self._save_operator_plans()
 
     def load_operator_strategy_file(self, file_path: str) -> None:
-        """Use the plan saved at file_path (absolute .json) instead of searching. A file for
-        another program or mesh, or not a jaxpar plan, is refused when the program is built."""
+        """Use the plans saved at file_path (absolute .json) instead of searching: for each
+        input signature, the plan made for it. A file with no plan for the program being
+        built (another function, shapes or mesh), or not a jaxpar plan, is refused when the
+        program is built."""
         path = _strategy_path("load_operator_strategy_file", file_path)
         if not Path(path).is_file():
             raise ValueError(f"load_operator_strategy_file(file_path={path!r}): no such file.")
@@ -328,6 +331,7 @@ class AutoParallel:
         key = (tree, signature(leaves), getattr(pure, "graphdefs", None))
         if key not in self._functions:
             self._functions[key] = self._build(pure, flat_args, unwrap)
+            self._save_operator_plans()
         program = self._functions[key]
         program.unwrap = unwrap
         return program, flat_args
@@ -344,7 +348,7 @@ class AutoParallel:
         fixed = self._fixed(args, paths, shapes, self._batch_positions(args, n_state, state))
         sharded = self._shard(pure, fixed, donate)
         if o.load_operator_file:
-            sharded = sharded._loaded(_load_plan(o.load_operator_file))
+            sharded = sharded._loaded(_loaded_plan(o.load_operator_file, pure, args, self.mesh))
             _check_loaded(sharded, args, o.load_operator_file)
             if o.hsdp is not None and self._optimizer_parallel(sharded.plan(*args), paths,
                                                                shapes, args):
@@ -361,10 +365,19 @@ class AutoParallel:
         state_leaves = [i for i in range(len(owner)) if owner[i] < n_state or i in carried]
         program = _Program(sharded, unwrap, paths, n_state, state_leaves)
         if o.save_operator_file:
-            program.save_operator_file(o.save_operator_file, args)
+            program.plan_for(args)  # made now: _program saves every signature's plan
         if o.save_param_file:
             program.save_param_file(o.save_param_file, args)
         return program
+
+    def _save_operator_plans(self) -> None:
+        """Every signature's plan made so far into the operator strategy file, if one is set
+        (save_plans: one plan as Plan.save writes it, several in one file)."""
+        path = self._opts.save_operator_file
+        plans = [p for program in self._functions.values()
+                 if (p := program.plan_for(None)) is not None]
+        if path and plans:
+            save_plans(plans, path, "save_operator_strategy_file")
 
     def _optimizer_parallel(self, plan: Plan, paths: list[str], shapes: list[tuple],
                             args: tuple) -> dict[int, Spec]:
@@ -447,11 +460,6 @@ class _Program:
             return self.sharded.plan(*args)
         made = [c.plan for c in self.sharded._cache.values()]
         return made[0] if made else None
-
-    def save_operator_file(self, path: str, args: tuple | None = None) -> None:
-        plan = self.plan_for(args)
-        if plan is not None:
-            plan.save(path)
 
     def save_param_file(self, path: str, args: tuple | None = None) -> None:
         plan = self.plan_for(args)
@@ -647,11 +655,18 @@ def _strategy_path(method: str, file_path) -> str:
     return file_path
 
 
-def _load_plan(path: str) -> Plan:
+def _loaded_plan(path: str, pure, args: tuple, mesh) -> Plan:
+    """The plan in the strategy file made for this program (pure on args, over mesh): the
+    one whose fingerprint and mesh match, else the first (refused by _check_loaded, which
+    says what differs)."""
     try:
-        return Plan.load(path)
+        plans = load_plans(path)
     except ValueError as err:
         raise ValueError(f"load_operator_strategy_file(file_path={path!r}): {err}") from None
+    if len(plans) == 1:
+        return plans[0]
+    fingerprint, info = trace(pure, args).fingerprint, MeshInfo.of(mesh)
+    return next((p for p in plans if p.fingerprint == fingerprint and p.mesh == info), plans[0])
 
 
 def _check_loaded(sharded: ShardedFunction, args: tuple, path: str) -> None:

@@ -241,6 +241,39 @@ class Plan:
                     decisions=list(d.get("decisions", [])))
 
 
+def save_plans(plans: list[Plan], path: str | Path, where: str = "save_plans") -> None:
+    """Several plans of one function (one per input signature) in one JSON file: one plan as
+    Plan.save writes it, more as {"format": "jaxpar-plans", "plans": [...]}; load_plans
+    reads both."""
+    check_writable(path, where)
+    data = plans[0].to_json() if len(plans) == 1 else {
+        "format": "jaxpar-plans", "version": FORMAT_VERSION,
+        "plans": [p.to_json() for p in plans]}
+    try:
+        Path(path).write_text(json.dumps(data, indent=1))
+    except OSError as err:
+        raise ValueError(f"{where}({str(path)!r}): cannot write the plans ({err}); pass a "
+                         "path in a directory that exists and is writable.") from None
+
+
+def load_plans(path: str | Path) -> list[Plan]:
+    """The plans in a file save_plans (or Plan.save) wrote, in their order."""
+    _check_path(path, "load_plans")
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"load_plans({str(path)!r}): cannot read a plan ({err}).") from None
+    if not isinstance(data, dict) or data.get("format") != "jaxpar-plans":
+        return [Plan.load(path)]
+    if data.get("version") != FORMAT_VERSION:
+        raise ValueError(f"load_plans({str(path)!r}): format version {data.get('version')} "
+                         f"is not {FORMAT_VERSION}; plan again with this jaxpar.")
+    try:
+        return [Plan.from_json(d) for d in data["plans"]]
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"load_plans({str(path)!r}): corrupt plan file ({err!r}).") from None
+
+
 def _unflatten(tree, leaves):
     import jax
     return leaves if tree is None else jax.tree_util.tree_unflatten(tree, leaves)

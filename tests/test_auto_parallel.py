@@ -312,6 +312,26 @@ def test_operator_strategy_file_reproduces_the_program(mlp_problem, tmp_path):
     assert again.plan(*args).search_mode == "recursive_programming"
 
 
+def test_operator_strategy_file_holds_every_signatures_plan(mlp_problem, tmp_path):
+    # A network called with two batch sizes made two plans, and the file kept the last one
+    # only: loading it, the other batch size was refused as another program.
+    step, args, _, _ = mlp_problem
+    params, opt_state, x, y = args
+    small = (params, opt_state, x[:16], y[:16])
+    path = str(tmp_path / "strategy.json")
+    first = AutoParallel(step, "recursive_programming")
+    first.save_operator_strategy_file(path)
+    texts = [first.lower(*a).as_text() for a in (args, small)]
+    assert [p.fingerprint for p in jaxpar.plan.load_plans(path)] == \
+        [first.plan(*a).fingerprint for a in (args, small)]
+    again = AutoParallel(step, "dynamic_programming")  # another mode: the file decides
+    again.load_operator_strategy_file(path)
+    assert [again.lower(*a).as_text() for a in (small, args)] == texts[::-1]
+    bigger = (params, opt_state, jnp.concatenate([x, x]), jnp.concatenate([y, y]))
+    with pytest.raises(ValueError, match="made for another program"):
+        again.plan(*bigger)
+
+
 def test_a_loaded_plan_with_hsdp_must_cut_the_optimizer_state_so(mlp_problem, tmp_path):
     # hsdp was dropped without a word when a plan file was loaded.
     step, args, _, _ = mlp_problem
