@@ -66,8 +66,8 @@ def test_explain_shows_every_op_and_totals():
 
 
 def test_primitive_without_rule_is_replicated_and_marked():
-    def fn(x):
-        return jax.lax.cumlogsumexp(x, axis=0) if False else jnp.linalg.cholesky(x @ x.T + 8.0)
+    def fn(x):  # fft: XLA gathers it whole, so jaxpar has no rule for it
+        return jnp.fft.fft(x).real
 
     x = jnp.asarray(RNG.standard_normal((8, 8)), jnp.float32)
     f = jaxpar.shard(fn, in_strategy=((8, 1),))
