@@ -175,29 +175,11 @@ class Plan:
                              "its argument shapes or dtypes differ. Plan again.")
 
     def save(self, path: str | Path) -> None:
-        check_writable(path, "Plan.save")
-        try:
-            Path(path).write_text(json.dumps(self.to_json(), indent=1))
-        except OSError as err:
-            raise ValueError(f"Plan.save({str(path)!r}): cannot write the plan ({err}); pass "
-                             "a path in a directory that exists and is writable.") from None
+        save_plans([self], path, "Plan.save")
 
     @staticmethod
     def load(path: str | Path) -> Plan:
-        _check_path(path, "Plan.load")
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(f"Plan.load({str(path)!r}): cannot read a plan ({err}).") from None
-        if not isinstance(data, dict) or data.get("format") != "jaxpar-plan":
-            raise ValueError(f"Plan.load({str(path)!r}): not a jaxpar plan file.")
-        if data.get("version") != FORMAT_VERSION:
-            raise ValueError(f"Plan.load({str(path)!r}): format version {data.get('version')} "
-                             f"is not {FORMAT_VERSION}; plan again with this jaxpar.")
-        try:
-            return Plan.from_json(data)
-        except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"Plan.load({str(path)!r}): corrupt plan file ({err!r}).") from None
+        return _one_plan(_read_plan_file(path, "Plan.load"), path, "Plan.load")
 
     def to_json(self) -> dict:
         return {"format": "jaxpar-plan", "version": FORMAT_VERSION,
@@ -244,7 +226,7 @@ class Plan:
 def save_plans(plans: list[Plan], path: str | Path, where: str = "save_plans") -> None:
     """Several plans of one function (one per input signature) in one JSON file: one plan as
     Plan.save writes it, more as {"format": "jaxpar-plans", "plans": [...]}; load_plans
-    reads both."""
+    reads both. `where` names the caller in errors."""
     check_writable(path, where)
     data = plans[0].to_json() if len(plans) == 1 else {
         "format": "jaxpar-plans", "version": FORMAT_VERSION,
@@ -252,26 +234,51 @@ def save_plans(plans: list[Plan], path: str | Path, where: str = "save_plans") -
     try:
         Path(path).write_text(json.dumps(data, indent=1))
     except OSError as err:
-        raise ValueError(f"{where}({str(path)!r}): cannot write the plans ({err}); pass a "
+        what = "the plan" if len(plans) == 1 else "the plans"
+        raise ValueError(f"{where}({str(path)!r}): cannot write {what} ({err}); pass a "
                          "path in a directory that exists and is writable.") from None
 
 
 def load_plans(path: str | Path) -> list[Plan]:
     """The plans in a file save_plans (or Plan.save) wrote, in their order."""
-    _check_path(path, "load_plans")
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"load_plans({str(path)!r}): cannot read a plan ({err}).") from None
+    data = _read_plan_file(path, "load_plans")
     if not isinstance(data, dict) or data.get("format") != "jaxpar-plans":
-        return [Plan.load(path)]
-    if data.get("version") != FORMAT_VERSION:
-        raise ValueError(f"load_plans({str(path)!r}): format version {data.get('version')} "
-                         f"is not {FORMAT_VERSION}; plan again with this jaxpar.")
+        return [_one_plan(data, path, "load_plans")]
+    _check_version(data, path, "load_plans")
+    plans = data.get("plans")
+    if not isinstance(plans, list) or not plans:
+        raise ValueError(f"load_plans({str(path)!r}): corrupt plan file (no list of plans).")
+    return [_from_json(d, path, "load_plans") for d in plans]
+
+
+def _read_plan_file(path, where: str):
+    """The JSON in a plan file (a ValueError naming `where` when it cannot be read)."""
+    _check_path(path, where)
     try:
-        return [Plan.from_json(d) for d in data["plans"]]
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{where}({str(path)!r}): cannot read a plan ({err}).") from None
+
+
+def _one_plan(data, path, where: str) -> Plan:
+    """The plan of a single-plan file's JSON (Plan.save's format)."""
+    if not isinstance(data, dict) or data.get("format") != "jaxpar-plan":
+        raise ValueError(f"{where}({str(path)!r}): not a jaxpar plan file.")
+    _check_version(data, path, where)
+    return _from_json(data, path, where)
+
+
+def _check_version(data: dict, path, where: str) -> None:
+    if data.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{where}({str(path)!r}): format version {data.get('version')} "
+                         f"is not {FORMAT_VERSION}; plan again with this jaxpar.")
+
+
+def _from_json(d, path, where: str) -> Plan:
+    try:
+        return Plan.from_json(d)
     except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"load_plans({str(path)!r}): corrupt plan file ({err!r}).") from None
+        raise ValueError(f"{where}({str(path)!r}): corrupt plan file ({err!r}).") from None
 
 
 def _unflatten(tree, leaves):

@@ -368,6 +368,11 @@ def test_bad_operator_strategy_files_are_refused(mlp_problem, tmp_path):
     net.load_operator_strategy_file(str(corrupt))
     with pytest.raises(ValueError, match="corrupt.json"):
         net(*args)
+    empty = tmp_path / "empty.json"  # a file of several plans with none in it
+    empty.write_text('{"format": "jaxpar-plans", "version": 1, "plans": []}')
+    net.load_operator_strategy_file(str(empty))
+    with pytest.raises(ValueError, match="empty.json.*corrupt plan file .no list of plans"):
+        net(*args)
     foreign = str(tmp_path / "foreign.json")
     other = AutoParallel(lambda x: jnp.sin(x) * 2)
     other.save_operator_strategy_file(foreign)
