@@ -190,11 +190,13 @@ def check_auto_axes(mesh, where: str) -> None:
 class ShardedFunction:
     """fn sharded by jaxpar; see `shard`."""
 
-    def __init__(self, fn, opts: ShardOptions, pinned: Plan | None = None,
+    def __init__(self, fn, opts: ShardOptions, pinned: Plan | list[Plan] | None = None,
                  strict: bool = True):
         self.fn, self.opts, self._pinned = fn, opts, pinned
-        # strict: a pinned plan must follow the strategies given to shard (with_plan); an
-        # AutoParallel loading a strategy file fixes its own defaults and checks the file so.
+        # pinned: the plan (with_plan), or plans each program takes the one made for it from
+        # (_loaded). strict: a pinned plan must follow the strategies given to shard
+        # (with_plan); an AutoParallel loading a strategy file fixes its own defaults and
+        # checks the file so.
         self._strict = strict
         self._cache: dict[Any, _Compiled] = {}
         self.__wrapped__ = fn
@@ -253,10 +255,12 @@ class ShardedFunction:
             raise TypeError(f"with_plan(plan={plan!r}): pass a jaxpar.Plan (Plan.load(path)).")
         return ShardedFunction(self.fn, self.opts, plan)
 
-    def _loaded(self, plan: Plan) -> ShardedFunction:
-        """with_plan without holding the plan to this function's strategies (AutoParallel's
-        strategy files: its semi_auto defaults fix what a saved plan may have cut)."""
-        return ShardedFunction(self.fn, self.opts, plan, strict=False)
+    def _loaded(self, plans: list[Plan]) -> ShardedFunction:
+        """with_plan for AutoParallel's strategy files: each program takes the plan of
+        `plans` made for it (its fingerprint and mesh; else the first, which is then refused
+        saying what differs), not held to this function's strategies (its semi_auto defaults
+        fix what a saved plan may have cut)."""
+        return ShardedFunction(self.fn, self.opts, plans, strict=False)
 
     def _compiled(self, args: tuple, leaves: list | None = None, tree=None) -> _Compiled:
         if leaves is None:
@@ -294,10 +298,14 @@ class ShardedFunction:
                           search_bodies=o.search_mode in AUTOMATIC_MODES,
                           fp32_communication=o.fp32_communication)
         if self._pinned is not None:
-            self._pinned.check_matches(traced.fingerprint, model.mesh)
+            pinned = self._pinned if isinstance(self._pinned, Plan) else next(
+                (p for p in self._pinned
+                 if p.fingerprint == traced.fingerprint and p.mesh == model.mesh),
+                self._pinned[0])
+            pinned.check_matches(traced.fingerprint, model.mesh)
             if self._strict:
-                _check_pinned(self._pinned, fixed, out_fixed, paths)
-            return self._finish(graph, self._pinned, args, donated)
+                _check_pinned(pinned, fixed, out_fixed, paths)
+            return self._finish(graph, pinned, args, donated)
         fixed_in = {graph.inputs[i]: s for i, s in enumerate(fixed) if s}
         fixed_out = {i: s for i, s in enumerate(out_fixed) if s}
         ties = [(i, j) for i, j in carried_pairs(args, out_shapes) if out_fixed[j] is None]

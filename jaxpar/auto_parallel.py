@@ -59,7 +59,7 @@ from jaxpar.api import (
     signature,
 )
 from jaxpar.context import ParallelContext, current_context
-from jaxpar.ir import arg_paths, trace
+from jaxpar.ir import arg_paths
 from jaxpar.ir.trace import arg_names
 from jaxpar.mesh import make_mesh
 from jaxpar.plan import Plan, load_plans, save_plans
@@ -348,7 +348,7 @@ class AutoParallel:
         fixed = self._fixed(args, paths, shapes, self._batch_positions(args, n_state, state))
         sharded = self._shard(pure, fixed, donate)
         if o.load_operator_file:
-            sharded = sharded._loaded(_loaded_plan(o.load_operator_file, pure, args, self.mesh))
+            sharded = sharded._loaded(_load_plans(o.load_operator_file))
             _check_loaded(sharded, args, o.load_operator_file)
             if o.hsdp is not None and self._optimizer_parallel(sharded.plan(*args), paths,
                                                                shapes, args):
@@ -374,9 +374,11 @@ class AutoParallel:
         """Every signature's plan made so far into the operator strategy file, if one is set
         (save_plans: one plan as Plan.save writes it, several in one file)."""
         path = self._opts.save_operator_file
+        if not path:
+            return
         plans = [p for program in self._functions.values()
                  if (p := program.plan_for(None)) is not None]
-        if path and plans:
+        if plans:
             save_plans(plans, path, "save_operator_strategy_file")
 
     def _optimizer_parallel(self, plan: Plan, paths: list[str], shapes: list[tuple],
@@ -655,18 +657,11 @@ def _strategy_path(method: str, file_path) -> str:
     return file_path
 
 
-def _loaded_plan(path: str, pure, args: tuple, mesh) -> Plan:
-    """The plan in the strategy file made for this program (pure on args, over mesh): the
-    one whose fingerprint and mesh match, else the first (refused by _check_loaded, which
-    says what differs)."""
+def _load_plans(path: str) -> list[Plan]:
     try:
-        plans = load_plans(path)
+        return load_plans(path)
     except ValueError as err:
         raise ValueError(f"load_operator_strategy_file(file_path={path!r}): {err}") from None
-    if len(plans) == 1:
-        return plans[0]
-    fingerprint, info = trace(pure, args).fingerprint, MeshInfo.of(mesh)
-    return next((p for p in plans if p.fingerprint == fingerprint and p.mesh == info), plans[0])
 
 
 def _check_loaded(sharded: ShardedFunction, args: tuple, path: str) -> None:
