@@ -98,9 +98,10 @@ def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
                  allow: Allow | None = None, classes: Sequence[int] | None = None,
                  region: Region | None = None, fold: bool = True,
                  region_seeds: dict[int, list] | None = None) -> Tables:
-    """ties: (free input value, output position) pairs of carried state: the output is handed
+    """ties: (input value, output position) pairs of carried state: the output is handed
     back in the input's spec, so the resharding from its producer into that spec is an edge
-    between the producer and the input node, priced with everything else. allow: only the
+    between the producer and the input node, priced with everything else (an input in
+    fixed_in: a charge on the producer, as for a fixed output). allow: only the
     candidates it keeps become choices (None: all).
 
     classes: a class number per op (ir.repeat.op_classes) to fold repeated layers while
@@ -147,8 +148,12 @@ def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
             b.charge_fixed_output(producer[v], spec)
     for v_in, pos in ties:
         v = graph.outputs[pos]
-        if v_in not in fixed_in and pos not in fixed_out and isinstance(v, int) and \
-                v in producer:
+        if pos in fixed_out or not isinstance(v, int) or v not in producer:
+            continue
+        if v_in in fixed_in:  # handed back in the spec the user fixed for its input
+            if producer[v][0].index in inside:
+                b.charge_fixed_output(producer[v], fixed_in[v_in])
+        else:
             b.tie(v_in, producer[v], producer[v][0].index in inside, free(v_in), held)
     if region is not None:
         b.held_readers(region, producer)
