@@ -33,6 +33,8 @@ from jaxpar.plan import Plan, build_plan
 from jaxpar.search import paused_gc
 from jaxpar.search.exact import dynamic_programming
 from jaxpar.search.propagation import GraphIndex, out_spec, propagate
+from jaxpar.search.refine import refine
+from jaxpar.search.resolve import solve_tail
 from jaxpar.spec import MeshInfo, Spec
 
 SEARCH_MODES = ("sharding_propagation", "recursive_programming", "dynamic_programming")
@@ -314,17 +316,24 @@ class ShardedFunction:
         index = None if o.search_mode == "dynamic_programming" else GraphIndex(graph)
         carried = [(graph.inputs[i], j) for i, j in ties]
         kept = None if o.search_mode in AUTOMATIC_MODES else _kept(fixed_in, carried)
+        # Propagation asks a carried output for its input's spec only once that input has
+        # one, so where it plans a carried input it plans again with that input pinned (and
+        # the outputs still tied, not fixed: a fixed output's producer would be planned
+        # first, from its demand alone, and a replicated weight's update would then make the
+        # whole backward pass replicated). Only the plan kept is polished (_run_search).
+        free = [i for i, _ in ties if graph.inputs[i] not in fixed_in]
+        again = o.search_mode not in AUTOMATIC_MODES and bool(free)
         gp, notes, decisions = self._search(graph, model, fixed_in, fixed_out, carried, index,
-                                            kept)
+                                            kept, polish=not again)
         if ties:  # each carried output takes the spec of the input it replaces
             spec = {i: gp.specs[graph.inputs[i]] for i, _ in ties}
+            asked = dict(fixed_out)
             fixed_out |= {j: spec[i] for i, j in ties}
-            # The automatic searches tie them themselves: they price an output that comes
-            # back in another spec (a ZeRO-style gather at the end of the step). Propagation
-            # does not, so it plans again with the carried state pinned.
-            if o.search_mode not in AUTOMATIC_MODES:
-                fixed_in |= {graph.inputs[i]: spec[i] for i, _ in ties}
-                gp, notes, decisions = self._search(graph, model, fixed_in, fixed_out, [],
+            # The searches priced an output that comes back in another spec (a ZeRO-style
+            # gather at the end of the step); propagation plans again (above).
+            if again:
+                fixed_in |= {graph.inputs[i]: spec[i] for i in free}
+                gp, notes, decisions = self._search(graph, model, fixed_in, asked, carried,
                                                     index, kept)
             notes.append(f"carried state: {len(ties)} outputs keep the sharding of the input "
                          "they replace, so the step can be called in a loop without resharding")
@@ -347,17 +356,20 @@ class ShardedFunction:
         return self._finish(graph, plan, args, donated)
 
     def _search(self, graph, model, fixed_in, fixed_out, ties, index: GraphIndex | None,
-                kept: dict[int, frozenset[str]] | None = None):
+                kept: dict[int, frozenset[str]] | None = None, polish: bool = True):
         """(GraphPlan, notes, decisions) from the chosen search mode; ties: (input value,
         output position) pairs of carried state (the automatic searches price them); index:
         the graph's GraphIndex, shared by the searches of one build (None: each its own);
         kept: for sharding propagation, the axes each fixed input is read on as laid out
-        (_kept)."""
+        (_kept); polish: for sharding propagation, whether the plan is then improved with
+        the exact objective (False for a plan only made to place carried inputs)."""
         mode = self.opts.search_mode
         with progress.stage(f"searching ({mode})"):
-            return self._run_search(mode, graph, model, fixed_in, fixed_out, ties, index, kept)
+            return self._run_search(mode, graph, model, fixed_in, fixed_out, ties, index, kept,
+                                    polish)
 
-    def _run_search(self, mode, graph, model, fixed_in, fixed_out, ties, index, kept=None):
+    def _run_search(self, mode, graph, model, fixed_in, fixed_out, ties, index, kept=None,
+                    polish=True):
         """_search's work, under its progress stage."""
         if mode == "dynamic_programming":
             gp, sol = dynamic_programming(graph, model, fixed_in, fixed_out,
@@ -369,7 +381,23 @@ class ShardedFunction:
             gp, decisions = recursive_programming(graph, model, fixed_in, fixed_out,
                                                   self.opts.memory_budget, ties, index)
             return gp, [], decisions
-        return propagate(graph, model, fixed_in, fixed_out, index=index, kept=kept), [], []
+        gp = propagate(graph, model, fixed_in, fixed_out, ties=tuple(ties), index=index,
+                       kept=kept)
+        if not polish:
+            return gp, [], []
+        # The front decides each op from what it knows then. The plan is then improved with
+        # the exact objective, op by op and chain by chain (refine), and the step's tail
+        # solved again exactly (solve_tail: a gradient reduce-scattered because its matmul
+        # found that cheapest, and the optimizer then computed cut and its replicated
+        # parameter and moments gathered back at the end of every step). The ops reading
+        # a kept weight keep reading it as laid out.
+        index = GraphIndex.of(graph, index)
+        pinned = frozenset(x for v, axes in (kept or {}).items() if axes
+                           for x, _ in index.readers.get(v, ()))
+        gp = refine(graph, model, gp, fixed_in, fixed_out, None, tuple(ties), index, pinned,
+                    chains=True)
+        return solve_tail(graph, model, gp, fixed_in, fixed_out, tuple(ties), index,
+                          pinned), [], []
 
     def _finish(self, graph, plan: Plan, args, donated: set[int]) -> _Compiled:
         if plan.in_tree is None:  # a loaded plan: take the structure from these arguments

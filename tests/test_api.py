@@ -110,8 +110,8 @@ def test_a_constraint_is_kept_where_gathering_looks_cheaper():
     assert {r.op: r for r in plan.rows}["sharding_constraint"].chosen == "user constraint"
     check = plan.verify(f.lower(X[:, :32]).compile())
     assert check.ok, str(check)
-    assert check.predicted == check.measured  # into [dp, tp] and back: all-to-all and permute
-    assert set(check.measured) == {"all-to-all", "collective-permute"}
+    assert check.predicted == check.measured
+    assert "all-to-all" in check.measured  # x moved into the constraint's [dp, tp]
 
 
 @pytest.mark.parametrize("mode", ["sharding_propagation", "recursive_programming",
@@ -191,9 +191,10 @@ def test_a_negative_donation_counts_from_the_end():
 
 def test_one_array_in_two_donated_leaves_is_copied_not_donated_twice():
     # Tied weights ({"a": w, "b": w}) already in place: one buffer donated twice made XLA
-    # abort the process on the second call. The copy keeps a caller's other reference intact.
+    # abort the process on the second call. The copy keeps a caller's other reference intact
+    # (x, fixed cut as the plan lays out out["a"], reads it in place).
     f = jaxpar.shard(lambda p, x: ({"a": p["a"] * 2, "b": p["b"] + x}, x.sum()),
-                     donate_argnums=0)
+                     in_strategy=(None, (8, 1)), donate_argnums=0)
     w, x = jnp.ones((64, 32)), jnp.ones((64, 32))
     out, _ = f({"a": w, "b": w}, x)
     for _ in range(2):  # out["a"] now lies where the plan wants it

@@ -422,8 +422,10 @@ def test_parameter_plan_fixes_a_leaf_in_semi_auto(problem):
 
 def test_semi_auto_reads_tensor_parallel_weights_cut_and_gathers_fsdp_ones(mlp_problem):
     # A weight fixed cut on an axis the batch does not use (Megatron's mp) is read as laid
-    # out: its matmul runs tensor parallel. One fixed cut on the batch's axes (FSDP, hsdp's
-    # level3) is stored cut and gathered for use: its matmul runs data parallel.
+    # out: its matmul runs tensor parallel, the batch cut. One fixed cut on the batch's axes
+    # (FSDP, hsdp's level3) is only stored so: its matmul reads it as the plan finds
+    # cheapest (here, the batch gathered and the weight column parallel over dp: 368 us
+    # modelled, where reading it gathered with the batch cut costs 711 us).
     step, args, want_losses, _ = mlp_problem
     mesh = jaxpar.make_mesh((4, 2), ("dp", "mp"))
     jaxpar.set_auto_parallel_context(dataset_strategy=((4, 1), (4, 1)))
@@ -440,9 +442,9 @@ def test_semi_auto_reads_tensor_parallel_weights_cut_and_gathers_fsdp_ones(mlp_p
         got = strategy.ins[first.inputs.index(w0)]
         if name == "megatron":
             assert got.dims == ((), ("mp",)), got  # column parallel, as laid out
+            assert strategy.ins[0].dims[0] == ("dp",), strategy  # the batch stays cut
         else:
-            assert "dp" not in got.axes(), got  # gathered over dp for use
-        assert strategy.ins[0].dims[0] == ("dp",), (name, strategy)  # the batch stays cut
+            assert got.dims != (("dp",), ()), got  # not read as stored
     np.testing.assert_allclose(_train(net, args)[0], want_losses, rtol=1e-4)
 
 

@@ -12,6 +12,8 @@ import heapq
 import math
 from collections import deque
 
+import numpy as np
+
 from jaxpar.cost.model import CostModel
 from jaxpar.ir.graph import Op, OpGraph
 from jaxpar.search.propagation import Choice, GraphIndex, GraphPlan, _Graph
@@ -20,8 +22,8 @@ from jaxpar.spec import Spec
 
 def refine(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict[int, Spec],
            fixed_out: dict[int, Spec], classes: list[int] | None = None,
-           ties: tuple[tuple[int, int], ...] = (), index: GraphIndex | None = None
-           ) -> GraphPlan:
+           ties: tuple[tuple[int, int], ...] = (), index: GraphIndex | None = None,
+           pinned: frozenset[int] = frozenset(), chains: bool = False) -> GraphPlan:
     """`plan` improved one op at a time with the exact objective (iterated conditional modes).
 
     Every op without regions is visited (in program order, then again whenever something
@@ -32,13 +34,22 @@ def refine(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict[int
     front's mistake, such as an optimizer chain computed replicated because its consumer asked
     for that first and then gathered, is undone wherever moving one op at a time shows it. Ops
     of one class (ir.repeat.op_classes) in the same surroundings share one evaluation. ties:
-    (input value, output position) pairs whose output comes back in the input's spec;
-    index: the graph's GraphIndex, when the caller has one.
+    (input value, output position) pairs whose output comes back in the input's spec (an
+    input in fixed_in: in the spec fixed for it); index: the graph's GraphIndex, when the
+    caller has one. pinned: ops that keep how they read their operands and what they reduce
+    over, only choosing where their results land (sharding propagation's ops reading a
+    weight as the user laid it out). chains: then also plan again the chains of ops that
+    make an operand its reader must reshard with communication (Refiner.unchain), and visit
+    again what that moved.
 
     Example:
       >>> better = refine(graph, model, propagate(graph, model), {}, {})
     """
-    return Refiner(graph, model, plan, fixed_in, fixed_out, classes, ties, index).run()
+    refiner = Refiner(graph, model, plan, fixed_in, fixed_out, classes, ties, index, pinned)
+    refiner.run()
+    if chains and refiner.unchain(set()):
+        refiner.run()
+    return refiner.plan
 
 
 class Refiner:
@@ -51,9 +62,10 @@ class Refiner:
     def __init__(self, graph: OpGraph, model: CostModel, plan: GraphPlan,
                  fixed_in: dict[int, Spec], fixed_out: dict[int, Spec],
                  classes: list[int] | None = None, ties: tuple[tuple[int, int], ...] = (),
-                 index: GraphIndex | None = None):
+                 index: GraphIndex | None = None, pinned: frozenset[int] = frozenset()):
         base = _Graph.of(graph, model, classes, index)
         self.b, self.g = base, base.g
+        self.pinned = pinned  # ops that keep their operand specs and reductions (see refine)
         self.plan = GraphPlan(dict(plan.specs), dict(plan.choices))
         self.fixed_in = dict(fixed_in)
         self.out_needs: dict[int, list[Spec]] = {}
@@ -64,7 +76,11 @@ class Refiner:
         self.tied_out: dict[int, list[int]] = {}
         for v, pos in ties:
             w = self.g.outputs[pos]
-            if isinstance(w, int) and pos not in fixed_out and v not in fixed_in:
+            if not isinstance(w, int) or pos in fixed_out:
+                continue
+            if v in fixed_in:  # handed back in the spec the user fixed for its input
+                self.out_needs.setdefault(w, []).append(fixed_in[v])
+            else:
                 self.tied_in[v] = w
                 self.tied_out.setdefault(w, []).append(v)
         self.memo: dict = {}
@@ -132,13 +148,17 @@ class Refiner:
         specs, o = self.plan.specs, self.b.opts(op)
         ins = tuple(specs.get(v) if isinstance(v, int) else None for v in op.inputs)
         needs = tuple(self._demands(v) for v in op.outputs)
-        key = (o.key, ins, needs, self.b.kinds_of(op))
+        current = self.plan.choices[op.index].strategy
+        only = (current.ins, current.partial) if op.index in self.pinned else None
+        key = (o.key, ins, needs, self.b.kinds_of(op), only, "visit")  # _take's: 5 long
         hit = self.memo.get(key)
         if hit is None:
             totals = self.b.priced(op, o, ins, needs)
+            if only is not None:
+                totals = np.array([t if (s.ins, s.partial) == only else math.inf
+                                   for s, t in zip(o.cands, totals, strict=True)])
             hit = self.memo[key] = (self.b.choice(o, totals), totals)
         best, totals = hit
-        current = self.plan.choices[op.index].strategy
         k = o.index.get(current)
         if k is not None and best.score >= totals[k] - 1e-9 * abs(totals[k]):
             return False
@@ -319,7 +339,8 @@ class Refiner:
                     for v in op.inputs)
         needs = tuple(() if blind else self._demands(v) for v in op.outputs)
         current = self.plan.choices[op.index].strategy
-        only = (current.ins, current.partial) if op.index in keep else None
+        only = (current.ins, current.partial) if op.index in keep or \
+            op.index in self.pinned else None
         key = (o.key, ins, needs, self.b.kinds_of(op), only)
         best = self.memo.get(key)
         if best is None:
