@@ -101,9 +101,11 @@ def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=N
       level: 0 maximise compute/communication ratio, 1 minimise memory, 2 maximise speed.
       mesh: the mesh to use; default `make_mesh(<all devices>)`.
       search_mode: "sharding_propagation" (default: from the fixed strategies outward, op by
-        op), "recursive_programming" (SAPP: main ops cut axis by axis, then propagation; fast)
-        or "dynamic_programming" (the exact optimum of the cost model: chain DP or an ILP). The
-        two automatic modes spread every matmul/conv over all devices the shapes allow.
+        op; then refined with the exact objective, and a training step's tail, its gradient
+        reductions and optimizer, solved again exactly), "recursive_programming" (SAPP: main
+        ops cut axis by axis, then propagation; fast) or "dynamic_programming" (the exact
+        optimum of the cost model: chain DP or an ILP). The two automatic modes spread every
+        matmul/conv over all devices the shapes allow.
       hardware: a hardware profile name (`h100-nvlink`, `tpu-v5e`, `cpu`, ...) or YAML path.
       memory_budget: bytes per device the plan must fit in, or "hardware" for the profile's
         memory per device. dynamic_programming guarantees it (or says no plan fits);
@@ -329,8 +331,8 @@ class ShardedFunction:
             spec = {i: gp.specs[graph.inputs[i]] for i, _ in ties}
             asked = dict(fixed_out)
             fixed_out |= {j: spec[i] for i, j in ties}
-            # The searches priced an output that comes back in another spec (a ZeRO-style
-            # gather at the end of the step); propagation plans again (above).
+            # Every search priced a carried output coming back in its input's spec (a
+            # ZeRO-style gather at the end of the step); propagation plans again (above).
             if again:
                 fixed_in |= {graph.inputs[i]: spec[i] for i in free}
                 gp, notes, decisions = self._search(graph, model, fixed_in, asked, carried,
