@@ -29,7 +29,7 @@ from jaxpar.cost.model import CostModel
 from jaxpar.ir import arg_paths, build_graph, trace
 from jaxpar.lower.jit import build_callable
 from jaxpar.mesh import make_mesh, mesh_devices
-from jaxpar.plan import Plan, build_plan
+from jaxpar.plan import Plan, build_plan, peak_memory
 from jaxpar.search import paused_gc
 from jaxpar.search.exact import dynamic_programming
 from jaxpar.search.propagation import GraphIndex, out_spec, propagate
@@ -396,10 +396,16 @@ class ShardedFunction:
         index = GraphIndex.of(graph, index)
         pinned = frozenset(x for v, axes in (kept or {}).items() if axes
                            for x, _ in index.readers.get(v, ()))
-        gp = refine(graph, model, gp, fixed_in, fixed_out, None, tuple(ties), index, pinned,
-                    chains=True)
-        return solve_tail(graph, model, gp, fixed_in, fixed_out, tuple(ties), index,
-                          pinned), [], []
+        better = refine(graph, model, gp, fixed_in, fixed_out, None, tuple(ties), index,
+                        pinned, chains=True)
+        better = solve_tail(graph, model, better, fixed_in, fixed_out, tuple(ties), index,
+                            pinned)
+        budget = self.opts.memory_budget  # the objective weighs memory, it does not bound it
+        if budget is not None and peak_memory(graph, better, model.mesh) > budget >= \
+                peak_memory(graph, gp, model.mesh):
+            return gp, ["sharding_propagation: the refined plan was over memory_budget; the "
+                        "propagated one is kept"], []
+        return better, [], []
 
     def _finish(self, graph, plan: Plan, args, donated: set[int]) -> _Compiled:
         if plan.in_tree is None:  # a loaded plan: take the structure from these arguments
