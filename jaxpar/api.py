@@ -32,7 +32,7 @@ from jaxpar.mesh import make_mesh, mesh_devices
 from jaxpar.plan import Plan, build_plan, peak_memory
 from jaxpar.search import paused_gc
 from jaxpar.search.exact import dynamic_programming
-from jaxpar.search.propagation import GraphIndex, out_spec, propagate
+from jaxpar.search.propagation import GraphIndex, out_spec, pinned_ops, propagate
 from jaxpar.search.refine import refine
 from jaxpar.search.resolve import solve_tail
 from jaxpar.spec import MeshInfo, Spec
@@ -392,10 +392,10 @@ class ShardedFunction:
         # solved again exactly (solve_tail: a gradient reduce-scattered because its matmul
         # found that cheapest, and the optimizer then computed cut and its replicated
         # parameter and moments gathered back at the end of every step). The ops reading
-        # a kept weight keep reading it as laid out.
+        # a kept weight keep reading it as laid out (an FSDP weight: gathered on the batch's
+        # axes), but for the optimizer's reads of an FSDP weight (it updates it as stored).
         index = GraphIndex.of(graph, index)
-        pinned = frozenset(x for v, axes in (kept or {}).items() if axes
-                           for x, _ in index.readers.get(v, ()))
+        pinned = pinned_ops(graph, index, fixed_in, kept)
         better = refine(graph, model, gp, fixed_in, fixed_out, None, tuple(ties), index,
                         pinned, chains=True)
         better = solve_tail(graph, model, better, fixed_in, fixed_out, tuple(ties), index,
@@ -448,9 +448,10 @@ def _kept(fixed_in: dict[int, Spec], carried: list[tuple[int, int]]) -> dict[int
     search/propagation.py): for carried state (weights, optimizer state: what a step returns
     updated), the axes of its fixed spec that the batch's (the other fixed inputs') do not
     include. A weight cut on an axis the batch is cut on too (FSDP, hsdp's level3) is stored cut
-    and gathered for use, and the batch, like everything else, goes where propagation prices
-    it best (keeping it, and a function's weights without carried state, made the reference
-    programs' plans 8 to 22% dearer)."""
+    and gathered for use: its readers read it whole on those axes (an empty set here), but
+    for the optimizer, which updates it as stored. The batch, like everything else, goes where
+    propagation prices it best (keeping it, and a function's weights without carried state,
+    made the reference programs' plans 8 to 22% dearer)."""
     state = {v for v, _ in carried}
     batch = {a for v, s in fixed_in.items() if v not in state for a in s.axes()}
     return {v: frozenset(s.axes()) - batch for v, s in fixed_in.items() if v in state}

@@ -20,7 +20,11 @@ table was known resharded the table onto d_model, the cheapest move for that op 
 every activation after it was cut so (configs/gpt_small_semi_auto.yaml: 3.9 ms modelled,
 1.6 ms with it). The caller (api._kept) names weights only (carried state), less the axes a
 weight shares with the batch (FSDP, hsdp's level3): such a weight is stored cut and gathered
-for use.
+for use, so its readers read it whole on those axes, but for the ops of the step's tail (the
+optimizer, OpGraph.tail_values), which update it as stored. Left free, an FSDP embedding
+lookup resharded its table onto d_model (cheaper for that op alone than gathering it) and the
+activations after it were cut so (gpt_plans' FSDP layout through jaxpar, refined: 2.93 ms
+estimated from the compiled program, 1.85 with the rule; jit's own: 1.57).
 
 Region ops (scan, while, cond) get a single candidate made by planning their bodies with the
 operand specs known at that moment; a loop's carried values keep one spec across iterations.
@@ -97,7 +101,8 @@ def propagate(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec] | None
     kept: {input of fixed_in: mesh axes} read as fixed, MindSpore's semi-auto rule (a
     parameter's layout is the strategy of the op using it): the ops reading them are planned
     first, in program order, each with the cheapest of its strategies that read them as
-    fixed, less the axes not kept (any strategy, where none can). See the module docstring."""
+    fixed, less the axes not kept (any strategy, where none can); an input cut on no kept
+    axis is read whole, but by the ops of the step's tail. See the module docstring."""
     return _Propagation(_Graph.of(graph, model, classes, index), fixed_in or {},
                         fixed_out or {}, fixed_ops or {}, ties, kept or {}).run()
 
@@ -318,10 +323,9 @@ class _Propagation:
         self.plan = GraphPlan(specs=dict(fixed_in))
         # inputs (and constants) read as fixed on some axes (see propagate): value -> the
         # dims they are read in (the fixed spec's, less the axes not kept)
-        self.kept = {v: tuple(tuple(a for a in d if a in axes)
-                              for d in fixed_in[v].resolved().dims)
-                     for v, axes in (kept or {}).items()
-                     if v in fixed_in and v not in base.producer and axes}
+        self.kept = _kept_dims(fixed_in, kept, base.producer)
+        self.stored = {v for v, dims in self.kept.items() if not any(dims)}
+        self.tail = graph.tail_values()
         self.fixed_out, self.fixed_ops = fixed_out, fixed_ops
         self.heap: list = []
         self.queued: dict[int, tuple] = {}  # unit -> the best priority it waits in the heap with
@@ -364,7 +368,8 @@ class _Propagation:
             if self.unit[idx] in remaining:
                 remaining.discard(self.unit[idx])
                 self._plan_op(self.g.ops[self.unit[idx]])
-        readers = sorted({x for v in self.kept for x, _ in self.b.readers.get(v, ())})
+        readers = sorted({x for v in self.kept for x, _ in self.b.readers.get(v, ())
+                          if self._pins(self.g.ops[x])})
         for x in readers:  # what reads a kept input decides first
             if self.unit[x] in remaining and x not in self.plan.choices:
                 remaining.discard(self.unit[x])
@@ -488,7 +493,7 @@ class _Propagation:
             return self.b.region(op, self.plan.specs)
         o = self.b.opts(op)
         fixed, ins, needs = context = context or self._context(op)
-        kept = tuple(i for i, v in enumerate(op.inputs) if isinstance(v, int) and v in self.kept)
+        kept = self._pins(op)
         alike = (o.key, context, self.b.kinds_of(op), kept)
         choice = self.chosen.get(alike)
         if choice is not None:
@@ -507,6 +512,9 @@ class _Propagation:
                 totals = np.where(reads, totals, math.inf)
         choice = self.chosen[alike] = self.b.choice(o, totals)
         return choice
+
+    def _pins(self, op: Op) -> tuple[int, ...]:
+        return _pins(op, self.kept, self.stored, self.tail)
 
     def _apply(self, op: Op, choice: Choice) -> None:
         """op takes `choice`; its unplanned neighbours join the front."""
@@ -533,6 +541,36 @@ class _Propagation:
                  if x in choices]
         extra = self.out_needs.get(v)
         return tuple(needs + extra) if extra else tuple(needs)
+
+
+def _kept_dims(fixed_in: dict[int, Spec], kept: dict[int, frozenset[str]] | None,
+               producer: dict) -> dict[int, tuple]:
+    """{input: the dims it is read in}: its fixed spec less the axes not kept (all of them for
+    a weight stored cut on the batch's axes alone: read whole), for each kept input that no
+    op makes and that is read otherwise than replicated (see propagate)."""
+    return {v: tuple(tuple(a for a in d if a in axes) for d in fixed_in[v].resolved().dims)
+            for v, axes in (kept or {}).items()
+            if v in fixed_in and v not in producer and (axes or fixed_in[v].axes())}
+
+
+def _pins(op: Op, dims: dict[int, tuple], stored: set[int], tail: frozenset[int]
+          ) -> tuple[int, ...]:
+    """The operands op reads as kept (positions): kept inputs, less those stored cut on no
+    kept axis (FSDP) where op is in the step's tail (the optimizer updates them as stored)."""
+    late = bool(op.outputs) and all(w in tail for w in op.outputs)
+    return tuple(i for i, v in enumerate(op.inputs) if isinstance(v, int) and v in dims
+                 and not (late and v in stored))
+
+
+def pinned_ops(graph: OpGraph, index: GraphIndex, fixed_in: dict[int, Spec],
+               kept: dict[int, frozenset[str]] | None) -> frozenset[int]:
+    """The ops propagate(..., kept=kept) lets read a kept input only as kept (refine keeps
+    them so: `pinned`)."""
+    dims = _kept_dims(fixed_in, kept, index.producer)
+    stored = {v for v, d in dims.items() if not any(d)}
+    tail = graph.tail_values()
+    return frozenset(x for v in dims for x, _ in index.readers.get(v, ())
+                     if _pins(graph.ops[x], dims, stored, tail))
 
 
 def _column(specs: tuple[Spec, ...], v: int, src: Spec | None, wants: tuple | None,
