@@ -24,7 +24,7 @@ for use, so its readers read it whole on those axes, but for the ops of the step
 optimizer, OpGraph.tail_values), which update it as stored. Left free, an FSDP embedding
 lookup resharded its table onto d_model (cheaper for that op alone than gathering it) and the
 activations after it were cut so (gpt_plans' FSDP layout through jaxpar, refined: 2.93 ms
-estimated from the compiled program, 1.85 with the rule; jit's own: 1.57).
+estimated from the compiled program, 1.48 with the rule; jit's own: 1.57).
 
 Region ops (scan, while, cond) get a single candidate made by planning their bodies with the
 operand specs known at that moment; a loop's carried values keep one spec across iterations.
