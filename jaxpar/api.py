@@ -29,12 +29,11 @@ from jaxpar.cost.model import CostModel
 from jaxpar.ir import arg_paths, build_graph, trace
 from jaxpar.lower.jit import build_callable
 from jaxpar.mesh import make_mesh, mesh_devices
-from jaxpar.plan import Plan, build_plan, peak_memory
+from jaxpar.plan import Plan, build_plan
 from jaxpar.search import paused_gc
 from jaxpar.search.exact import dynamic_programming
-from jaxpar.search.propagation import GraphIndex, out_spec, pinned_ops, propagate
-from jaxpar.search.refine import refine
-from jaxpar.search.resolve import solve_tail
+from jaxpar.search.propagation import GraphIndex, out_spec
+from jaxpar.search.semi import sharding_propagation
 from jaxpar.spec import MeshInfo, Spec
 
 SEARCH_MODES = ("sharding_propagation", "recursive_programming", "dynamic_programming")
@@ -318,25 +317,11 @@ class ShardedFunction:
         index = None if o.search_mode == "dynamic_programming" else GraphIndex(graph)
         carried = [(graph.inputs[i], j) for i, j in ties]
         kept = None if o.search_mode in AUTOMATIC_MODES else _kept(fixed_in, carried)
-        # Propagation asks a carried output for its input's spec only once that input has
-        # one, so where it plans a carried input it plans again with that input pinned (and
-        # the outputs still tied, not fixed: a fixed output's producer would be planned
-        # first, from its demand alone, and a replicated weight's update would then make the
-        # whole backward pass replicated). Only the plan kept is polished (_run_search).
-        free = [i for i, _ in ties if graph.inputs[i] not in fixed_in]
-        again = o.search_mode not in AUTOMATIC_MODES and bool(free)
         gp, notes, decisions = self._search(graph, model, fixed_in, fixed_out, carried, index,
-                                            kept, polish=not again)
-        if ties:  # each carried output takes the spec of the input it replaces
-            spec = {i: gp.specs[graph.inputs[i]] for i, _ in ties}
-            asked = dict(fixed_out)
-            fixed_out |= {j: spec[i] for i, j in ties}
-            # Every search priced a carried output coming back in its input's spec (a
-            # ZeRO-style gather at the end of the step); propagation plans again (above).
-            if again:
-                fixed_in |= {graph.inputs[i]: spec[i] for i in free}
-                gp, notes, decisions = self._search(graph, model, fixed_in, asked, carried,
-                                                    index, kept)
+                                            kept)
+        if ties:  # each carried output takes the spec of the input it replaces (every search
+            # priced it coming back so: a ZeRO-style gather at the end of the step)
+            fixed_out |= {j: gp.specs[graph.inputs[i]] for i, j in ties}
             notes.append(f"carried state: {len(ties)} outputs keep the sharding of the input "
                          "they replace, so the step can be called in a loop without resharding")
         foreign = off_mesh(graph, model.mesh)
@@ -358,20 +343,17 @@ class ShardedFunction:
         return self._finish(graph, plan, args, donated)
 
     def _search(self, graph, model, fixed_in, fixed_out, ties, index: GraphIndex | None,
-                kept: dict[int, frozenset[str]] | None = None, polish: bool = True):
+                kept: dict[int, frozenset[str]] | None = None):
         """(GraphPlan, notes, decisions) from the chosen search mode; ties: (input value,
         output position) pairs of carried state (the automatic searches price them); index:
         the graph's GraphIndex, shared by the searches of one build (None: each its own);
         kept: for sharding propagation, the axes each fixed input is read on as laid out
-        (_kept); polish: for sharding propagation, whether the plan is then improved with
-        the exact objective (False for a plan only made to place carried inputs)."""
+        (_kept)."""
         mode = self.opts.search_mode
         with progress.stage(f"searching ({mode})"):
-            return self._run_search(mode, graph, model, fixed_in, fixed_out, ties, index, kept,
-                                    polish)
+            return self._run_search(mode, graph, model, fixed_in, fixed_out, ties, index, kept)
 
-    def _run_search(self, mode, graph, model, fixed_in, fixed_out, ties, index, kept=None,
-                    polish=True):
+    def _run_search(self, mode, graph, model, fixed_in, fixed_out, ties, index, kept=None):
         """_search's work, under its progress stage."""
         if mode == "dynamic_programming":
             gp, sol = dynamic_programming(graph, model, fixed_in, fixed_out,
@@ -383,29 +365,9 @@ class ShardedFunction:
             gp, decisions = recursive_programming(graph, model, fixed_in, fixed_out,
                                                   self.opts.memory_budget, ties, index)
             return gp, [], decisions
-        gp = propagate(graph, model, fixed_in, fixed_out, ties=tuple(ties), index=index,
-                       kept=kept)
-        if not polish:
-            return gp, [], []
-        # The front decides each op from what it knows then. The plan is then improved with
-        # the exact objective, op by op and chain by chain (refine), and the step's tail
-        # solved again exactly (solve_tail: a gradient reduce-scattered because its matmul
-        # found that cheapest, and the optimizer then computed cut and its replicated
-        # parameter and moments gathered back at the end of every step). The ops reading
-        # a kept weight keep reading it as laid out (an FSDP weight: gathered on the batch's
-        # axes), but for the optimizer's reads of an FSDP weight (it updates it as stored).
-        index = GraphIndex.of(graph, index)
-        pinned = pinned_ops(graph, index, fixed_in, kept)
-        better = refine(graph, model, gp, fixed_in, fixed_out, None, tuple(ties), index,
-                        pinned, chains=True)
-        better = solve_tail(graph, model, better, fixed_in, fixed_out, tuple(ties), index,
-                            pinned)
-        budget = self.opts.memory_budget  # the objective weighs memory, it does not bound it
-        if budget is not None and peak_memory(graph, better, model.mesh) > budget >= \
-                peak_memory(graph, gp, model.mesh):
-            return gp, ["sharding_propagation: the refined plan was over memory_budget; the "
-                        "propagated one is kept"], []
-        return better, [], []
+        gp, notes = sharding_propagation(graph, model, fixed_in, fixed_out, ties, index, kept,
+                                         self.opts.memory_budget)
+        return gp, notes, []
 
     def _finish(self, graph, plan: Plan, args, donated: set[int]) -> _Compiled:
         if plan.in_tree is None:  # a loaded plan: take the structure from these arguments

@@ -153,10 +153,17 @@ def solve_tail(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict
            if op.outputs and op.index not in pinned and all(v in tail for v in op.outputs)}
     if not ops:
         return plan
-    back = dict(fixed_out) | {pos: plan.specs[v] for v, pos in ties
-                              if pos not in fixed_out and v in plan.specs}
     found = solve_region(graph, model, plan, fixed_in, fixed_out, ties, ops,
                          index.free_reads(ops, fixed_in), time_limit)
-    before = model.score(graph_cost(graph, plan, model, back))
-    after = model.score(graph_cost(graph, found, model, back))
+    before = objective(graph, model, plan, fixed_out, ties)
+    after = objective(graph, model, found, fixed_out, ties)
     return found if after < before * (1 - 1e-9) else plan
+
+
+def objective(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_out: dict[int, Spec],
+              ties: tuple[tuple[int, int], ...]) -> float:
+    """`model`'s objective of a complete plan: the outputs in `fixed_out` resharded into their
+    specs, each carried output (ties) back into its input's spec."""
+    back = dict(fixed_out) | {pos: plan.specs[v] for v, pos in ties
+                              if pos not in fixed_out and v in plan.specs}
+    return model.score(graph_cost(graph, plan, model, back))
