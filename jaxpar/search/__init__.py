@@ -1,6 +1,7 @@
 """Choosing one strategy per op: the search modes.
 
-sharding_propagation (propagation.py) plans outward from the fixed strategies, op by op;
+sharding_propagation (propagation.py) plans outward from the fixed strategies, op by op, and
+semi.py polishes its plan (refine.py, and the step's tail solved exactly by resolve.py);
 dynamic_programming (exact.py over the solver in dynamic.py) finds the cost model's optimum;
 recursive_programming (recursive.py: SAPP over the units and links of links.py, completed by
 propagation, refine.py and state.py) cuts the main ops axis by axis, then solves the last
