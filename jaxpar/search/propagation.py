@@ -41,8 +41,8 @@ objective: each op in turn takes the strategy cheapest against everything around
 moves; `replan` plans a region again (from what consumers need, from what operands give, or
 from the plan as it is) and keeps it only if the total drops. Neither raises the plan's total
 (graph_cost). A `GraphIndex` (producers, readers, sizes) can be shared by both. The
-sharding_propagation mode (api) refines its plan so, then solves a training step's tail again
-exactly (resolve.solve_tail).
+sharding_propagation mode (semi.py) refines its plan so, then solves a training step's tail
+again exactly (resolve.solve_tail).
 """
 
 from __future__ import annotations
