@@ -24,7 +24,7 @@ from jax import lax
 from jaxpar.cost.model import _signature
 from jaxpar.ir.graph import Op
 from jaxpar.rules.registry import OpInfo, candidates
-from jaxpar.search.propagation import GraphIndex
+from jaxpar.search.propagation import GraphIndex, handed_back
 from jaxpar.spec import MeshInfo, Spec
 
 HOPS = 8  # array-combining ops a link may pass through
@@ -251,8 +251,8 @@ class Units:
                  fixed_out: dict[int, Spec], ties: tuple[tuple[int, int], ...],
                  axis_size: int):
         self.g, self.index, self.mains = index.g, index, set(mains)
-        self.fixed_out = dict(fixed_out)
-        self.carried = self._carried(ties, fixed_in)
+        self.fixed_out = handed_back(index.g, fixed_in, fixed_out, ties)
+        self.carried = self._carried(ties)
         self.groups = self._groups()
         n = len(self.g.ops)
         self.members_in = {self.carried[k][0]: n + gi for gi, ks in enumerate(self.groups)
@@ -263,17 +263,16 @@ class Units:
                              members_out, axis_size)
         self.infos: dict[int, OpInfo] = {}
 
-    def _carried(self, ties, fixed_in) -> list[tuple[int, int, int]]:
+    def _carried(self, ties) -> list[tuple[int, int, int]]:
         """(input, output position, output value) of each carried state that is a unit: an
-        output some op makes, replacing a free input."""
+        output some op makes, replacing a free input (those tied to a fixed one are in
+        fixed_out)."""
         out, seen = [], set()
         for v, pos in ties:
             w = self.g.outputs[pos]
             if pos in self.fixed_out or not isinstance(w, int):
                 continue
-            if v in fixed_in:
-                self.fixed_out[pos] = fixed_in[v]
-            elif w in self.index.producer and w not in seen and w != v:
+            if w in self.index.producer and w not in seen and w != v:
                 seen.add(w)
                 out.append((v, pos, w))
         return out

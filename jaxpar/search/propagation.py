@@ -543,6 +543,18 @@ class _Propagation:
         return tuple(needs + extra) if extra else tuple(needs)
 
 
+def handed_back(graph: OpGraph, fixed_in: dict[int, Spec], fixed_out: dict[int, Spec],
+                ties: Collection[tuple[int, int]]) -> dict[int, Spec]:
+    """`fixed_out` and, for each carried (input, output position) pair whose input the user
+    fixed, the output in that spec: it comes back as the input was fixed (a tie to a free
+    input is the search's to price)."""
+    back = dict(fixed_out)
+    for v, pos in ties:
+        if v in fixed_in and isinstance(graph.outputs[pos], int):
+            back.setdefault(pos, fixed_in[v])
+    return back
+
+
 def _kept_dims(fixed_in: dict[int, Spec], kept: dict[int, frozenset[str]] | None,
                producer: dict) -> dict[int, tuple]:
     """{input: the dims it is read in}: its fixed spec less the axes not kept (all of them for

@@ -95,10 +95,10 @@ from jaxpar.rules.registry import OpInfo
 from jaxpar.search import paused_gc
 from jaxpar.search.dynamic import Problem, solve
 from jaxpar.search.links import Link, Slot, Units, mapped
-from jaxpar.search.propagation import GraphIndex, GraphPlan, graph_cost, propagate
+from jaxpar.search.propagation import GraphIndex, GraphPlan, propagate
 from jaxpar.search.refine import Refiner
 from jaxpar.search.regions import LOOPS
-from jaxpar.search.resolve import solve_axis, solve_region
+from jaxpar.search.resolve import objective, solve_axis, solve_region
 from jaxpar.search.state import place_state
 from jaxpar.spec import MeshInfo, OpStrategy, Spec
 
@@ -191,7 +191,7 @@ def _search(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
         else:
             low = mid
     carried = [(v, pos) for v, pos in ties if pos not in fixed_out]
-    score = {k: _score(graph, model, r[1], fixed_out, carried)
+    score = {k: objective(graph, model, r[1], fixed_out, carried)
              for k, r in enumerate(runs) if r[2] <= memory_budget}
     best = runs[min(score, key=lambda k: (score[k], -runs[k][0]))]
     lines = [f"memory_budget={memory_budget:.0f} bytes per device: the plan with "
@@ -203,14 +203,6 @@ def _search(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     for line in lines:
         log.debug(line)
     return best[1], lines + best[3]
-
-
-def _score(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_out: dict[int, Spec],
-           carried: Sequence[tuple[int, int]]) -> float:
-    """`model`'s exact objective of a complete plan: the outputs in `fixed_out` resharded into
-    their specs, each carried (input value, output position) output back in its input's."""
-    back = dict(fixed_out) | {pos: plan.specs[v] for v, pos in carried}
-    return model.score(graph_cost(graph, plan, model, back))
 
 
 def _bigger(mem_coeff: float, attempt: int) -> float:
@@ -469,7 +461,7 @@ class _Sapp:
 
     def _score(self, plan: GraphPlan, fixed_out: dict) -> float:
         """The plan's exact objective, carried outputs back in their input's spec."""
-        return _score(self.g, self.model, plan, fixed_out,
+        return objective(self.g, self.model, plan, fixed_out,
                       [(v, pos) for v, pos, _ in self.units.carried])
 
     def _decided(self) -> tuple[dict, dict, dict]:

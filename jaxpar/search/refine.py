@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxpar.cost.model import CostModel
 from jaxpar.ir.graph import Op, OpGraph
-from jaxpar.search.propagation import Choice, GraphIndex, GraphPlan, _Graph
+from jaxpar.search.propagation import Choice, GraphIndex, GraphPlan, _Graph, handed_back
 from jaxpar.spec import Spec
 
 
@@ -69,18 +69,14 @@ class Refiner:
         self.plan = GraphPlan(dict(plan.specs), dict(plan.choices))
         self.fixed_in = dict(fixed_in)
         self.out_needs: dict[int, list[Spec]] = {}
-        for pos, spec in fixed_out.items():
+        for pos, spec in handed_back(graph, fixed_in, fixed_out, ties).items():
             if isinstance(self.g.outputs[pos], int):
                 self.out_needs.setdefault(self.g.outputs[pos], []).append(spec)
         self.tied_in: dict[int, int] = {}   # carried input -> the output replacing it
         self.tied_out: dict[int, list[int]] = {}
         for v, pos in ties:
             w = self.g.outputs[pos]
-            if not isinstance(w, int) or pos in fixed_out:
-                continue
-            if v in fixed_in:  # handed back in the spec the user fixed for its input
-                self.out_needs.setdefault(w, []).append(fixed_in[v])
-            else:
+            if isinstance(w, int) and pos not in fixed_out and v not in fixed_in:
                 self.tied_in[v] = w
                 self.tied_out.setdefault(w, []).append(v)
         self.memo: dict = {}
@@ -153,10 +149,7 @@ class Refiner:
         key = (o.key, ins, needs, self.b.kinds_of(op), only, "visit")  # _take's: 5 long
         hit = self.memo.get(key)
         if hit is None:
-            totals = self.b.priced(op, o, ins, needs)
-            if only is not None:
-                totals = np.array([t if (s.ins, s.partial) == only else math.inf
-                                   for s, t in zip(o.cands, totals, strict=True)])
+            totals = _only(o, self.b.priced(op, o, ins, needs), only)
             hit = self.memo[key] = (self.b.choice(o, totals), totals)
         best, totals = hit
         k = o.index.get(current)
@@ -344,10 +337,7 @@ class Refiner:
         key = (o.key, ins, needs, self.b.kinds_of(op), only)
         best = self.memo.get(key)
         if best is None:
-            totals = self.b.priced(op, o, ins, needs)
-            if only is not None:
-                totals = [t if (s.ins, s.partial) == only else math.inf
-                          for s, t in zip(o.cands, totals, strict=True)]
+            totals = _only(o, self.b.priced(op, o, ins, needs), only)
             best = self.memo[key] = self.b.choice(o, totals)
         if best.strategy == current:
             return False
@@ -374,3 +364,12 @@ class Refiner:
             for u in self.tied_out.get(w, ()):
                 total += b.price(w, plan.specs[w], plan.specs[u])
         return total
+
+
+def _only(o, totals, only: tuple | None):
+    """`totals` with every candidate of `o` that reads its operands otherwise than `only`
+    (operand specs, reductions) priced infinite; `totals` itself when `only` is None."""
+    if only is None:
+        return totals
+    return np.array([t if (s.ins, s.partial) == only else math.inf
+                     for s, t in zip(o.cands, totals, strict=True)])

@@ -23,6 +23,8 @@ model's embedding table, read by the lookup and by the tied output head).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from jaxpar.cost.model import CostModel
 from jaxpar.ir.graph import OpGraph
 from jaxpar.search.exact import dynamic_programming
@@ -161,9 +163,9 @@ def solve_tail(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict
 
 
 def objective(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_out: dict[int, Spec],
-              ties: tuple[tuple[int, int], ...]) -> float:
-    """`model`'s objective of a complete plan: the outputs in `fixed_out` resharded into their
-    specs, each carried output (ties) back into its input's spec."""
-    back = dict(fixed_out) | {pos: plan.specs[v] for v, pos in ties
-                              if pos not in fixed_out and v in plan.specs}
+              ties: Sequence[tuple[int, int]]) -> float:
+    """`model`'s exact objective of a complete plan: the outputs in `fixed_out` resharded into
+    their specs, each carried (input value, output position) output (ties) back into its
+    input's spec."""
+    back = dict(fixed_out) | {pos: plan.specs[v] for v, pos in ties}
     return model.score(graph_cost(graph, plan, model, back))

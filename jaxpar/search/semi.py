@@ -39,7 +39,7 @@ from collections.abc import Sequence
 
 from jaxpar.cost.model import CostModel
 from jaxpar.ir.graph import OpGraph
-from jaxpar.search.propagation import GraphIndex, GraphPlan, pinned_ops, propagate
+from jaxpar.search.propagation import GraphIndex, GraphPlan, handed_back, pinned_ops, propagate
 from jaxpar.search.refine import refine
 from jaxpar.search.resolve import objective, solve_tail
 from jaxpar.spec import Spec
@@ -78,10 +78,10 @@ def sharding_propagation(graph: OpGraph, model: CostModel, fixed_in: dict[int, S
         first = propagate(graph, model, fixed_in, fixed_out, ties=ties, index=index, kept=kept)
         placed |= {v: first.specs[v].resolved() for v in free}
     starts = [propagate(graph, model, placed, fixed_out, ties=ties, index=index, kept=kept)]
-    held = {pos: fixed_in[v] for v, pos in ties if v in fixed_in and pos not in fixed_out}
-    if held:
-        starts.append(propagate(graph, model, placed, fixed_out | held,
-                                ties=tuple((v, pos) for v, pos in ties if pos not in held),
+    back = handed_back(graph, fixed_in, fixed_out, ties)
+    if len(back) > len(fixed_out):
+        starts.append(propagate(graph, model, placed, back,
+                                ties=tuple((v, pos) for v, pos in ties if pos not in back),
                                 index=index, kept=kept))
     solved = [solve_tail(graph, model, refine(graph, model, gp, fixed_in, fixed_out, None,
                                               ties, index, pinned, chains=True),

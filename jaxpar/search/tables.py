@@ -28,7 +28,7 @@ import numpy as np
 from jaxpar.cost.model import CostModel, nbytes
 from jaxpar.ir.graph import Lit, OpGraph
 from jaxpar.rules.registry import OpInfo
-from jaxpar.search.propagation import GraphPlan
+from jaxpar.search.propagation import GraphPlan, handed_back
 from jaxpar.search.regions import region_candidates
 from jaxpar.spec import Spec
 
@@ -142,18 +142,14 @@ def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
                 b.charge_fixed_input(op, i, held[v].resolved())
             else:
                 b.input_edge(v, op, i)
-    for pos, spec in fixed_out.items():
+    for pos, spec in handed_back(graph, fixed_in, fixed_out, ties).items():
         v = graph.outputs[pos]
         if isinstance(v, int) and v in producer and producer[v][0].index in inside:
             b.charge_fixed_output(producer[v], spec)
     for v_in, pos in ties:
         v = graph.outputs[pos]
-        if pos in fixed_out or not isinstance(v, int) or v not in producer:
-            continue
-        if v_in in fixed_in:  # handed back in the spec the user fixed for its input
-            if producer[v][0].index in inside:
-                b.charge_fixed_output(producer[v], fixed_in[v_in])
-        else:
+        if v_in not in fixed_in and pos not in fixed_out and isinstance(v, int) and \
+                v in producer:
             b.tie(v_in, producer[v], producer[v][0].index in inside, free(v_in), held)
     if region is not None:
         b.held_readers(region, producer)
