@@ -9,17 +9,21 @@ propagation.py). After: a GraphPlan and notes for the Plan.
    place it, then again with it placed. Where the user fixed carried state (a training step's
    parameters and optimizer state), it plans two ways: with each carried output tied, asked
    for its input's spec and reached by the front like any op; and with it fixed, its producer
-   planned first from that demand (the optimizer, then the gradients backwards). Neither is
-   better everywhere (modelled step time, each after steps 2 and 3):
+   planned first from that demand (the optimizer, then the gradients backwards). Each way runs
+   in two orders, ops planned as reached or waiting for a bigger operand still to be made
+   (propagate's `wait`), and the order of lower objective as propagated goes on (on the cases
+   below, the one that also polishes better, or as well). No way and no order is better
+   everywhere (modelled step time, each after steps 2 and 3):
 
-   | program | tied | fixed |
-   |---|---:|---:|
-   | gpt_plans' data-parallel layout | 1.27 ms | 1.78 ms |
-   | gpt_plans' FSDP layout | 1.44 ms | 1.35 ms |
-   | configs/mlp_data_parallel.yaml (tpu-v5e) | 547 us | 410 us |
+   | program | tied | tied, waiting | fixed | fixed, waiting |
+   |---|---:|---:|---:|---:|
+   | gpt_plans' data-parallel layout | 1.27 ms | 1.10 ms | 1.78 ms | 1.98 ms |
+   | gpt_plans' FSDP layout | 1.44 ms | 1.35 ms | 1.35 ms | 1.35 ms |
+   | configs/mlp_data_parallel.yaml (tpu-v5e) | 547 us | 547 us | 410 us | 410 us |
 
-   A propagated plan's own score says little of which one polishes better (the data-parallel
-   GPT: 3.0 ms tied, 2.5 fixed, as propagated).
+   Between the two ways, though, a propagated plan's own score says little of which one
+   polishes better (the data-parallel GPT: 3.0 ms tied, 2.5 fixed, as propagated), so both
+   are polished.
 2. Each plan refined with the exact objective, op by op and chain by chain (refine.refine);
    the ops reading a kept weight keep reading it as laid out (propagation.pinned_ops).
 3. Then its tail (the gradients' last matmuls and reductions, the optimizer) solved again
@@ -77,12 +81,18 @@ def sharding_propagation(graph: OpGraph, model: CostModel, fixed_in: dict[int, S
     if free:  # step 1's first pass: carried inputs no one fixed take the spec it gives them
         first = propagate(graph, model, fixed_in, fixed_out, ties=ties, index=index, kept=kept)
         placed |= {v: first.specs[v].resolved() for v in free}
-    starts = [propagate(graph, model, placed, fixed_out, ties=ties, index=index, kept=kept)]
+
+    def start(out: dict[int, Spec], tied: tuple) -> GraphPlan:
+        """Propagation both ways (ops planned as reached, or waiting for a bigger operand):
+        the plan of lower objective."""
+        plans = [propagate(graph, model, placed, out, ties=tied, index=index, kept=kept,
+                           wait=wait) for wait in (False, True)]
+        return min(plans, key=lambda gp: objective(graph, model, gp, fixed_out, ties))
+
+    starts = [start(fixed_out, ties)]
     back = handed_back(graph, fixed_in, fixed_out, ties)
     if len(back) > len(fixed_out):
-        starts.append(propagate(graph, model, placed, back,
-                                ties=tuple((v, pos) for v, pos in ties if pos not in back),
-                                index=index, kept=kept))
+        starts.append(start(back, tuple((v, pos) for v, pos in ties if pos not in back)))
     solved = [solve_tail(graph, model, refine(graph, model, gp, fixed_in, fixed_out, None,
                                               ties, index, pinned, chains=True),
                          fixed_in, fixed_out, ties, index, pinned)
