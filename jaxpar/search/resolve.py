@@ -158,13 +158,7 @@ def solve_tail(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict
     tail = graph.tail_values()
     ops = {op.index for op in graph.ops
            if op.outputs and op.index not in pinned and all(v in tail for v in op.outputs)}
-    if not ops:
-        return plan
-    found = solve_region(graph, model, plan, fixed_in, fixed_out, ties, ops,
-                         index.free_reads(ops, fixed_in), time_limit)
-    before = objective(graph, model, plan, fixed_out, ties)
-    after = objective(graph, model, found, fixed_out, ties)
-    return found if after < before * (1 - 1e-9) else plan
+    return _lower(graph, model, plan, fixed_in, fixed_out, ties, ops, index, time_limit)
 
 
 def solve_latency_bound(graph: OpGraph, model: CostModel, plan: GraphPlan,
@@ -216,6 +210,14 @@ def solve_latency_bound(graph: OpGraph, model: CostModel, plan: GraphPlan,
                     near.update(r for r, _ in index.readers.get(v, ()))
         frontier = near - ops - pinned
         ops |= frontier
+    return _lower(graph, model, plan, fixed_in, fixed_out, ties, ops, index, time_limit)
+
+
+def _lower(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict[int, Spec],
+           fixed_out: dict[int, Spec], ties: tuple[tuple[int, int], ...], ops: set[int],
+           index: GraphIndex, time_limit: float) -> GraphPlan:
+    """solve_region over `ops` and the free inputs they read: its solution where its
+    objective is lower than `plan`'s, else `plan`."""
     if not ops:
         return plan
     found = solve_region(graph, model, plan, fixed_in, fixed_out, ties, ops,
