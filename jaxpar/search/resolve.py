@@ -169,9 +169,10 @@ def solve_latency_bound(graph: OpGraph, model: CostModel, plan: GraphPlan,
     """`plan` with its latency-bound collectives solved again exactly with the ops around
     them (solve_region), the rest held. Small: a value whose gathering takes more time in
     latency than in moving its bytes (latency_bound). The seeds: the ops reduce-scattering
-    a small result, and those resharding a small operand. The region: the ops at most `hops`
-    def-use steps from a seed, either way, through small values; less `pinned`; with the
-    free inputs they read. Returns the solution where its objective is lower, else `plan`.
+    a small result, and those resharding a small operand; none are solved where no small
+    result is reduce-scattered. The region: the ops at most `hops` def-use steps from a
+    seed, either way, through small values; less `pinned`; with the free inputs they read.
+    Returns the solution where its objective is lower, else `plan`.
 
     Propagation decides a reduction from its operand alone: reduce-scattering a partial sum
     moves half the bytes of an all-reduce. For a small result (a BatchNorm's batch mean and
@@ -179,11 +180,12 @@ def solve_latency_bound(graph: OpGraph, model: CostModel, plan: GraphPlan,
     gather it: two collectives where one all-reduce was enough (an nnx CNN with two
     BatchNorms, Adam, batch 64, semi_auto on 8 devices under h100-nvlink: 275 us modelled, 27
     collectives, as polished by refine and solve_tail; 138 us solved so, 21). The exact
-    solve prices every pair of candidate specs along the region's edges: on the toy
-    programs of jaxpar.models.programs whose collectives are all small, 0.4-0.6 s more, for the
-    same plans."""
+    solve prices every pair of candidate specs along the region's edges. Seeded by any
+    small resharding, it also ran on the toy programs of jaxpar.models.programs, whose
+    values are all small, for 0.4-0.55 s more and the same plans (attention_tensor_parallel,
+    conv_net_feature_parallel); a reduce-scattered small result is what it mends."""
     small = latency_bound(model)
-    seeds = set()
+    seeds, scattered = set(), False
     for op in graph.ops:
         if op.index in pinned:
             continue
@@ -191,6 +193,7 @@ def solve_latency_bound(graph: OpGraph, model: CostModel, plan: GraphPlan,
         if any(c.kind == "reduce-scatter" for c in choice.cost.collectives) and \
                 all(small(index.nbytes(w)) for w in op.outputs):
             seeds.add(op.index)
+            scattered = True
             continue
         for v, need in zip(op.inputs, choice.strategy.ins, strict=True):
             if isinstance(v, int) and small(index.nbytes(v)):
@@ -198,6 +201,8 @@ def solve_latency_bound(graph: OpGraph, model: CostModel, plan: GraphPlan,
                 if have is not need and not have.placed_as(need):
                     seeds.add(op.index)
                     break
+    if not scattered:
+        return plan
     ops, frontier = set(seeds), set(seeds)
     for _ in range(hops):
         near = set()
