@@ -190,8 +190,8 @@ def solve_latency_bound(graph: OpGraph, model: CostModel, plan: GraphPlan,
         if op.index in pinned:
             continue
         choice = plan.choices[op.index]
-        if any(c.kind == "reduce-scatter" for c in choice.cost.collectives) and \
-                all(small(index.nbytes(w)) for w in op.outputs):
+        if op.outputs and any(c.kind == "reduce-scatter" for c in choice.cost.collectives) \
+                and all(small(index.nbytes(w)) for w in op.outputs):
             seeds.add(op.index)
             scattered = True
             continue
@@ -238,8 +238,8 @@ def latency_bound(model: CostModel):
     mesh = model.mesh
     if not mesh.names:
         return lambda nbytes: False
-    cut = Spec((tuple(mesh.names),))
-    per_byte, fixed = model._comm_line(cut, Spec.replicated(1), 1.0)
+    # the score's line (per byte, per call); the level's weight on both cancels out
+    per_byte, fixed = model.reshard_line(Spec((tuple(mesh.names),)), Spec.replicated(1))
     limit = fixed / per_byte if per_byte > 0 else math.inf
     return lambda nbytes: nbytes < limit
 
