@@ -354,7 +354,6 @@ def test_a_tied_embedding_is_looked_up_where_its_rows_lie():
 
 def test_neighbourhood_does_not_hop_through_scalars():
     from jaxpar.search.propagation import GraphIndex
-    from jaxpar.search.recursive import _neighbourhood
 
     def f(x, y, s):  # s (a learning rate, a step count) is read by both halves
         return jnp.tanh(x * s), jnp.exp(y * s)
@@ -364,13 +363,12 @@ def test_neighbourhood_does_not_hop_through_scalars():
     graph = build_graph(traced.closed_jaxpr, traced.in_paths)
     names = [op.name for op in graph.ops]
     first = next(op.index for op in graph.ops if op.name == "mul")
-    region = {graph.ops[x].name for x in _neighbourhood(GraphIndex(graph), {first}, 3)}
+    region = {graph.ops[x].name for x in GraphIndex(graph).neighbourhood({first}, 3)}
     assert "tanh" in region and "exp" not in region, (names, region)
 
 
 def test_neighbourhood_stops_at_its_walls():
     from jaxpar.search.propagation import GraphIndex
-    from jaxpar.search.recursive import _neighbourhood
 
     def f(x, w1, w2):
         return jnp.log(jnp.exp(jnp.tanh(x) @ w1) @ w2)
@@ -380,9 +378,9 @@ def test_neighbourhood_stops_at_its_walls():
     index = GraphIndex(graph)
     first = next(op.index for op in graph.ops if op.name == "tanh")
     dots = frozenset(op.index for op in graph.ops if op.name == "dot_general")
-    walled = {graph.ops[x].name for x in _neighbourhood(index, {first}, None, dots)}
+    walled = {graph.ops[x].name for x in index.neighbourhood({first}, None, dots)}
     assert walled == {"tanh", "dot_general"}
-    assert {graph.ops[x].name for x in _neighbourhood(index, {first}, None)} == \
+    assert {graph.ops[x].name for x in index.neighbourhood({first}, None)} == \
         {"tanh", "dot_general", "exp", "log"}
 
 

@@ -180,6 +180,29 @@ class GraphIndex:
             hit = self.sizes[v] = float(math.prod(info.shape)) * itemsize(info.dtype)
         return hit
 
+    def neighbourhood(self, seeds: set[int], hops: int | None,
+                      walls: frozenset[int] = frozenset(), through=None) -> set[int]:
+        """The ops at most `hops` def-use steps from `seeds` (None: any number), through
+        operands and results that are arrays (not scalars: a step count or learning rate is
+        read by every update) and that `through` (value -> bool; None: any) lets pass. An op
+        in `walls` joins the neighbourhood but is not stepped through."""
+        g, region, frontier = self.g, set(seeds), set(seeds)
+        steps = 0
+        while frontier and (hops is None or steps < hops):
+            near = set()
+            for y in frontier - walls:
+                op = g.ops[y]
+                for v in op.inputs + op.outputs:
+                    if isinstance(v, int) and g.values[v].shape and \
+                            (through is None or through(v)):
+                        if v in self.producer:
+                            near.add(self.producer[v])
+                        near.update(r for r, _ in self.readers.get(v, ()))
+            frontier = near - region
+            region |= frontier
+            steps += 1
+        return region
+
     def free_reads(self, ops, fixed) -> set[int]:
         """The values the ops read that no op makes (inputs, constants), less those in
         `fixed` (the specs the user fixed)."""

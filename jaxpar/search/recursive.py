@@ -422,12 +422,12 @@ class _Sapp:
                                             -x))
             seeds = set(units.update_region(x))
             seeds.update(r for v, _, _ in units.state(x) for r, _ in index.readers.get(v, ()))
-            ops |= _neighbourhood(index, seeds, _HOPS)
+            ops |= index.neighbourhood(seeds, _HOPS)
             near.append("the largest carried state")
             what.append(f"within {_HOPS} hops of the readers and update of {units.name(x)}")
         loops = {op.index for op in self.g.ops if op.name in LOOPS}
         if loops and self.model.search_bodies:
-            ops |= _neighbourhood(index, loops, None, frozenset(self.mains))
+            ops |= index.neighbourhood(loops, None, frozenset(self.mains))
             near.append("the loops")
             what.append(f"between the {len(loops)} loops and the main ops around them")
         if not ops:
@@ -462,7 +462,7 @@ class _Sapp:
     def _score(self, plan: GraphPlan, fixed_out: dict) -> float:
         """The plan's exact objective, carried outputs back in their input's spec."""
         return objective(self.g, self.model, plan, fixed_out,
-                      [(v, pos) for v, pos, _ in self.units.carried])
+                         [(v, pos) for v, pos, _ in self.units.carried])
 
     def _decided(self) -> tuple[dict, dict, dict]:
         """(main op -> strategy, fixed inputs, fixed outputs): the main ops' decisions, and
@@ -931,28 +931,6 @@ class _Sapp:
                      for total, _, _, op_cost, rest, u in rows)
         lines.append(head + _choose_line(info, chosen) + (" (to try the runner-up)" if forced
                                                           else ""))
-
-
-def _neighbourhood(index: GraphIndex, seeds: set[int], hops: int | None,
-                   walls: frozenset[int] = frozenset()) -> set[int]:
-    """The ops at most `hops` def-use steps from `seeds` (None: any number), through operands
-    and results that are arrays (not scalars: a step count or learning rate is read by every
-    update). An op in `walls` joins the neighbourhood but is not stepped through."""
-    g, region, frontier = index.g, set(seeds), set(seeds)
-    steps = 0
-    while frontier and (hops is None or steps < hops):
-        near = set()
-        for y in frontier - walls:
-            op = g.ops[y]
-            for v in op.inputs + op.outputs:
-                if isinstance(v, int) and g.values[v].shape:
-                    if v in index.producer:
-                        near.add(index.producer[v])
-                    near.update(r for r, _ in index.readers.get(v, ()))
-        frontier = near - region
-        region |= frontier
-        steps += 1
-    return region
 
 
 def _project(spec: Spec, axes: frozenset) -> Spec:

@@ -165,14 +165,15 @@ def solve_latency_bound(graph: OpGraph, model: CostModel, plan: GraphPlan,
                         fixed_in: dict[int, Spec], fixed_out: dict[int, Spec],
                         ties: tuple[tuple[int, int], ...], index: GraphIndex,
                         pinned: frozenset[int] = frozenset(), hops: int = _SMALL_HOPS,
-                        time_limit: float = 5.0) -> GraphPlan:
+                        time_limit: float = 5.0, before: float | None = None) -> GraphPlan:
     """`plan` with its latency-bound collectives solved again exactly with the ops around
     them (solve_region), the rest held. Small: a value whose gathering takes more time in
     latency than in moving its bytes (latency_bound). The seeds: the ops reduce-scattering
     a small result, and those resharding a small operand; none are solved where no small
     result is reduce-scattered. The region: the ops at most `hops` def-use steps from a
     seed, either way, through small values; less `pinned`; with the free inputs they read.
-    Returns the solution where its objective is lower, else `plan`.
+    Returns the solution where its objective is lower, else `plan` (`before`: its objective,
+    when the caller has it).
 
     Propagation decides a reduction from its operand alone: reduce-scattering a partial sum
     moves half the bytes of an all-reduce. For a small result (a BatchNorm's batch mean and
@@ -203,31 +204,22 @@ def solve_latency_bound(graph: OpGraph, model: CostModel, plan: GraphPlan,
                     break
     if not scattered:
         return plan
-    ops, frontier = set(seeds), set(seeds)
-    for _ in range(hops):
-        near = set()
-        for x in frontier:
-            op = graph.ops[x]
-            for v in op.inputs + op.outputs:
-                if isinstance(v, int) and graph.values[v].shape and small(index.nbytes(v)):
-                    if v in index.producer:
-                        near.add(index.producer[v])
-                    near.update(r for r, _ in index.readers.get(v, ()))
-        frontier = near - ops - pinned
-        ops |= frontier
-    return _lower(graph, model, plan, fixed_in, fixed_out, ties, ops, index, time_limit)
+    ops = index.neighbourhood(seeds, hops, pinned, lambda v: small(index.nbytes(v))) - pinned
+    return _lower(graph, model, plan, fixed_in, fixed_out, ties, ops, index, time_limit,
+                  before)
 
 
 def _lower(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict[int, Spec],
            fixed_out: dict[int, Spec], ties: tuple[tuple[int, int], ...], ops: set[int],
-           index: GraphIndex, time_limit: float) -> GraphPlan:
+           index: GraphIndex, time_limit: float, before: float | None = None) -> GraphPlan:
     """solve_region over `ops` and the free inputs they read: its solution where its
-    objective is lower than `plan`'s, else `plan`."""
+    objective is lower than `plan`'s (`before`, when known), else `plan`."""
     if not ops:
         return plan
     found = solve_region(graph, model, plan, fixed_in, fixed_out, ties, ops,
                          index.free_reads(ops, fixed_in), time_limit)
-    before = objective(graph, model, plan, fixed_out, ties)
+    if before is None:
+        before = objective(graph, model, plan, fixed_out, ties)
     after = objective(graph, model, found, fixed_out, ties)
     return found if after < before * (1 - 1e-9) else plan
 

@@ -70,7 +70,7 @@ def sharding_propagation(graph: OpGraph, model: CostModel, fixed_in: dict[int, S
         the input's spec (the fixed one, for an input in fixed_in).
       index: the graph's GraphIndex, when the caller has one.
       kept: {fixed input: mesh axes} read as laid out (propagate's `kept`).
-      memory_budget: bytes per device (step 4), or None.
+      memory_budget: bytes per device (step 5), or None.
 
     Returns:
       (GraphPlan, notes).
@@ -104,10 +104,10 @@ def sharding_propagation(graph: OpGraph, model: CostModel, fixed_in: dict[int, S
                                               ties, index, pinned, chains=True),
                          fixed_in, fixed_out, ties, index, pinned)
               for gp in starts]
-    k = min(range(len(solved)),
-            key=lambda i: objective(graph, model, solved[i], fixed_out, ties))
+    scores = [objective(graph, model, gp, fixed_out, ties) for gp in solved]
+    k = min(range(len(solved)), key=scores.__getitem__)
     better = solve_latency_bound(graph, model, solved[k], fixed_in, fixed_out, ties, index,
-                                 pinned)
+                                 pinned, before=scores[k])
     if memory_budget is not None and peak_memory(graph, better, model.mesh) > \
             memory_budget >= peak_memory(graph, starts[k], model.mesh):
         return starts[k], ["sharding_propagation: the refined plan was over memory_budget; "
