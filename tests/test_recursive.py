@@ -281,6 +281,23 @@ def test_the_last_axis_is_solved_again_exactly_with_the_others_held(monkeypatch)
     assert _tied_cost(graph, model, again, ties) <= _tied_cost(graph, model, gp, ties) * 1.001
 
 
+def test_solve_axis_keeps_held_ops_whole():
+    # A propagated plan of a small GPT step, its last axis solved again: some ops change how
+    # they use it. Held (sharding propagation's pinned ops), those keep their choice whole.
+    from jaxpar.search.resolve import solve_axis
+    step, args = abstract_train_step(GPTConfig(layers=1, d_model=256, heads=4, vocab=512,
+                                               seq=128), 8)
+    graph, model, ties = _tied(step, args, jaxpar.make_mesh(8))
+    gp = propagate(graph, model, {}, {}, ties=tuple(ties))
+    again = solve_axis(graph, model, gp, {}, {}, tuple(ties), "d2")
+    moved = frozenset(x for x, c in gp.choices.items()
+                      if c.strategy != again.choices[x].strategy)
+    assert moved
+    kept = solve_axis(graph, model, gp, {}, {}, tuple(ties), "d2", held=moved)
+    assert all(kept.choices[x].strategy == gp.choices[x].strategy for x in moved)
+    assert _tied_cost(graph, model, again, ties) <= _tied_cost(graph, model, kept, ties)
+
+
 def test_the_first_axis_is_solved_again_exactly_after_the_last():
     # The quick benchmark's MoE Adam step on 4 x 2 TPU v5e chips at level 2, mem_coeff 0: the
     # router's weight and the expert matmuls took the first axis (d0) on the expert dim, and

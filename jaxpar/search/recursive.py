@@ -98,7 +98,7 @@ from jaxpar.search.links import Link, Slot, Units, mapped
 from jaxpar.search.propagation import GraphIndex, GraphPlan, propagate
 from jaxpar.search.refine import Refiner
 from jaxpar.search.regions import LOOPS
-from jaxpar.search.resolve import objective, solve_axis, solve_region
+from jaxpar.search.resolve import objective, solve_axes, solve_region
 from jaxpar.search.state import place_state
 from jaxpar.spec import MeshInfo, OpStrategy, Spec
 
@@ -383,18 +383,13 @@ class _Sapp:
         any other was known), then the ops around the largest carried state. Each plan
         found is kept where its exact objective is lower."""
         ties = tuple((v, pos) for v, pos, _ in self.units.carried if v not in self.fixed_in)
-        before = self._score(plan, self.fixed_out)
-        for axis in self._again():
-            progress.step(f"axis {axis} solved again exactly")
-            found = solve_axis(self.g, self.model, plan, self.fixed_in, self.fixed_out, ties,
-                               axis)
-            after = self._score(found, self.fixed_out)
-            if after >= before * (1 - 1e-9):
-                continue
+        plan, before, taken = solve_axes(self.g, self.model, plan, self.fixed_in,
+                                         self.fixed_out, ties, self._again(),
+                                         lambda p: self._score(p, self.fixed_out))
+        for axis, was, now in taken:
             _note(self.lines, f"axis {axis}: every op's use of it solved again exactly, the "
-                              f"other axes held, scores {after:.6g}, less than {before:.6g}: "
+                              f"other axes held, scores {now:.6g}, less than {was:.6g}: "
                               "taken instead")
-            plan, before = found, after
         return self._solve_neighbourhoods(plan, before, ties)
 
     def _again(self) -> list[str]:

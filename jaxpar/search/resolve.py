@@ -26,8 +26,9 @@ sharding_propagation mode its step's tail (solve_tail) and its latency-bound col
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from jaxpar import progress
 from jaxpar.cost.model import CostModel
 from jaxpar.ir.graph import OpGraph
 from jaxpar.search.exact import dynamic_programming
@@ -40,7 +41,7 @@ _SMALL_HOPS = 4  # solve_latency_bound: def-use steps through small values aroun
 
 def solve_axis(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict[int, Spec],
                fixed_out: dict[int, Spec], ties: tuple[tuple[int, int], ...], axis: str,
-               time_limit: float = 10.0) -> GraphPlan:
+               time_limit: float = 10.0, held: frozenset[int] = frozenset()) -> GraphPlan:
     """The cheapest plan that differs from `plan` only in how it uses `axis`.
 
     Args:
@@ -50,6 +51,7 @@ def solve_axis(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict
       ties: (input value, output position) pairs of carried state.
       axis: the mesh axis solved again.
       time_limit: seconds for the search (past it, the best plan it found).
+      held: ops that keep their choice in `plan` whole (sharding propagation's pinned ops).
 
     Returns:
       The plan the exact search finds over those candidates (`plan` is one of them; the
@@ -59,15 +61,41 @@ def solve_axis(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict
       >>> better = solve_axis(graph, model, gp, {}, {}, ties, "d1")
     """
     found, _ = dynamic_programming(graph, model, fixed_in, fixed_out, time_limit=time_limit,
-                                   ties=ties, allow=_OtherAxes(plan, axis), group_tail=False)
+                                   ties=ties, allow=_OtherAxes(plan, axis, held),
+                                   group_tail=False)
     return found
 
 
-class _OtherAxes:
-    """tables.Allow: the candidates that use every axis but one as `plan` does."""
+def solve_axes(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict[int, Spec],
+               fixed_out: dict[int, Spec], ties: tuple[tuple[int, int], ...],
+               axes: Sequence[str], score: Callable[[GraphPlan], float],
+               before: float | None = None, held: frozenset[int] = frozenset()
+               ) -> tuple[GraphPlan, float, list[tuple[str, float, float]]]:
+    """`plan` with each of `axes` in turn solved again (solve_axis, the others held as the plan
+    kept so far has them), each solution kept where `score` of it is lower.
 
-    def __init__(self, plan: GraphPlan, axis: str):
-        self.plan, self.axis = plan, axis
+    Returns:
+      (the plan kept, its score, [(axis, score before, score after)] for each solution taken).
+      `before`: the score of `plan`, when the caller has it.
+    """
+    before = score(plan) if before is None else before
+    taken = []
+    for axis in axes:
+        progress.step(f"axis {axis} solved again exactly")
+        found = solve_axis(graph, model, plan, fixed_in, fixed_out, ties, axis, held=held)
+        after = score(found)
+        if after < before * (1 - 1e-9):
+            taken.append((axis, before, after))
+            plan, before = found, after
+    return plan, before, taken
+
+
+class _OtherAxes:
+    """tables.Allow: the candidates that use every axis but one as `plan` does (a held op: its
+    choice in `plan`)."""
+
+    def __init__(self, plan: GraphPlan, axis: str, held: frozenset[int] = frozenset()):
+        self.plan, self.axis, self.held = plan, axis, held
         self.groups: dict[int, tuple[list, dict]] = {}  # id(list) -> (list, key -> indices)
         self.projected: dict[Spec, tuple] = {}
         self.keys: dict[int, tuple] = {}  # id(strategy) -> (strategy, its _key)
@@ -92,6 +120,12 @@ class _OtherAxes:
     def op(self, x: int, cands: list) -> tuple[int, ...]:
         choice = self.plan.choices.get(x)
         chosen = None if choice is None else choice.strategy
+        if x in self.held and chosen is not None:
+            same = next((i for i, s in enumerate(cands) if s is chosen), None)
+            if same is None:
+                same = next((i for i, s in enumerate(cands) if s == chosen), None)
+            if same is not None:
+                return (same,)
         memo = self.kept.get((id(cands), id(chosen)))  # ops alike chose alike: asked once
         if memo is not None and memo[0] is cands and memo[1] is chosen:
             return memo[2]
