@@ -100,8 +100,9 @@ def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=N
       level: 0 maximise compute/communication ratio, 1 minimise memory, 2 maximise speed.
       mesh: the mesh to use; default `make_mesh(<all devices>)`.
       search_mode: "sharding_propagation" (default: from the fixed strategies outward, op by
-        op; then refined with the exact objective, and a training step's tail, its gradient
-        reductions and optimizer, solved again exactly), "recursive_programming" (SAPP: main
+        op; then refined with the exact objective, a training step's tail, its gradient
+        reductions and optimizer, solved again exactly, then each mesh axis solved again
+        exactly with the others held), "recursive_programming" (SAPP: main
         ops cut axis by axis, then propagation; fast) or "dynamic_programming" (the exact
         optimum of the cost model: chain DP or an ILP). The two automatic modes spread every
         matmul/conv over all devices the shapes allow.

@@ -44,8 +44,7 @@ propagation.py). After: a GraphPlan and notes for the Plan.
    kept so far uses them and the pinned ops whole (resolve.solve_axes, as recursive_programming
    does for two of its axes). Propagation and the op-by-op polish move one op or one chain at a
    time; the exact solve of one axis moves every op's use of it together, and finds the layouts
-   that take several ops changing at once (modelled, before -> after; search time on this
-   machine):
+   that take several ops changing at once (modelled, before -> after):
 
    | program | before | after | the exact search |
    |---|---:|---:|---:|
@@ -54,10 +53,12 @@ propagation.py). After: a GraphPlan and notes for the Plan.
    | nnx CNN with two BatchNorms, semi_auto, batch 64 | 138 us | 52 us | 54 us |
    | attention_tensor_parallel (jaxpar.models.programs) | 45.1 us | 30.2 us | |
    | gpt_plans' Megatron layout | 1.129 ms | 1.111 ms | |
+   | the same at level 2, mem_coeff 0, estimated from the compiled program | 1.150 ms | 1.051 ms | |
 
-   The search takes 0.79 -> 1.64 s at 2 layers, 2.32 -> 4.23 s at 48 (three axes solved,
-   each over tables of the whole graph; repeated layers folded). A second sweep over the axes
-   changed no plan of gpt_plans' three layouts nor the 2-layer GPT's.
+   It costs search time (benchmarks/search_time.py, two runs): 0.79 s -> 1.64-1.75 s at 2
+   layers, 2.32 s -> 4.23-4.80 s at 48 (three axes solved, each over tables of the whole
+   graph; repeated layers folded). A second sweep over the axes changed no plan of
+   gpt_plans' three layouts nor the 2-layer GPT's.
 6. A memory budget bounds nothing above (the objective weighs memory): a polished plan over it
    gives way to the propagated one when that fits.
 """
