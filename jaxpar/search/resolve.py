@@ -74,9 +74,14 @@ def solve_axes(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict
     """`plan` with each of `axes` in turn solved again (solve_axis, the others held as the plan
     kept so far has them), each solution kept where `score` of it is lower.
 
+    Args:
+      graph, model, plan, fixed_in, fixed_out, ties, held: as for solve_axis.
+      axes: the mesh axes, in the order they are solved.
+      score: a plan's objective (lower is better).
+      before: score(plan), when the caller has it.
+
     Returns:
       (the plan kept, its score, [(axis, score before, score after)] for each solution taken).
-      `before`: the score of `plan`, when the caller has it.
     """
     before = score(plan) if before is None else before
     taken = []
