@@ -285,8 +285,8 @@ def test_solve_axis_keeps_held_ops_whole():
     # A propagated plan of a small GPT step, its last axis solved again: some ops change how
     # they use it. Held (sharding propagation's pinned ops), those keep their choice whole.
     from jaxpar.search.resolve import solve_axis
-    step, args = abstract_train_step(GPTConfig(layers=1, d_model=256, heads=4, vocab=512,
-                                               seq=128), 8)
+    step, args = abstract_train_step(GPTConfig(layers=1, d_model=128, heads=4, vocab=256,
+                                               seq=64), 8)
     graph, model, ties = _tied(step, args, jaxpar.make_mesh(8))
     gp = propagate(graph, model, {}, {}, ties=tuple(ties))
     again = solve_axis(graph, model, gp, {}, {}, tuple(ties), "d2")
