@@ -125,12 +125,8 @@ class _OtherAxes:
     def op(self, x: int, cands: list) -> tuple[int, ...]:
         choice = self.plan.choices.get(x)
         chosen = None if choice is None else choice.strategy
-        if x in self.held and chosen is not None:
-            same = next((i for i, s in enumerate(cands) if s is chosen), None)
-            if same is None:
-                same = next((i for i, s in enumerate(cands) if s == chosen), None)
-            if same is not None:
-                return (same,)
+        if x in self.held and chosen in cands:  # (list.index compares by identity first)
+            return (cands.index(chosen),)
         memo = self.kept.get((id(cands), id(chosen)))  # ops alike chose alike: asked once
         if memo is not None and memo[0] is cands and memo[1] is chosen:
             return memo[2]
@@ -181,12 +177,12 @@ def solve_region(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: di
 def solve_tail(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict[int, Spec],
                fixed_out: dict[int, Spec], ties: tuple[tuple[int, int], ...],
                index: GraphIndex, pinned: frozenset[int] = frozenset(),
-               time_limit: float = 5.0) -> GraphPlan:
+               time_limit: float = 5.0) -> tuple[GraphPlan, float]:
     """`plan` with a training step's tail solved again exactly (solve_region), the rest held:
     the ops making what no matmul, conv or loop reads (OpGraph.tail_values: the gradients'
     last matmuls and reductions, the optimizer), less `pinned`, with the free inputs they
     read. Returns the solution where its objective is lower (carried outputs priced back into
-    their input's spec), else `plan`.
+    their input's spec), else `plan`, with that plan's objective.
 
     Sharding propagation decides a gradient's matmul from its operands alone: a reduce-scatter
     of its partial sum is cheaper than an all-reduce, and the optimizer chain after it is then
@@ -204,15 +200,16 @@ def solve_latency_bound(graph: OpGraph, model: CostModel, plan: GraphPlan,
                         fixed_in: dict[int, Spec], fixed_out: dict[int, Spec],
                         ties: tuple[tuple[int, int], ...], index: GraphIndex,
                         pinned: frozenset[int] = frozenset(), hops: int = _SMALL_HOPS,
-                        time_limit: float = 5.0, before: float | None = None) -> GraphPlan:
+                        time_limit: float = 5.0, before: float | None = None
+                        ) -> tuple[GraphPlan, float]:
     """`plan` with its latency-bound collectives solved again exactly with the ops around
     them (solve_region), the rest held. Small: a value whose gathering takes more time in
     latency than in moving its bytes (latency_bound). The seeds: the ops reduce-scattering
     a small result, and those resharding a small operand; none are solved where no small
     result is reduce-scattered. The region: the ops at most `hops` def-use steps from a
     seed, either way, through small values; less `pinned`; with the free inputs they read.
-    Returns the solution where its objective is lower, else `plan` (`before`: its objective,
-    when the caller has it).
+    Returns the solution where its objective is lower, else `plan`, with that plan's objective
+    (`before`: `plan`'s, when the caller has it).
 
     Propagation decides a reduction from its operand alone: reduce-scattering a partial sum
     moves half the bytes of an all-reduce. For a small result (a BatchNorm's batch mean and
@@ -241,26 +238,27 @@ def solve_latency_bound(graph: OpGraph, model: CostModel, plan: GraphPlan,
                 if have is not need and not have.placed_as(need):
                     seeds.add(op.index)
                     break
-    if not scattered:
-        return plan
-    ops = index.neighbourhood(seeds, hops, pinned, lambda v: small(index.nbytes(v))) - pinned
+    ops = index.neighbourhood(seeds, hops, pinned, lambda v: small(index.nbytes(v))) - pinned \
+        if scattered else set()
     return _lower(graph, model, plan, fixed_in, fixed_out, ties, ops, index, time_limit,
                   before)
 
 
 def _lower(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict[int, Spec],
            fixed_out: dict[int, Spec], ties: tuple[tuple[int, int], ...], ops: set[int],
-           index: GraphIndex, time_limit: float, before: float | None = None) -> GraphPlan:
+           index: GraphIndex, time_limit: float, before: float | None = None
+           ) -> tuple[GraphPlan, float]:
     """solve_region over `ops` and the free inputs they read: its solution where its
-    objective is lower than `plan`'s (`before`, when known), else `plan`."""
-    if not ops:
-        return plan
-    found = solve_region(graph, model, plan, fixed_in, fixed_out, ties, ops,
-                         index.free_reads(ops, fixed_in), time_limit)
+    objective is lower than `plan`'s (`before`, when known), else `plan`; with the objective
+    of the plan returned."""
     if before is None:
         before = objective(graph, model, plan, fixed_out, ties)
+    if not ops:
+        return plan, before
+    found = solve_region(graph, model, plan, fixed_in, fixed_out, ties, ops,
+                         index.free_reads(ops, fixed_in), time_limit)
     after = objective(graph, model, found, fixed_out, ties)
-    return found if after < before * (1 - 1e-9) else plan
+    return (found, after) if after < before * (1 - 1e-9) else (plan, before)
 
 
 def latency_bound(model: CostModel):

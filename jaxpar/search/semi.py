@@ -122,15 +122,14 @@ def sharding_propagation(graph: OpGraph, model: CostModel, fixed_in: dict[int, S
     solved = [solve_tail(graph, model, refine(graph, model, gp, fixed_in, fixed_out, None,
                                               ties, index, pinned, chains=True),
                          fixed_in, fixed_out, ties, index, pinned)
-              for gp in starts]
-    scores = [objective(graph, model, gp, fixed_out, ties) for gp in solved]
-    k = min(range(len(solved)), key=scores.__getitem__)
-    better = solve_latency_bound(graph, model, solved[k], fixed_in, fixed_out, ties, index,
-                                 pinned, before=scores[k])
+              for gp in starts]  # (plan, its objective) each
+    k = min(range(len(solved)), key=lambda i: solved[i][1])
+    better, score = solve_latency_bound(graph, model, solved[k][0], fixed_in, fixed_out, ties,
+                                        index, pinned, before=solved[k][1])
     better, _, _ = solve_axes(graph, model, better, fixed_in, fixed_out, ties,
                               model.mesh.names[::-1],
                               lambda gp: objective(graph, model, gp, fixed_out, ties),
-                              held=pinned)
+                              before=score, held=pinned)
     if memory_budget is not None and peak_memory(graph, better, model.mesh) > \
             memory_budget >= peak_memory(graph, starts[k], model.mesh):
         return starts[k], ["sharding_propagation: the refined plan was over memory_budget; "
