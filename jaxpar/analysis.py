@@ -146,7 +146,16 @@ def collective_ops(compiled: Any) -> list[CollectiveOp]:
       >>> [(op.kind, op.bytes, op.count) for op in collective_ops(compiled)]
       [('all-reduce', 4096, 1)]
     """
-    module = parse_module(_hlo_text(compiled))
+    return module_collectives(program_module(compiled))
+
+
+def program_module(compiled: Any):
+    """The parsed HLO module (_hlo.parse_module) of a compiled program or its HLO text."""
+    return parse_module(_hlo_text(compiled))
+
+
+def module_collectives(module) -> list[CollectiveOp]:
+    """collective_ops of a parsed module (_hlo.parse_module)."""
     return list(_comp_ops(module, module.entry, {}))
 
 

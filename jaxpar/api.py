@@ -11,6 +11,7 @@ jax.jit, grad, vmap) the program is one more jitted call in the caller's trace.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import math
 import numbers
@@ -139,8 +140,8 @@ def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, sea
     if isinstance(level, bool) or level not in LEVELS:
         raise ValueError(f"shard(level={level!r}): level must be 0 (maximise compute/"
                          "communication ratio), 1 (minimise memory) or 2 (maximise speed).")
-    mode = search_mode or "sharding_propagation"
-    if mode not in SEARCH_MODES:
+    mode = "sharding_propagation" if search_mode is None else search_mode
+    if not isinstance(mode, str) or mode not in SEARCH_MODES:
         raise ValueError(f"shard(search_mode={search_mode!r}): this version of jaxpar supports "
                          f"{list(SEARCH_MODES)}.")
     if device is not None and device not in ("CPU", "GPU", "TPU"):
@@ -171,9 +172,10 @@ def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, sea
         raise TypeError(f"shard(donate_argnums={donate_argnums!r}): give an int or a tuple of "
                         "ints, the positions of the arguments whose buffers a call may reuse, "
                         "e.g. (0, 1).")
-    load_profile(hardware)  # unknown profiles fail here, before any tracing
+    profile = load_profile(hardware)  # unknown profiles fail here, before any tracing
     if mesh is None:  # mesh_devices: a ValueError naming the platforms here if `device` is
         mesh = make_mesh(len(mesh_devices(device)), device=device)  # not among them
+    profile.devices_in_node(MeshInfo.of(mesh))  # a node count that does not split the mesh
     return ShardOptions(in_strategy, out_strategy, parameter_plan, level, mesh, mode, hardware,
                         memory_budget, float(mem_coeff), tuple(donate))
 
@@ -307,6 +309,7 @@ class ShardedFunction:
                  if p.fingerprint == traced.fingerprint and p.mesh == model.mesh),
                 self._pinned[0])
             pinned.check_matches(traced.fingerprint, model.mesh)
+            pinned.check_fits(graph)
             if self._strict:
                 _check_pinned(pinned, fixed, out_fixed, paths)
             return self._finish(graph, pinned, args, donated)
@@ -453,6 +456,15 @@ def positional_arguments(fn, args: tuple, kwargs: dict) -> tuple:
         raise TypeError(f"{name}(...) got keyword arguments {sorted(kwargs)}, but its "
                         "signature cannot be read to place them; pass them by position.") \
             from None
+    params = sig.parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(k for k in kwargs if k not in params or
+                         params[k].kind is params[k].POSITIONAL_ONLY)
+        if unknown:  # named first, as Python does (bind would report a missing one first)
+            close = [m for k in unknown for m in difflib.get_close_matches(k, params, n=1)]
+            guess = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+            raise TypeError(f"{name}(...) got unexpected keyword argument(s) {unknown}{guess}; "
+                            f"its signature is {sig}.")
     try:
         sig.bind(*args, **kwargs)
     except TypeError as e:
@@ -472,6 +484,9 @@ def positional_arguments(fn, args: tuple, kwargs: dict) -> tuple:
 
 
 _KINDS: dict[type, str] = {bool: "scalar", int: "scalar", float: "scalar", complex: "scalar"}
+
+
+_NOT_JAX = frozenset("OUSVMm")  # numpy dtype kinds: object, str, bytes, void, datetimes
 
 
 def _kind(x) -> str:
@@ -502,6 +517,11 @@ def array_arguments(fn, args: tuple, leaves: list | None = None, tree=None
     path."""
     if leaves is None:
         leaves, tree = jax.tree_util.tree_flatten(args)
+    for k, x in enumerate(leaves):  # numpy arrays JAX cannot hold: named before tracing
+        if isinstance(x, np.ndarray | np.generic) and x.dtype.kind in _NOT_JAX:
+            raise TypeError(f"argument {arg_paths(fn, args)[k]} is a numpy array of dtype "
+                            f"{x.dtype}, which JAX cannot hold; convert it to a numeric or "
+                            "bool dtype (np.asarray(x, dtype=np.float32), say).")
     if _kinds(leaves) <= {"array", "tracer"}:
         return args, leaves
     paths = arg_paths(fn, args)

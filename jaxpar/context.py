@@ -155,8 +155,8 @@ def _close(word: Any, known: Iterable[str]) -> str:
 
 
 def _yaml_hint(value: Any) -> str:
-    # PyYAML reads 1e9 (no dot) as a string: say so when a number arrives as text.
-    if not isinstance(value, str):
+    # PyYAML reads 1e9 (no dot) as a string: say so when such a number arrives as text.
+    if not isinstance(value, str) or "e" not in value.lower():
         return ""
     try:
         float(value)
@@ -470,6 +470,9 @@ def load_config(path: str | os.PathLike) -> ParallelContext:
       >>> ctx = load_config("configs/parallel/mindformers_auto.yaml")
       >>> set_auto_parallel_context(**ctx.to_dict())
     """
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"load_config(path={path!r}): pass the path of a YAML file (a str or "
+                        "pathlib.Path), such as 'configs/parallel/default.yaml'.")
     path = Path(path)
     data = read_yaml(path, f"load_config(path={str(path)!r})", "configs/parallel/default.yaml")
     return context_from_mapping(data, str(path))
@@ -525,6 +528,9 @@ def save_config(ctx: ParallelContext, path: str | os.PathLike) -> None:
     if not isinstance(ctx, ParallelContext):
         raise TypeError(f"save_config(ctx={ctx!r}): pass a ParallelContext, e.g. "
                         "current_context().")
+    from jaxpar.plan import check_writable
+
+    check_writable(path, "save_config(path=...)")
     text = yaml.safe_dump(_plain(ctx.to_dict()), sort_keys=False, default_flow_style=None)
     Path(path).write_text(_SAVE_HEADER + text)
 
@@ -567,6 +573,7 @@ def _yaml_mapping(where: str, value: Any) -> dict:
 
 
 def _unknown(prefix: str, key: Any, known: Iterable[str]) -> None:
+    known = sorted(set(known))
     raise ValueError(f"unknown key {prefix}{key}.{_close(key, known)} Known keys: "
                      f"{sorted(known)}.")
 

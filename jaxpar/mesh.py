@@ -126,7 +126,7 @@ def make_mesh(shape: int | Sequence[int], axis_names: Sequence[str] | None = Non
       >>> mesh = make_mesh((4, 2), ("dp", "tp"))
     """
     dims = _mesh_shape(shape)
-    names = _axis_names(axis_names, len(dims))
+    names = _axis_names(axis_names, dims)
     devices = _take(mesh_devices(device), math.prod(dims), "make_mesh")
     return Mesh(_grid(devices, dims), names, axis_types=(AxisType.Auto,) * len(dims))
 
@@ -195,7 +195,7 @@ def make_hybrid_mesh(ici_shape: Sequence[int], dcn_shape: Sequence[int],
                          "must have one entry per mesh axis each, e.g. (1, 4) and (2, 1).")
     _check_dcn_outside(ici, dcn)
     dims = tuple(a * b for a, b in zip(ici, dcn, strict=True))
-    names = _axis_names(axis_names, len(dims))
+    names = _axis_names(axis_names, dims, suggest=False)
     grid = hybrid_grid(mesh_devices(device), ici, dcn)
     return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(dims))
 
@@ -276,12 +276,20 @@ def _mesh_shape(shape: int | Sequence[int], what: str = "make_mesh shape") -> tu
     return dims
 
 
-def _axis_names(names: Sequence[str] | None, rank: int) -> tuple[str, ...]:
+def _axis_names(names: Sequence[str] | None, dims: tuple[int, ...], suggest: bool = True
+                ) -> tuple[str, ...]:
+    """The mesh's axis names; suggest: a wrong count's error shows make_mesh's call for it."""
+    rank = len(dims)
     if names is None:
         return tuple(f"d{i}" for i in range(rank))
     if isinstance(names, str) or len(names) != rank:
+        k = 0 if isinstance(names, str) else len(names)
+        shape = (math.prod(dims[:rank - k + 1]), *dims[rank - k + 1:]) \
+            if suggest and 0 < k < rank else ()
+        one = f" For fewer axes, give the shape too: make_mesh({shape}, {tuple(names)!r})." \
+            if shape else ""
         raise ValueError(f"make_mesh axis_names={names!r} must name each of the {rank} mesh axes, "
-                         f"e.g. {tuple(f'd{i}' for i in range(rank))}.")
+                         f"e.g. {tuple(f'd{i}' for i in range(rank))}.{one}")
     if len(set(names)) != rank or not all(isinstance(n, str) and n for n in names):
         raise ValueError(f"make_mesh axis_names={names!r} must be distinct non-empty strings.")
     return tuple(names)

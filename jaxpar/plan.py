@@ -165,6 +165,34 @@ class Plan:
         from jaxpar.verify import verify_plan
         return verify_plan(self, compiled, rtol)
 
+    def check_fits(self, graph, where: str = "plan") -> None:
+        """A ValueError unless the plan's specs fit `graph`, the program it was made for
+        (check_matches passed): every spec has its value's rank and cuts each dim into equal
+        pieces, and every op's strategy has one spec per operand and result (loop bodies'
+        plans likewise). A plan file edited by hand fails here, not inside jax.sharding."""
+        problems = []
+
+        def check(what: str, spec: Spec, shape) -> None:
+            if spec.rank != len(shape):
+                problems.append(f"{what} is {spec}, of rank {spec.rank}, for an array of "
+                                f"shape {tuple(shape)}")
+            elif not spec.fits(tuple(shape), self.mesh):
+                problems.append(f"{what} is {spec}, which does not cut shape {tuple(shape)} "
+                                f"into equal pieces on mesh {self.mesh.describe()}")
+
+        for side, specs, values in (("in_specs", self.in_specs, graph.inputs),
+                                    ("out_specs", self.out_specs, graph.outputs)):
+            if len(specs) != len(values):
+                problems.append(f"{side} holds {len(specs)} specs for {len(values)} arrays")
+                continue
+            for k, (spec, v) in enumerate(zip(specs, values, strict=True)):
+                check(f"{side}[{k}]", spec, graph.shape(v))
+        _check_graph_plan(graph, self.graph_plan, check, problems, "graph")
+        if problems:
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise ValueError(f"{where} does not fit this program: {'; '.join(problems[:3])}"
+                             f"{more}. The file was edited or is corrupt; plan again.")
+
     def check_matches(self, fingerprint: str, mesh: MeshInfo, where: str = "plan") -> None:
         if self.mesh != mesh:
             raise ValueError(f"{where} was made for mesh {self.mesh.describe()}, not "
@@ -196,12 +224,22 @@ class Plan:
 
     @staticmethod
     def from_json(d: dict) -> Plan:
-        mesh = MeshInfo(tuple(d["mesh"]["names"]), tuple(d["mesh"]["sizes"]))
+        names, sizes = d["mesh"]["names"], d["mesh"]["sizes"]
+        if not isinstance(names, list) or not isinstance(sizes, list) or \
+                len(names) != len(sizes) or len(set(map(str, names))) != len(names) or \
+                not all(isinstance(n, str) for n in names) or \
+                not all(type(k) is int and k > 0 for k in sizes):
+            raise ValueError(f"field mesh: distinct axis names and as many whole sizes of 1 "
+                             f"or more expected, not names={names!r}, sizes={sizes!r}")
+        mesh = MeshInfo(tuple(names), tuple(sizes))
         specs = {}
         for side in ("in", "out"):
             if not isinstance(d[f"{side}_specs"], list):
                 raise ValueError(f"field {side}_specs: a list of specs expected")
-            specs[side] = [Spec.from_json(s) for s in d[f"{side}_specs"]]
+            try:
+                specs[side] = [Spec.from_json(s) for s in d[f"{side}_specs"]]
+            except ValueError as err:
+                raise ValueError(f"field {side}_specs: {err}") from None
         for side, got in specs.items():  # what the program is lowered with: checked here, or
             paths = d[f"{side}_paths"]  # a stray axis ends inside jax.sharding
             if not isinstance(paths, list) or len(paths) != len(got) or \
@@ -221,6 +259,39 @@ class Plan:
                     [Row(**r) for r in d["rows"]], d["search_mode"], d["hardware"],
                     notes=list(d.get("notes", [])), layout=d.get("layout", ""),
                     decisions=list(d.get("decisions", [])))
+
+
+def _check_graph_plan(graph, gp: GraphPlan, check, problems: list[str], where: str) -> None:
+    """Plan.check_fits' work on one graph (a loop body's: recursively): `check(what, spec,
+    shape)` for each value's spec and each op's strategy; what is missing goes to `problems`."""
+    for v, spec in gp.specs.items():
+        if not 0 <= v < len(graph.values):
+            problems.append(f"{where}.specs names value {v}, which the program has not")
+        else:
+            check(f"{where}.specs[{v}]", spec, graph.shape(v))
+    for op in graph.ops:
+        choice = gp.choices.get(op.index)
+        what = f"{where}.choices[{op.index}] ({op.name})"
+        if choice is None:
+            problems.append(f"{what} is missing")
+            continue
+        s = choice.strategy
+        if len(s.ins) != len(op.inputs) or len(s.outs) != len(op.outputs) or \
+                len(s.partial) != len(op.outputs):
+            problems.append(f"{what} has {len(s.ins)} operand and {len(s.outs)} result "
+                            f"specs for an op of {len(op.inputs)} operands and "
+                            f"{len(op.outputs)} results")
+            continue
+        for i, (spec, v) in enumerate(zip(s.ins, op.inputs, strict=True)):
+            check(f"{what} operand {i}", spec, graph.shape(v))
+        for j, (spec, v) in enumerate(zip(s.outs, op.outputs, strict=True)):
+            check(f"{what} result {j}", spec, graph.shape(v))
+        if op.regions and len(choice.regions) == len(op.regions):
+            for r, (body, plan) in enumerate(zip(op.regions, choice.regions, strict=True)):
+                _check_graph_plan(body, plan, check, problems, f"{what} body {r}")
+        elif op.regions:
+            problems.append(f"{what} plans {len(choice.regions)} bodies for an op of "
+                            f"{len(op.regions)}")
 
 
 def save_plans(plans: list[Plan], path: str | Path, where: str = "save_plans") -> None:
@@ -277,7 +348,7 @@ def _check_version(data: dict, path, where: str) -> None:
 def _from_json(d, path, where: str) -> Plan:
     try:
         return Plan.from_json(d)
-    except (KeyError, TypeError, ValueError) as err:
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise ValueError(f"{where}({str(path)!r}): corrupt plan file ({err!r}).") from None
 
 
@@ -312,9 +383,12 @@ def _strategy_json(s: OpStrategy | None):
 def _strategy_from(d) -> OpStrategy | None:
     if d is None:
         return None
+    if not all(isinstance(d[k], list) for k in ("ins", "outs", "partial")):
+        raise ValueError(f"a strategy's ins, outs and partial are lists, not {d!r}")
     return OpStrategy(tuple(Spec.from_json(x) for x in d["ins"]),
                       tuple(Spec.from_json(x) for x in d["outs"]),
-                      tuple(tuple(p) for p in d["partial"]), d["name"])
+                      tuple(Spec.from_json([{"partial": p}]).partial for p in d["partial"]),
+                      d["name"])
 
 
 def _graph_to_json(gp: GraphPlan) -> dict:
@@ -332,6 +406,9 @@ def _choice_json(c: Choice) -> dict:
 
 
 def _graph_from_json(d: dict) -> GraphPlan:
+    if not isinstance(d, dict) or not isinstance(d.get("specs"), dict) or \
+            not isinstance(d.get("choices"), dict):
+        raise ValueError("field graph: {specs: {value: spec}, choices: {op: choice}} expected")
     return GraphPlan({int(v): Spec.from_json(s) for v, s in d["specs"].items()},
                      {int(i): _choice_from(c) for i, c in d["choices"].items()})
 

@@ -171,11 +171,26 @@ class Spec:
 
     @staticmethod
     def from_json(data: list) -> Spec:
+        """The Spec to_json wrote: a list of dims, each a list of mesh axis names, then
+        {"partial": [axes]} when it has partial axes. A ValueError says what is malformed
+        (an axis named twice, a dim that is not a list of names)."""
+        if not isinstance(data, list):
+            raise ValueError(f"a spec is a list of dims, not {data!r}")
         partial: Axes = ()
         if data and isinstance(data[-1], dict):
-            partial = tuple(data[-1]["partial"])
+            partial = _names(data[-1].get("partial"), data)
             data = data[:-1]
-        return Spec(tuple(tuple(d) for d in data), partial)
+        spec = Spec(tuple(_names(d, data) for d in data), partial)
+        if len(set(spec.axes())) != len(spec.axes()):
+            raise ValueError(f"spec {spec} uses a mesh axis twice")
+        return spec
+
+
+def _names(entry, spec) -> Axes:
+    """A spec's dim (or partial axes) read from JSON: a list of axis names."""
+    if not isinstance(entry, list) or not all(isinstance(a, str) for a in entry):
+        raise ValueError(f"spec {spec!r}: each dim is a list of mesh axis names, not {entry!r}")
+    return tuple(entry)
 
 
 def _as_axes(entry) -> Axes:

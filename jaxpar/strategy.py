@@ -371,8 +371,12 @@ def _check_count_types(counts: tuple, bad, example: tuple) -> None:
     for i, c in enumerate(counts):
         if isinstance(c, bool) or not isinstance(c, numbers.Integral):
             kind = "a bool" if isinstance(c, bool) else f"a {type(c).__name__}"
-            raise bad(f"count {c!r} at position {i} is {kind}, not an int",
-                      f"each count is a positive int, e.g. {example}", TypeError)
+            named = all(x is None or isinstance(x, str) or
+                        (isinstance(x, tuple) and all(isinstance(a, str) for a in x))
+                        for x in counts)
+            hint = (f"to name mesh axes, write a PartitionSpec: P{tuple(counts)!r}" if named
+                    else f"each count is a positive int, e.g. {example}")
+            raise bad(f"count {c!r} at position {i} is {kind}, not an int", hint, TypeError)
         if c < 1:
             raise bad(f"count {c} at position {i} is not positive",
                       f"use 1 for a dimension that is not cut, e.g. {example}")
@@ -498,6 +502,9 @@ def _check_axes(dims: tuple[Axes, ...], mesh: MeshInfo, bad, kind: str) -> None:
     seen: dict[str, int] = {}
     for i, axes in enumerate(dims):
         for a in axes:
+            if a in seen and seen[a] == i:
+                raise bad(f"mesh axis {a!r} is listed twice in dim {i}",
+                          "list each mesh axis once")
             if a in seen:
                 raise bad(f"mesh axis {a!r} cuts dims {seen[a]} and {i}",
                           "each mesh axis may cut one dimension only; drop it from one of them")
@@ -538,7 +545,17 @@ def _layout_spec(layout: Layout, shape: Shape, path: str, mesh: MeshInfo) -> Spe
                       "each alias may cut one dimension only; use 'None' for the others")
     alias_axes = _layout_axes(layout, mesh, bad)
     dims = tuple(tuple(ax for a in d for ax in alias_axes[a]) for d in layout.tensor_map)
-    _check_axes(dims, mesh, bad, "Layout (reorder its aliases)")
+    for i, (aliases, axes) in enumerate(zip(layout.tensor_map, dims, strict=True)):
+        if axes != mesh.order(axes):  # the hint in the Layout's aliases, not in mesh axes
+            order = tuple(sorted(aliases, key=lambda a: min(
+                (mesh.names.index(ax) for ax in alias_axes[a]), default=-1)))
+            hint = (f"write {order} for it" if tuple(ax for a in order for ax in alias_axes[a])
+                    == mesh.order(axes) else "its aliases' mesh axes interleave; give them "
+                    "device_matrix entries that map to consecutive mesh axes") + \
+                ", or build a mesh whose axes are in the order you want"
+            raise bad(f"dim {i} maps aliases {tuple(aliases)} to mesh axes {axes}, out of mesh "
+                      "order (jaxpar keeps the axes of one dimension in mesh order)", hint)
+    _check_axes(dims, mesh, bad, "Layout")
     spec = Spec(dims)
     _check_fits(spec, shape, mesh, bad)
     return spec

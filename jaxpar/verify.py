@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jaxpar.analysis import collective_ops, stats_by_kind
+from jaxpar.analysis import module_collectives, program_module, stats_by_kind
 from jaxpar.spec import Spec
 
 
@@ -58,7 +58,12 @@ class Verification:
 
 
 def verify_plan(plan, compiled, rtol: float = 0.10) -> Verification:
-    ops = collective_ops(compiled)  # the program's HLO read once
+    module = program_module(compiled)  # the program's HLO read once
+    if module.num_devices is not None and module.num_devices != plan.mesh.size:
+        raise ValueError(f"Plan.verify: the program runs on {module.num_devices} devices but "
+                         f"the plan is for mesh {plan.mesh.describe()} ({plan.mesh.size}); "
+                         "pass the program compiled from this plan (f.lower(...).compile()).")
+    ops = module_collectives(module)
     measured = stats_by_kind(ops)
     mismatches = []
     try:

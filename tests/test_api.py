@@ -392,8 +392,9 @@ def _scaled(x, w=None, *, scale=1.0):
 
 @pytest.mark.parametrize("call,match", [
     (lambda f: f(X, W, weight=W), r"multiple values for argument 'weight'"),
-    (lambda f: f(X, W, bais=B), r"dense_relu\(\.\.\.\): missing a required argument: 'bias'"),
-    (lambda f: f(X, W, B, bais=B), r"unexpected keyword argument 'bais'"),
+    (lambda f: f(X, W, bais=B), r"dense_relu\(\.\.\.\) got unexpected keyword argument\(s\) "
+     r"\['bais'\] \(did you mean 'bias'\?\)"),  # named before the missing one, as Python does
+    (lambda f: f(X, W, B, bais=B), r"unexpected keyword argument\(s\) \['bais'\]"),
     (lambda f: jaxpar.shard(_scaled)(X, W, scale=2.0), r"\['scale'\].*functools.partial"),
     (lambda f: jaxpar.shard(_scaled)(X, scale=2.0), r"\['scale'\].*give every parameter"),
 ])
@@ -515,6 +516,53 @@ def test_plan_methods_and_estimate_time_refuse_bad_arguments(tmp_path):
         jaxpar.estimate_time(compiled, "mesh", "cpu")
 
 
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: d["in_specs"].__setitem__(0, [["d0", "d1", "d2"], ["d0"]]),
+     r"uses a mesh axis twice"),
+    (lambda d: d["in_specs"].__setitem__(1, [[], ["d0", "d1", "d2"]]),
+     r"in_specs\[1\] is \[-, d0\+d1\+d2\], which does not cut shape \(128, 10\)"),
+    (lambda d: d["out_specs"].__setitem__(0, [[]]), r"out_specs\[0\] is \[-\], of rank 1"),
+    (lambda d: next(iter(d["graph"]["choices"].values()))["strategy"]["ins"].pop(),
+     r"graph.choices\[0\] \(dot_general\) has 1 operand and 1 result specs for an op of 2"),
+])
+def test_a_plan_file_that_does_not_fit_the_program_is_refused_before_lowering(
+        tmp_path, edit, match):
+    """Hand-edited files whose specs name the mesh's axes but cannot lay out the program's
+    arrays used to fail inside jax.sharding (DuplicateSpecError, IndivisibleError) or in
+    the lowering's zip."""
+    import json
+
+    f = jaxpar.shard(dense_relu, in_strategy=((4, 2), None, None))
+    data = f.plan(X, W, B).to_json()
+    edit(data)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=match):
+        f.with_plan(jaxpar.Plan.load(path))(X, W, B)
+
+
+@pytest.mark.parametrize("mode", [0, "", False, [], "dynamic-programming"])
+def test_a_search_mode_that_is_not_a_mode_is_refused(mode):
+    with pytest.raises(ValueError, match=r"shard\(search_mode=.*supports"):
+        jaxpar.shard(dense_relu, search_mode=mode)
+
+
+@pytest.mark.parametrize("dtype", [object, str, "datetime64[D]"])
+def test_a_numpy_array_jax_cannot_hold_is_named_before_tracing(dtype):
+    x = np.zeros((8, 32), dtype=dtype)
+    with pytest.raises(TypeError, match=r"argument x is a numpy array of dtype .*convert it"):
+        jaxpar.shard(dense_relu)(x, W, B)
+
+
+def test_a_program_compiled_for_another_device_count_is_not_verified():
+    plan = jaxpar.shard(dense_relu).plan(X, W, B)
+    mesh4 = jaxpar.make_mesh(4)
+    other = jaxpar.shard(dense_relu, mesh=mesh4).lower(X, W, B).compile()
+    with pytest.raises(ValueError, match=r"Plan.verify: the program runs on 4 devices but the "
+                                         r"plan is for mesh d0=2 x d1=2 x d2=2 \(8\)"):
+        plan.verify(other)
+
+
 def test_a_hardware_file_that_is_not_yaml_or_lacks_a_key_is_named(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("foo: [1")
@@ -529,7 +577,10 @@ def test_a_hardware_file_that_is_not_yaml_or_lacks_a_key_is_named(tmp_path):
 
 @pytest.mark.parametrize("field, value", [
     ("in_specs", "garbage"), ("in_specs", [[["zz"]], [[]], [[]]]), ("out_paths", "garbage"),
-    ("in_paths", ["x"]), ("collectives", "garbage"), ("collectives", {"all-gather": 3})])
+    ("in_paths", ["x"]), ("collectives", "garbage"), ("collectives", {"all-gather": 3}),
+    ("in_specs", [[["d0"], ["d0"]], [[], []], [[]]]), ("in_specs", [["d0"], [[]], [[]]]),
+    ("mesh", {"names": ["d0", "d1", "d2"], "sizes": ["2", "2", "2"]}),
+    ("graph", {"specs": None, "choices": {}})])
 def test_a_plan_file_with_a_corrupt_field_is_refused_when_loaded(tmp_path, field, value):
     """Such files loaded, then failed inside jax.sharding when lowered (a stray axis) or in
     explain() (zip, str.items)."""

@@ -326,5 +326,24 @@ def test_bad_yaml_names_file_and_key(tmp_path, text, needle):
 def test_missing_file_and_bad_save_arguments(tmp_path):
     with pytest.raises(ValueError, match="no such file"):
         load_config(tmp_path / "absent.yaml")
+    with pytest.raises(TypeError, match=r"load_config\(path=3\): pass the path of a YAML"):
+        load_config(3)
     with pytest.raises(TypeError, match="ParallelContext"):
         save_config({"device_num": 8}, tmp_path / "x.yaml")
+    with pytest.raises(ValueError, match=r"save_config\(path=...\).*directory .* does not exist"):
+        save_config(current_context(), tmp_path / "absent" / "x.yaml")
+
+
+def test_unknown_key_lists_each_known_key_once(tmp_path):
+    with pytest.raises(ValueError) as info:
+        load_config(_write(tmp_path, "zzz: 1\n"))
+    known = str(info.value).split("Known keys: ")[1]
+    assert known.count("'parallel_config'") == 1
+
+
+def test_the_yaml_hint_is_given_for_numbers_in_e_notation_only():
+    with pytest.raises(TypeError) as info:
+        set_auto_parallel_context(device_num="8")
+    assert "YAML" not in str(info.value)
+    with pytest.raises(TypeError, match=r"YAML reads 1e9 as text"):
+        set_auto_parallel_context(device_num="8e0")

@@ -45,6 +45,18 @@ def test_bad_profiles_are_rejected(tmp_path):
     bad.write_text("name: x\npeak_flops: 1\n")
     with pytest.raises(ValueError, match="malformed"):
         load_profile(bad)
+    good = profile_to_dict(load_profile("h100-nvlink"))
+    for key, value, match in [("peak_flops", float("inf"), r"peak_flops=inf must be a finite"),
+                              ("memory_bytes", float("nan"), r"memory_bytes=nan must be"),
+                              ("nodes", 0, r"nodes=0 must be an int of 1 or more")]:
+        with pytest.raises(ValueError, match=match):
+            profile_from_dict(good | {key: value})
+    with pytest.raises(ValueError, match=r"intra: bandwidth=inf must be a finite"):
+        profile_from_dict(good | {"intra": good["intra"] | {"bandwidth": float("inf")}})
+    three = profile_from_dict(good | {"nodes": 3})  # fine alone; not on 8 devices
+    assert three.devices_in_node(MeshInfo(("a",), (3,))) == 1
+    with pytest.raises(ValueError, match=r"nodes=3 does not split a mesh of 8 devices evenly"):
+        three.devices_in_node(MeshInfo(("a", "b"), (4, 2)))
 
 
 def test_compute_time_flops_or_roofline(tmp_path):

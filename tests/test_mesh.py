@@ -1,5 +1,6 @@
 """make_mesh and make_hybrid_mesh: axes, device order across processes, device kinds, errors."""
 
+import re
 from dataclasses import dataclass
 
 import jax
@@ -29,6 +30,14 @@ def test_explicit_shape_and_names():
     mesh = make_mesh((4, 2), ("dp", "tp"))
     assert dict(mesh.shape) == {"dp": 4, "tp": 2}
     assert make_mesh(1).devices.size == 1
+
+
+@pytest.mark.parametrize("names, shape", [(("x",), (8,)), (("dp", "tp"), (4, 2))])
+def test_too_few_axis_names_for_a_device_count_show_the_call_with_a_shape(names, shape):
+    with pytest.raises(ValueError, match=re.escape(f"give the shape too: make_mesh({shape}, "
+                                                   f"{names}).")):
+        make_mesh(8, names)
+    assert tuple(make_mesh(shape, names).shape.values()) == shape  # the call shown works
 
 
 def test_devices_fill_the_mesh_by_process_then_id():

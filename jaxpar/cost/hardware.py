@@ -34,6 +34,7 @@ bytes per device over n devices takes (n-1)/n * b / bandwidth, an all-reduce twi
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -101,6 +102,10 @@ class HardwareProfile:
         """How many consecutive devices of `mesh` share one node."""
         if self.devices_per_node > 0:
             return self.devices_per_node
+        if mesh.size > self.nodes and mesh.size % self.nodes:
+            raise ValueError(f"hardware profile {self.name!r}: nodes={self.nodes} does not split "
+                             f"a mesh of {mesh.size} devices evenly; give it a divisor of "
+                             f"{mesh.size}, or devices_per_node (devices in each node).")
         return max(1, mesh.size // max(1, self.nodes))
 
     def crossing_axes(self, mesh: MeshInfo) -> tuple[str, ...]:
@@ -181,8 +186,9 @@ def profile_from_dict(data: dict, where: str = "profile") -> HardwareProfile:
                         for k, v in (data.get("axes") or {}).items()}
         for key in ("peak_flops", "memory_bytes", "memory_bandwidth"):
             data[key] = _number(data[key], f"{where}: {key}")
-        for key in ("nodes", "devices_per_node"):
-            data[key] = _count(data.get(key, 1 if key == "nodes" else 0), f"{where}: {key}")
+        data["nodes"] = _count(data.get("nodes", 1), f"{where}: nodes", least=1)
+        data["devices_per_node"] = _count(data.get("devices_per_node", 0),
+                                          f"{where}: devices_per_node")
         data["compute_time"] = data.get("compute_time", "flops")
         if data["compute_time"] not in COMPUTE_TIMES:
             raise ValueError(f"{where}: compute_time={data['compute_time']!r}; use one of "
@@ -214,15 +220,16 @@ def _number(value, where: str, zero: bool = False) -> float:
         x = float(value)
     except (TypeError, ValueError):
         x = float("nan")
-    if not (x >= 0 if zero else x > 0):
-        raise ValueError(f"{where}={value!r} must be a {'non-negative' if zero else 'positive'} "
-                         "number (bytes, bytes/s, flop/s or seconds).")
+    if not (x >= 0 if zero else x > 0) or not math.isfinite(x):
+        raise ValueError(f"{where}={value!r} must be a finite "
+                         f"{'non-negative' if zero else 'positive'} number (bytes, bytes/s, "
+                         "flop/s or seconds).")
     return x
 
 
-def _count(value, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{where}={value!r} must be a non-negative int.")
+def _count(value, where: str, least: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{where}={value!r} must be an int of {least} or more.")
     return value
 
 
