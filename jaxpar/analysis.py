@@ -25,7 +25,9 @@ per device, the larger of its operand and result buffers:
   all-reduce, each with the bytes of its elements.
 - XLA:CPU reduces 16-bit floats (bf16, f16) in float32: it widens such an all-reduce's
   operands and clones its reducer as `<name>_promoted` (the combiner may then merge f32
-  reductions into it). It moves them as float32 too: an all-gather, all-to-all or
+  reductions into it), or, for a 16-bit matmul it computes in float32 (a bf16 weight's
+  gradient), reduces the float32 product and converts it back after (every use of that
+  element converts it to 16 bits). It moves them as float32 too: an all-gather, all-to-all or
   collective-permute of converts from 16-bit floats, or whose every use converts back to
   them. Such a collective counts its f32 buffer in `bytes` (what this backend moves) and half
   of it in `CollectiveOp.widened`: what widening added at most, as the HLO no longer tells
@@ -235,6 +237,7 @@ def _split_sliced(mod: Module, comp: str, ins: Instr, op: CollectiveOp,
     users = mod.users(comp, ins.name)
     if not ins.type.lstrip().startswith("(") or not all(
             u.opcode == "get-tuple-element" for u in users):
+        wide = wide or (_float32(ins.type) and _to_16bit(mod, comp, ins.name))
         op = replace(op, widened=op.bytes // 2 if wide else 0)
         return [replace(op, kind="reduce-scatter") if _only_sliced(mod, comp, ins.name) else op]
     uses: dict[int, list[Instr]] = {}
@@ -242,10 +245,16 @@ def _split_sliced(mod: Module, comp: str, ins: Instr, op: CollectiveOp,
         uses.setdefault(u.int_attr("index"), []).append(u)
     sliced = [bool(uses.get(i)) and all(_only_sliced(mod, comp, u.name) for u in uses[i])
               for i in range(len(elements))]
-    parts = {"all-reduce": [e for e, s in zip(elements, sliced, strict=True) if not s],
-             "reduce-scatter": [e for e, s in zip(elements, sliced, strict=True) if s]}
-    return [replace(op, kind=k, bytes=sum(map(shape_bytes, es)),
-                    widened=sum(shape_bytes(e) // 2 for e in es) if wide else 0)
+    # An element is widened when the reducer is (every one is), or when every use converts
+    # it to a 16-bit float: the gradient of a bf16 matmul, which XLA:CPU computes in f32 and
+    # reduces before converting back, under a reducer of its own.
+    narrow = [wide or (_float32(e) and bool(uses.get(i)) and
+                       all(_to_16bit(mod, comp, u.name) for u in uses[i]))
+              for i, e in enumerate(elements)]
+    parts = {"all-reduce": [i for i, s in enumerate(sliced) if not s],
+             "reduce-scatter": [i for i, s in enumerate(sliced) if s]}
+    return [replace(op, kind=k, bytes=sum(shape_bytes(elements[i]) for i in es),
+                    widened=sum(shape_bytes(elements[i]) // 2 for i in es if narrow[i]))
             for k, es in parts.items() if es]
 
 

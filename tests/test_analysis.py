@@ -15,6 +15,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jaxpar
 from jaxpar._hlo import parse_module, replica_groups, shape_bytes, source_target_pairs
 from jaxpar.analysis import (
     KINDS,
@@ -277,6 +278,40 @@ def test_a_promoted_tuple_all_reduce_splits_its_widened_bytes():
     assert ops == {"reduce-scatter": (256, 128), "all-reduce": (32, 16)}
     plain = text.replace("to_apply=%add_promoted", "to_apply=%add")
     assert all(op.widened == 0 for op in collective_ops(plain))
+
+
+def test_a_tuple_element_converted_to_bf16_after_its_all_reduce_is_widened():
+    # XLA:CPU computes a bf16 matmul's weight gradient in f32, reduces it under an f32 add
+    # and converts it back after: only the element every use converts to bf16 was widened.
+    text = module("%p = f32[64]{0} parameter(0)", "%q = f32[8]{0} parameter(1)",
+                  f"%ar = (f32[64]{{0}}, f32[8]{{0}}) all-reduce(%p, %q), {ALL}, to_apply=%add",
+                  "%g0 = f32[64]{0} get-tuple-element(%ar), index=0",
+                  "%g1 = f32[8]{0} get-tuple-element(%ar), index=1",
+                  "%c0 = bf16[64]{0} convert(%g0)",
+                  "ROOT %t = (bf16[64]{0}, f32[8]{0}) tuple(%c0, %g1)")
+    assert [(op.kind, op.bytes, op.widened) for op in collective_ops(text)] == \
+        [("all-reduce", 288, 128)]
+    kept = text.replace("%c0 = bf16[64]{0} convert(%g0)", "%c0 = f32[64]{0} negate(%g0)")
+    assert collective_ops(kept.replace("(bf16[64]", "(f32[64]"))[0].widened == 0
+
+
+def test_a_bf16_weight_gradient_reduced_in_f32_passes_verify():
+    # The weight's bf16 gradient is computed and reduced in f32, combined with the scale's f32
+    # gradient under one f32 reducer (no `_promoted` clone), and converted back to bf16 after.
+    def loss(p, x):
+        y = (x * p["g"]).astype(jnp.bfloat16) @ p["w"].astype(jnp.bfloat16)
+        return jnp.mean(y.astype(jnp.float32) ** 2)
+
+    def step(p, x):
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, jax.grad(loss)(p, x))
+
+    p, x = {"g": jnp.ones(64), "w": jnp.ones((64, 128))}, jnp.ones((32, 64))
+    f = jaxpar.shard(step, in_strategy=({"g": (1,), "w": (1, 1)}, (8, 1)))
+    plan, compiled = f.plan(p, x), f.lower(p, x).compile()
+    assert "_promoted" not in compiled.as_text()
+    (op,) = collective_ops(compiled)
+    assert (op.kind, op.bytes, op.widened) == ("all-reduce", (64 + 64 * 128) * F32, 64 * 128 * 2)
+    assert plan.verify(compiled).ok
 
 
 ASYNC = {
