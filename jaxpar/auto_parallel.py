@@ -347,11 +347,21 @@ class AutoParallel:
         state = set(range(n_state)) | {owner[i] for i in carried}
         fixed = self._fixed(args, paths, shapes, self._batch_positions(args, n_state, state))
         sharded = self._shard(pure, fixed, donate)
+        note = None if o.hsdp is None else _hsdp_note(*o.hsdp)
         if o.load_operator_file:
             sharded = sharded._loaded(_load_plans(o.load_operator_file))
             _check_loaded(sharded, args, o.load_operator_file)
-            if o.hsdp is not None and self._optimizer_parallel(sharded.plan(*args), paths,
-                                                               shapes, args):
+            loaded = sharded.plan(*args)
+            made = [n for n in loaded.notes if n.startswith(_HSDP_NOTE)]
+            if o.hsdp is not None and made and note not in made:
+                raise ValueError(
+                    f"hsdp(shard_size={o.hsdp[0]}, threshold={o.hsdp[1]}, optimizer_level="
+                    f"{o.hsdp[2]!r}) and load_operator_strategy_file("
+                    f"{o.load_operator_file!r}): the plan was saved under other hsdp settings "
+                    f"({made[0][len(_HSDP_NOTE):]}), and a loaded plan is used as it is. "
+                    "Set hsdp as it was when the plan was saved, or drop one of the two.")
+            if o.hsdp is not None and not made and self._optimizer_parallel(loaded, paths,
+                                                                            shapes, args):
                 raise ValueError(
                     f"hsdp(optimizer_level={o.hsdp[2]!r}) and load_operator_strategy_file("
                     f"{o.load_operator_file!r}): the loaded plan does not cut the optimizer "
@@ -363,7 +373,7 @@ class AutoParallel:
                 fixed = {**fixed, **{paths[i]: s.to_pspec() for i, s in more.items()}}
                 sharded = self._shard(pure, fixed, donate)
         state_leaves = [i for i in range(len(owner)) if owner[i] < n_state or i in carried]
-        program = _Program(sharded, unwrap, paths, n_state, state_leaves)
+        program = _Program(sharded, unwrap, paths, n_state, state_leaves, note)
         if o.save_operator_file:
             program.plan_for(args)  # made now: _program saves every signature's plan
         if o.save_param_file:
@@ -455,13 +465,18 @@ class _Program:
     paths: list[str]
     n_state: int
     state_leaves: list[int]
+    note: str | None = None  # what the plans say of how they were made (hsdp's settings)
 
     def plan_for(self, args: tuple | None) -> Plan | None:
         """The plan for args, or (None) the one already made, if any."""
         if args is not None:
-            return self.sharded.plan(*args)
-        made = [c.plan for c in self.sharded._cache.values()]
-        return made[0] if made else None
+            plan = self.sharded.plan(*args)
+        else:
+            made = [c.plan for c in self.sharded._cache.values()]
+            plan = made[0] if made else None
+        if plan is not None and self.note and self.note not in plan.notes:
+            plan.notes.append(self.note)  # saved with it: a reload knows hsdp made it
+        return plan
 
     def save_param_file(self, path: str, args: tuple | None = None) -> None:
         plan = self.plan_for(args)
@@ -662,6 +677,15 @@ def _load_plans(path: str) -> list[Plan]:
         return load_plans(path)
     except ValueError as err:
         raise ValueError(f"load_operator_strategy_file(file_path={path!r}): {err}") from None
+
+
+_HSDP_NOTE = "made with hsdp: "
+
+
+def _hsdp_note(shard_size: int, threshold: int, level: str) -> str:
+    """The plan note that says under which hsdp settings AutoParallel made it."""
+    return f"{_HSDP_NOTE}optimizer_level={level!r}, shard_size={shard_size}, " \
+        f"threshold={threshold} KB"
 
 
 def _check_loaded(sharded: ShardedFunction, args: tuple, path: str) -> None:

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 import jaxpar
 from jaxpar.auto_parallel import AutoParallel, StrategyFileError
 from jaxpar.models import gpt, mlp, nnx_gpt
+from jaxpar.spec import MeshInfo, Spec
 
 CFG = gpt.GPTConfig(layers=1, d_model=32, heads=4, vocab=64, seq=16)
 MODES = ["semi_auto", "sharding_propagation", "recursive_programming", "dynamic_programming"]
@@ -352,6 +353,42 @@ def test_a_loaded_plan_with_hsdp_must_cut_the_optimizer_state_so(mlp_problem, tm
     refused.load_operator_strategy_file(plain)
     with pytest.raises(ValueError, match="loaded plan does not cut the optimizer state"):
         refused(*args)
+
+
+def test_a_plan_saved_with_hsdp_of_a_shard_size_reloads_with_it(mlp_problem, tmp_path):
+    # level3 with shard_size 2 cuts each parameter over one axis more; checked again on the
+    # loaded plan, hsdp wanted one more (the file was refused as saved without hsdp).
+    step, args, _, _ = mlp_problem
+    path = str(tmp_path / "cut.json")
+    net = AutoParallel(step)
+    net.hsdp(shard_size=2, threshold=0, optimizer_level="level3")
+    net.save_operator_strategy_file(path)
+    want = _specs(net, args)
+    assert any(s.axes() for k, s in want.items() if k.startswith("params"))
+    again = AutoParallel(step)
+    again.hsdp(shard_size=2, threshold=0, optimizer_level="level3")
+    again.load_operator_strategy_file(path)
+    assert _specs(again, args) == want
+    other = AutoParallel(step)
+    other.hsdp(shard_size=4, threshold=0, optimizer_level="level3")
+    other.load_operator_strategy_file(path)
+    with pytest.raises(ValueError, match=r"saved under other hsdp settings \(optimizer_level="
+                                         r"'level3', shard_size=2, threshold=0 KB\)"):
+        other(*args)
+
+
+def test_hsdp_never_leaves_optimizer_state_less_cut_than_planned():
+    # The search cut Adam's moments over every device; hsdp(shard_size=2) rebuilt them from
+    # their parameter's replicated spec, cut over 2 devices only: more bytes per device.
+    from jaxpar.train.optimizer_parallel import optimizer_parallel_specs
+
+    mesh = MeshInfo(("d0", "d1", "d2"), (2, 2, 2))
+    specs = [Spec(((),)), Spec((("d0", "d1", "d2"),))]
+    got = optimizer_parallel_specs(specs, [(64,)] * 2, [256] * 2, {1: 0}, mesh, "level1", 0, 2)
+    assert got == {}
+    specs[1] = Spec(((),))
+    assert optimizer_parallel_specs(specs, [(64,)] * 2, [256] * 2, {1: 0}, mesh, "level1", 0,
+                                    2) == {1: Spec((("d2",),))}
 
 
 def test_bad_operator_strategy_files_are_refused(mlp_problem, tmp_path):

@@ -15,7 +15,8 @@ for some leaves, to be fixed in a second planning round:
   level3  parameters are cut the same way too (FSDP / ZeRO-3): XLA all-gathers each one
           before use, and the step returns it cut, so the loop keeps it cut.
 
-Leaves smaller than `threshold` KB stay as planned. `shard_size` (-1: every unused axis) limits
+Leaves smaller than `threshold` KB stay as planned, and so does a leaf the plan already cuts
+into at least as many pieces (hsdp never adds bytes per device). `shard_size` (-1: every unused axis) limits
 the group a leaf is cut over to unused axes whose sizes multiply to it. The axes go on the
 leaf's largest dimension they divide; a leaf no dimension of which they divide stays as it was.
 """
@@ -87,7 +88,9 @@ def optimizer_parallel_specs(specs: Sequence[Spec], shapes: Sequence[tuple[int, 
             continue
         base = specs[followers.get(i, i)]
         spec = _cut_further(base, shapes[i], mesh, shard_size)
-        if spec is not None and spec != specs[i]:
+        # Only further: a state leaf the plan already cuts into as many pieces (the search
+        # may cut Adam's moments over every device) keeps its own spec.
+        if spec is not None and spec.shards(mesh) > specs[i].shards(mesh):
             out[i] = spec
     return out
 
