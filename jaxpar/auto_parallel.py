@@ -32,13 +32,9 @@ strategy_ckpt_load_file/save_file and pipeline_stages.
 from __future__ import annotations
 
 import inspect
-import itertools
 import json
-import math
 import numbers
 import os
-import sys
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +60,7 @@ from jaxpar.ir.trace import arg_names
 from jaxpar.mesh import make_mesh
 from jaxpar.plan import Plan, load_plans, save_plans
 from jaxpar.spec import MeshInfo, Spec
+from jaxpar.train.data import batch_spec
 from jaxpar.train.optimizer_parallel import (
     check_hsdp_args,
     check_shard_size,
@@ -600,7 +597,7 @@ def _dataset_specs(config, shapes: list[tuple], mesh: Mesh | AbstractMesh) -> li
     if config == "full_batch":
         return [PartitionSpec() for _ in shapes]
     if config == "data_parallel":
-        return [_batch_spec(shape, mesh) if shape else None for shape in shapes]
+        return [batch_spec(shape, mesh) if shape else None for shape in shapes]
     if len(config) != len(shapes):
         raise ValueError(f"dataset_strategy({config!r}): {len(config)} strategies for "
                          f"{len(shapes)} data inputs; give one each.")
@@ -610,40 +607,6 @@ def _dataset_specs(config, shapes: list[tuple], mesh: Mesh | AbstractMesh) -> li
     except (TypeError, ValueError) as err:  # its words name in_strategy, which was not given
         raise type(err)(str(err).replace("in_strategy", "dataset_strategy")) from None
     return [None if spec is None else spec.to_pspec() for spec in specs]
-
-
-def _batch_spec(shape: tuple, mesh: Mesh | AbstractMesh) -> PartitionSpec | None:
-    """The batch dim cut over every mesh axis; where the device count does not divide the
-    batch, over the axes whose sizes multiply to the most that does (the outer first among
-    equals), with a warning: the rest of the devices hold copies (None: no axis divides it)."""
-    axes, sizes, batch = tuple(mesh.axis_names), dict(mesh.shape), shape[0]
-    if batch % mesh.size == 0:
-        return PartitionSpec(axes)
-    fits = [c for k in range(len(axes) - 1, 0, -1) for c in itertools.combinations(axes, k)
-            if batch % math.prod(sizes[a] for a in c) == 0]
-    best = max(fits, key=lambda c: math.prod(sizes[a] for a in c), default=())
-    ways = math.prod(sizes[a] for a in best)
-    warnings.warn(
-        f"dataset_strategy 'data_parallel': the batch of {batch} does not divide into "
-        f"{mesh.size} devices; " + (f"it is cut {ways} ways, over {' x '.join(best)}, and "
-                                    f"each piece is computed on {mesh.size // ways} devices"
-                                    if best else "no mesh axis divides it, so every device "
-                                    "computes the whole batch") +
-        f". Use a batch divisible by {mesh.size}, or give dataset_strategy split counts.",
-        stacklevel=_caller_level())
-    return PartitionSpec(best) if best else None
-
-
-def _caller_level() -> int:
-    """warnings.warn's stacklevel, for its caller, that names the first frame outside jaxpar
-    (the user's call)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # the jaxpar/ folder
 
 
 def _check_dataset_entry(i: int, entry) -> None:

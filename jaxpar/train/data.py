@@ -19,13 +19,17 @@ does not divide its dim, or counts whose product exceeds the device count; each 
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
+import os
+import sys
+import warnings
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.mesh import make_mesh
@@ -86,8 +90,11 @@ def shard_batch(batch: Any, mesh: Mesh | None = None,
     """
     mesh = _default_mesh(mesh)
     if jax.process_count() == 1:
-        specs = parse_dataset_strategy(dataset_strategy, batch, mesh)
-        return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), batch, specs)
+        leaves, treedef = jax.tree_util.tree_flatten(batch)
+        specs = _leaf_specs(dataset_strategy, [_shape(x, i) for i, x in enumerate(leaves)],
+                            mesh, uneven=True)
+        return jax.tree_util.tree_unflatten(treedef, [
+            jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(leaves, specs, strict=True)])
     return _from_process_local(batch, mesh, dataset_strategy)
 
 
@@ -136,14 +143,14 @@ def global_shape(local_shape: Shape, slabs: tuple[int, ...]) -> Shape:
 # Strategies per leaf
 
 
-def _leaf_specs(config, shapes: list[Shape], mesh: Mesh) -> list[P]:
+def _leaf_specs(config, shapes: list[Shape], mesh: Mesh, uneven: bool = False) -> list[P]:
     if isinstance(config, str):
         if config not in DATASET_STRATEGIES:
             raise ValueError(f"dataset_strategy={config!r} must be one of {DATASET_STRATEGIES} "
                              "or a tuple with one strategy per input, e.g. ((8, 1), (8,)).")
         if config == "full_batch":
             return [P() for _ in shapes]
-        return [_data_parallel_spec(shape, i, mesh) for i, shape in enumerate(shapes)]
+        return [_data_parallel_spec(shape, i, mesh, uneven) for i, shape in enumerate(shapes)]
     if isinstance(config, tuple | list):  # lists as the context and AutoParallel take them
         config = tuple(tuple(e) if isinstance(e, list) else e for e in config)  # (YAML's)
     else:
@@ -161,18 +168,58 @@ def _leaf_specs(config, shapes: list[Shape], mesh: Mesh) -> list[P]:
                                                                        strict=True))]
 
 
-def _data_parallel_spec(shape: Shape, i: int, mesh: Mesh) -> P:
+def _data_parallel_spec(shape: Shape, i: int, mesh: Mesh, uneven: bool = False) -> P:
+    """uneven: a batch the device count does not divide is cut as batch_spec says (one
+    process); else it is an error (several processes: each holds its equal slice)."""
     axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
     if not shape:
         raise ValueError(f"dataset_strategy='data_parallel': input {i} is a scalar, with no "
                          "batch dim to split; give it a leading batch dim, or use 'full_batch' "
                          "or a tuple strategy with () for it.")
+    if shape[0] % mesh.size and uneven:
+        return batch_spec(shape, mesh) or P()
     if shape[0] % mesh.size:
         raise ValueError(f"dataset_strategy='data_parallel': input {i} of shape {shape} has a "
                          f"batch dim of {shape[0]}, which does not divide over the {mesh.size} "
                          f"devices of the mesh; use a global batch that is a multiple of "
                          f"{mesh.size}, or 'full_batch'.")
     return P(axes) if axes else P()  # trailing dims whole (jaxpar writes no trailing None)
+
+
+def batch_spec(shape: tuple, mesh: Mesh | AbstractMesh) -> P | None:
+    """The batch dim cut over every mesh axis; where the device count does not divide the
+    batch, over the axes whose sizes multiply to the most that does (the outer first among
+    equals), with a warning: the rest of the devices hold copies (None: no axis divides it).
+    AutoParallel's and shard_batch's 'data_parallel' (one process: the last, partial batch of
+    an epoch)."""
+    axes, sizes, batch = tuple(mesh.axis_names), dict(mesh.shape), shape[0]
+    if batch % mesh.size == 0:
+        return P(axes)
+    fits = [c for k in range(len(axes) - 1, 0, -1) for c in itertools.combinations(axes, k)
+            if batch % math.prod(sizes[a] for a in c) == 0]
+    best = max(fits, key=lambda c: math.prod(sizes[a] for a in c), default=())
+    ways = math.prod(sizes[a] for a in best)
+    warnings.warn(
+        f"dataset_strategy 'data_parallel': the batch of {batch} does not divide into "
+        f"{mesh.size} devices; " + (f"it is cut {ways} ways, over {' x '.join(best)}, and "
+                                    f"each piece is computed on {mesh.size // ways} devices"
+                                    if best else "no mesh axis divides it, so every device "
+                                    "computes the whole batch") +
+        f". Use a batch divisible by {mesh.size}, or give dataset_strategy split counts.",
+        stacklevel=_caller_level())
+    return P(best) if best else None
+
+
+def _caller_level() -> int:
+    """warnings.warn's stacklevel, for its caller, that names the first frame outside jaxpar
+    (the user's call)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # jaxpar/
 
 
 def _entry_spec(entry, shape: Shape, i: int, mesh: Mesh) -> P:

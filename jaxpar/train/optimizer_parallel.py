@@ -16,9 +16,10 @@ for some leaves, to be fixed in a second planning round:
           before use, and the step returns it cut, so the loop keeps it cut.
 
 Leaves smaller than `threshold` KB stay as planned, and so does a leaf the plan already cuts
-into at least as many pieces (hsdp never adds bytes per device). `shard_size` (-1: every unused axis) limits
-the group a leaf is cut over to unused axes whose sizes multiply to it. The axes go on the
-leaf's largest dimension they divide; a leaf no dimension of which they divide stays as it was.
+into at least as many pieces (hsdp never adds bytes per device). `shard_size` (-1: every unused
+axis) limits the group a leaf is cut over to unused axes whose sizes multiply to it. The axes
+go on the leaf's largest dimension they divide; a leaf no dimension of which they divide stays
+as it was.
 """
 
 from __future__ import annotations
