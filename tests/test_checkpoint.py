@@ -144,6 +144,23 @@ def test_step_management(tmp_path, mesh8):
     assert checkpoint_steps(root) == [1, 2, 3] and latest_step(root) == 3
     _assert_identical(restore_checkpoint(root, states[1], step=2), states[2])
     _assert_identical(restore_checkpoint(root, states[1]), states[3])
+    (root / "4").mkdir()  # left empty (a run stopped as it began saving): no step
+    assert checkpoint_steps(root) == [1, 2, 3] and latest_step(root) == 3
+    _assert_identical(restore_checkpoint(root, states[1]), states[3])
+
+
+def test_a_damaged_checkpoint_is_named(tmp_path):
+    state = {"w": np.arange(8.0), "b": np.ones(3)}
+    root = tmp_path / "run"
+    save_checkpoint(root, state, step=1)
+    save_checkpoint(root, state, step=2)
+    (root / "2" / "_METADATA").write_text("{\"tr")  # cut short
+    with pytest.raises(ValueError, match=r"checkpoint at .*run/2 is damaged: its metadata "
+                                         r"cannot be read \(JSONDecodeError"):
+        restore_checkpoint(root, state)
+    _assert_identical(restore_checkpoint(root, state, step=1), state)
+    save_checkpoint(root, state, step=2, overwrite=True)  # replaced like any checkpoint
+    _assert_identical(restore_checkpoint(root, state), state)
 
 
 def test_refuses_to_overwrite_unless_asked(tmp_path, mesh8):
@@ -229,6 +246,13 @@ def test_unsaveable_state_is_rejected_before_writing(tmp_path):
         save_checkpoint(tmp_path / "ckpt", {})
     with pytest.raises(ValueError, match="step=-1"):
         save_checkpoint(tmp_path / "ckpt", {"x": np.ones(2)}, step=-1)
+    with pytest.raises(ValueError, match=re.escape("state['e'] has no elements (shape (0, 4))")):
+        save_checkpoint(tmp_path / "ckpt", {"e": np.ones((0, 4)), "x": np.ones(2)})
+    donated = jax.jit(lambda a: a + 1, donate_argnums=0)
+    gone = jnp.ones(4)
+    donated(gone)
+    with pytest.raises(ValueError, match=re.escape("state['x'] was deleted (a donated buffer")):
+        save_checkpoint(tmp_path / "ckpt", {"x": gone})
     assert not (tmp_path / "ckpt").exists()
 
 

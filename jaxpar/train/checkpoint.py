@@ -26,6 +26,7 @@ KeyPath = tuple[Any, ...]
 # Step directories are named "<step>" (orbax's standard format, as CheckpointManager writes them).
 _STEP_NAMES = ocp.step.standard_name_format()
 _SCALARS = bool | int | float
+_METADATA_FILE = "_CHECKPOINT_METADATA"  # orbax writes it as it finishes a checkpoint
 # The attribute naming each kind of pytree key (DictKey and FlattenedIndexKey use "key").
 _KEY_FIELDS = {jax.tree_util.SequenceKey: "idx", jax.tree_util.GetAttrKey: "name"}
 
@@ -105,7 +106,12 @@ def restore_checkpoint(path: PathLike, target: Any, *, step: int | None = None,
     restore_target = [_restore_leaf(keypath, leaf, saved[_names(keypath)][1], placement, mesh)
                       for (keypath, leaf), placement in zip(leaves, placements, strict=True)]
     with ocp.StandardCheckpointer() as checkpointer:
-        restored = checkpointer.restore(directory, treedef.unflatten(restore_target))
+        try:
+            restored = checkpointer.restore(directory, treedef.unflatten(restore_target))
+        except Exception as err:  # tensorstore's: a data file missing or cut short
+            raise ValueError(f"restore_checkpoint: the checkpoint at {directory} is damaged: "
+                             f"its arrays cannot be read ({type(err).__name__}: "
+                             f"{_first_line(err)}).") from None
     # A numpy scalar target (np.float32(0.1)) is restored through a 0-d array: back to one.
     scalars = [isinstance(leaf, np.generic) for _, leaf in leaves]
     if not any(scalars):
@@ -122,7 +128,9 @@ def checkpoint_steps(path: PathLike) -> list[int]:
       path: the directory holding numbered step directories.
 
     Returns:
-      The saved steps; empty when `path` does not exist or holds none.
+      The saved steps; empty when `path` does not exist or holds none. A step directory that
+      holds no checkpoint (empty) is left out; a damaged one is listed, and restoring it
+      raises a ValueError naming it.
 
     Example:
       >>> checkpoint_steps("ckpt")
@@ -131,7 +139,10 @@ def checkpoint_steps(path: PathLike) -> list[int]:
     root = _absolute(path, "path")
     if not root.is_dir():
         return []
-    return sorted(metadata.step for metadata in _STEP_NAMES.find_all(root))
+    # Only steps that hold a checkpoint (orbax's metadata file): a step directory made by hand,
+    # or left empty, is no step to resume from.
+    return sorted(m.step for m in _STEP_NAMES.find_all(root)
+                  if (root / _STEP_NAMES.build_name(m.step) / _METADATA_FILE).is_file())
 
 
 def latest_step(path: PathLike) -> int | None:
@@ -180,6 +191,13 @@ def _check_saveable(keypath: KeyPath, leaf: Any) -> None:
     if not isinstance(leaf, jax.Array | np.ndarray | np.generic | _SCALARS):
         raise TypeError(f"save_checkpoint: {where} is a {type(leaf).__name__} ({leaf!r}); "
                         "checkpoints hold jax.Arrays, numpy arrays and python bool/int/float.")
+    if isinstance(leaf, jax.Array) and leaf.is_deleted():
+        raise ValueError(f"save_checkpoint: {where} was deleted (a donated buffer: the step "
+                         "that took it returned its replacement); save the arrays the step "
+                         "returned.")
+    if isinstance(leaf, jax.Array | np.ndarray) and leaf.size == 0:
+        raise ValueError(f"save_checkpoint: {where} has no elements (shape {leaf.shape}), "
+                         "which the checkpoint format cannot hold; leave it out of the state.")
 
 
 def _check_destination(directory: Path, overwrite: bool) -> bool:
@@ -190,7 +208,11 @@ def _check_destination(directory: Path, overwrite: bool) -> bool:
         raise ValueError(f"save_checkpoint: {directory} is a file, not a checkpoint directory.")
     if not any(directory.iterdir()):
         return True
-    if _tree_metadata(directory) is None:
+    try:
+        found = _tree_metadata(directory) is not None
+    except ValueError:  # a damaged checkpoint: replaced like any other with overwrite=True
+        found = True
+    if not found:
         raise ValueError(f"save_checkpoint: {directory} is a non-empty directory that holds no "
                          "checkpoint; refusing to write over it even with overwrite=True. "
                          "Pick another path or step.")
@@ -218,14 +240,22 @@ def _checkpoint_directory(root: Path, step: int | None) -> Path:
 
 
 def _tree_metadata(directory: Path) -> Any:
-    """Orbax's metadata tree of the checkpoint in `directory`, or None when there is none."""
+    """Orbax's metadata tree of the checkpoint in `directory`, or None when there is none; a
+    ValueError naming the directory when its metadata cannot be read."""
     handler = ocp.StandardCheckpointHandler()
     try:
         return handler.metadata(directory).tree
     except FileNotFoundError:
         return None
+    except Exception as err:  # orbax's JSON and tensorstore errors: a damaged checkpoint
+        raise ValueError(f"the checkpoint at {directory} is damaged: its metadata cannot be "
+                         f"read ({type(err).__name__}: {_first_line(err)}).") from None
     finally:
         handler.close()
+
+
+def _first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:300]
 
 
 def _saved_leaves(directory: Path) -> dict[tuple[str, ...], tuple[KeyPath, Any]]:
