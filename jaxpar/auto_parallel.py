@@ -170,6 +170,9 @@ class AutoParallel:
         self.batch_argnums = _argnums("batch_argnums", batch_argnums)
         self.donate_argnums = _argnums("donate_argnums", donate_argnums) or ()
         self._opts = _options_from_context(ctx)
+        if self._opts.hsdp is not None:  # the context's shard size, checked for this mesh now
+            check_shard_size(self._opts.hsdp[0], MeshInfo.of(self.mesh),
+                             "parallel_optimizer_config['optimizer_weight_shard_size']")
         self._functions: dict[Any, _Program] = {}
         self._check_now()
 
@@ -281,7 +284,11 @@ class AutoParallel:
         if not isinstance(config, dict):
             raise TypeError(f"comm_fusion(config={config!r}): must be a dict such as "
                             "{'allreduce': {'mode': 'auto', 'config': None}}.")
-        checked = ParallelContext(comm_fusion=config).comm_fusion
+        try:
+            checked = ParallelContext(comm_fusion=config).comm_fusion
+        except (TypeError, ValueError) as err:  # its words name the context's setter
+            raise type(err)(str(err).replace("set_auto_parallel_context(comm_fusion",
+                                             "AutoParallel.comm_fusion(config")) from None
         self._opts.comm_fusion = checked
 
     def no_init_parameters_in_compile(self) -> None:

@@ -572,6 +572,8 @@ def _step(params, x):
     (lambda: AutoParallel(_step).comm_fusion([]), TypeError, "config"),
     (lambda: AutoParallel(_step).comm_fusion({"allgather": {"mode": "index", "config": [1]}}),
      ValueError, "allgather"),
+    (lambda: AutoParallel(_step).comm_fusion({"allreduce": {"mode": "bogus", "config": 1}}),
+     ValueError, r"^AutoParallel.comm_fusion\(config\['allreduce'\]\['mode'\]='bogus'\)"),
     (lambda: AutoParallel(_step).save_param_strategy_file(None), TypeError, "file_path"),
     (lambda: AutoParallel(_step).load_operator_strategy_file("/no/such/file.json"), ValueError,
      "no such file"),
@@ -579,6 +581,15 @@ def _step(params, x):
 def test_bad_arguments_are_refused(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+def test_a_context_shard_size_the_mesh_cannot_make_is_refused_at_construction():
+    # It was taken, and the first call failed naming hsdp(), which the user never called.
+    jaxpar.set_auto_parallel_context(enable_parallel_optimizer=True, parallel_optimizer_config={
+        "optimizer_weight_shard_size": 3})
+    with pytest.raises(ValueError, match=r"set_auto_parallel_context: parallel_optimizer_config"
+                                         r"\['optimizer_weight_shard_size'\]=3: no group of axes"):
+        AutoParallel(_step)
 
 
 def test_context_pipeline_stages_are_refused():

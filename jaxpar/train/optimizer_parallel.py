@@ -48,13 +48,16 @@ def check_hsdp_args(shard_size, threshold, optimizer_level) -> None:
                          f"{list(LEVELS)}.")
 
 
-def check_shard_size(shard_size: int, mesh: MeshInfo) -> None:
-    """shard_size must be -1 or the size of some group of the mesh's axes."""
+def check_shard_size(shard_size: int, mesh: MeshInfo, key: str | None = None) -> None:
+    """shard_size must be -1 or the size of some group of the mesh's axes. key: the parallel
+    context's key it came from (None: hsdp's argument)."""
     makeable = {math.prod(c) for k in range(1, len(mesh.sizes) + 1)
                 for c in itertools.combinations(mesh.sizes, k)}
     if shard_size != -1 and shard_size not in makeable:
-        raise ValueError(f"hsdp(shard_size={shard_size}): no group of axes of mesh "
-                         f"{mesh.describe()} has that size; use one of {sorted(makeable)} or -1.")
+        where = f"hsdp(shard_size={shard_size})" if key is None else \
+            f"set_auto_parallel_context: {key}={shard_size}"
+        raise ValueError(f"{where}: no group of axes of mesh {mesh.describe()} has that size; "
+                         f"use one of {sorted(makeable)} or -1.")
 
 
 def optimizer_parallel_specs(specs: Sequence[Spec], shapes: Sequence[tuple[int, ...]],
