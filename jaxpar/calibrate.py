@@ -431,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--memory-gb {args.memory_gb}: give the memory per device in GB.")
         shape, names = _parse_mesh(args.mesh, args.names, args.devices)
         check_writable(args.out, "--out")  # before measuring, which takes a while
-        _start_backend(args.devices, args.device)
+        # --mesh alone: as many (simulated CPU) devices as it holds
+        _start_backend(args.devices or (math.prod(shape) if shape else None), args.device)
         mesh = _cli_mesh(shape, names, args.devices, args.device)
     except (ValueError, TypeError, RuntimeError) as err:
         print(f"jaxpar calibrate: error: {err}", file=sys.stderr)

@@ -101,6 +101,23 @@ def test_bad_arguments_exit_2_with_a_message(argv, match, capsys, tmp_path):
     assert not (tmp_path / "never-written.yaml").exists()
 
 
+def test_a_mesh_alone_asks_for_as_many_devices(tmp_path, monkeypatch, capsys):
+    # `--mesh 3,3` without --devices started JAX with one CPU device, then refused the mesh.
+    import jaxpar.calibrate as cal
+
+    asked = []
+
+    def start(devices, device):
+        asked.append(devices)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(cal, "_start_backend", start)
+    assert main(["--mesh", "3,3", "--out", str(tmp_path / "p.yaml")]) == 2
+    assert main(["--mesh", "3,3", "--devices", "9", "--out", str(tmp_path / "p.yaml")]) == 2
+    assert main(["--out", str(tmp_path / "p.yaml")]) == 2
+    assert asked == [9, 9, None]
+
+
 def test_an_output_path_that_cannot_be_written_is_refused_before_measuring(tmp_path, capsys):
     # (it had measured for a while, then failed inside pathlib)
     assert main(["--mesh", "2,4", "--out", str(tmp_path / "missing" / "p.yaml")]) == 2
