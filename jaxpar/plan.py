@@ -23,7 +23,7 @@ from rich.text import Text
 from jaxpar.cost.comm import Collective
 from jaxpar.cost.model import OpCost
 from jaxpar.search.propagation import Choice, GraphPlan
-from jaxpar.spec import MeshInfo, OpStrategy, Spec
+from jaxpar.spec import MeshInfo, OpStrategy, Spec, axes_from_json
 
 FORMAT_VERSION = 1
 
@@ -387,7 +387,7 @@ def _strategy_from(d) -> OpStrategy | None:
         raise ValueError(f"a strategy's ins, outs and partial are lists, not {d!r}")
     return OpStrategy(tuple(Spec.from_json(x) for x in d["ins"]),
                       tuple(Spec.from_json(x) for x in d["outs"]),
-                      tuple(Spec.from_json([{"partial": p}]).partial for p in d["partial"]),
+                      tuple(axes_from_json(p, d) for p in d["partial"]),
                       d["name"])
 
 

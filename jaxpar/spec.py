@@ -178,16 +178,17 @@ class Spec:
             raise ValueError(f"a spec is a list of dims, not {data!r}")
         partial: Axes = ()
         if data and isinstance(data[-1], dict):
-            partial = _names(data[-1].get("partial"), data)
+            partial = axes_from_json(data[-1].get("partial"), data)
             data = data[:-1]
-        spec = Spec(tuple(_names(d, data) for d in data), partial)
+        spec = Spec(tuple(axes_from_json(d, data) for d in data), partial)
         if len(set(spec.axes())) != len(spec.axes()):
             raise ValueError(f"spec {spec} uses a mesh axis twice")
         return spec
 
 
-def _names(entry, spec) -> Axes:
-    """A spec's dim (or partial axes) read from JSON: a list of axis names."""
+def axes_from_json(entry, spec) -> Axes:
+    """A spec's dim (or partial axes) read from JSON: a list of axis names (a ValueError
+    naming `spec`, the JSON it is part of, when it is not)."""
     if not isinstance(entry, list) or not all(isinstance(a, str) for a in entry):
         raise ValueError(f"spec {spec!r}: each dim is a list of mesh axis names, not {entry!r}")
     return tuple(entry)

@@ -109,9 +109,10 @@ def restore_checkpoint(path: PathLike, target: Any, *, step: int | None = None,
         try:
             restored = checkpointer.restore(directory, treedef.unflatten(restore_target))
         except Exception as err:  # tensorstore's: a data file missing or cut short
-            raise ValueError(f"restore_checkpoint: the checkpoint at {directory} is damaged: "
-                             f"its arrays cannot be read ({type(err).__name__}: "
-                             f"{_first_line(err)}).") from None
+            raise ValueError(f"restore_checkpoint: the arrays of the checkpoint at "
+                             f"{directory} cannot be read ({type(err).__name__}: "
+                             f"{_first_line(err)}); its data files may be missing or "
+                             "damaged.") from None
     # A numpy scalar target (np.float32(0.1)) is restored through a 0-d array: back to one.
     scalars = [isinstance(leaf, np.generic) for _, leaf in leaves]
     if not any(scalars):
