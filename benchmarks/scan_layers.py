@@ -36,6 +36,7 @@ def plan_step(layers: int, scan: bool, mode: str, search_bodies: bool, args) -> 
     from jaxpar.cost import CostModel, load_profile
     from jaxpar.ir import build_graph, trace
     from jaxpar.models.gpt import GPTConfig, abstract_train_step
+    from jaxpar.plan import tail_latency
     from jaxpar.search.exact import dynamic_programming
     from jaxpar.search.propagation import graph_cost
     from jaxpar.search.recursive import recursive_programming
@@ -57,10 +58,11 @@ def plan_step(layers: int, scan: bool, mode: str, search_bodies: bool, args) -> 
         plan, _ = recursive_programming(graph, model, {}, {}, ties=ties)
     seconds = time.process_time() - start
     back = {pos: plan.specs[v] for v, pos in ties}
-    cost = graph_cost(graph, plan, model, back, shared=True)  # as Plan.cost prices it
+    cost = graph_cost(graph, plan, model, back, shared=True)  # as Plan.cost prices it,
+    comm = cost.comm_s + tail_latency(graph, plan, model)      # the tail's latencies too
     objective = model.score(graph_cost(graph, plan, model, back))  # as the searches do
     return {"layers": layers, "scan": scan, "mode": mode, "search_bodies": search_bodies,
-            "ops": len(graph.ops), "cost_ms": (cost.compute_s + cost.comm_s) * 1e3,
+            "ops": len(graph.ops), "cost_ms": (cost.compute_s + comm) * 1e3,
             "objective_ms": objective * 1e3, "search_s": seconds}
 
 

@@ -421,6 +421,28 @@ def _choice_from(d: dict) -> Choice:
                   tuple(_graph_from_json(r) for r in d["regions"]), d["trips"])
 
 
+def tail_latency(graph, gp: GraphPlan, model) -> float:
+    """Seconds to add to graph_cost's communication for the step's tail (OpGraph.tail_values:
+    the gradient reductions): XLA combines its reductions of one kind over one device group
+    into one collective, which pays one whole latency, where graph_cost gives each a share of
+    one (OpGraph.latency_share, 1 / the outputs there: a third of a latency for an Adam step's
+    one combined gradient all-reduce). Negative where the shares add up to more."""
+    tail = graph.tail_values()
+    if not tail:
+        return 0.0
+    share = graph.latency_share(next(iter(tail)))
+    groups: dict[tuple, int] = {}
+    for op in graph.ops:
+        choice = gp.choices.get(op.index)
+        if op.regions or choice is None or not any(v in tail for v in op.outputs):
+            continue
+        for c in choice.cost.collectives:
+            if c.kind in ("all-reduce", "reduce-scatter"):
+                groups[(c.kind, c.axes)] = groups.get((c.kind, c.axes), 0) + c.count
+    return sum(model.collectives_cost([Collective(kind, axes, 0.0)]).comm_s * (1 - n * share)
+               for (kind, axes), n in groups.items())
+
+
 def build_plan(graph, gp: GraphPlan, model, traced, in_specs: list[Spec], out_specs: list[Spec],
                search_mode: str, hardware: str, weights: set[int] | None = None) -> Plan:
     """Assemble a Plan: totals, predicted collectives, peak memory and the explain rows.
@@ -428,9 +450,9 @@ def build_plan(graph, gp: GraphPlan, model, traced, in_specs: list[Spec], out_sp
     from jaxpar.search.propagation import graph_cost
 
     total = graph_cost(graph, gp, model, dict(enumerate(out_specs)), shared=True)
+    comm = total.comm_s + tail_latency(graph, gp, model)
     peak = peak_memory(graph, gp, model.mesh)
-    cost = PlanCost(total.compute_s, total.comm_s, total.comm_bytes, peak,
-                    total.compute_s + total.comm_s)
+    cost = PlanCost(total.compute_s, comm, total.comm_bytes, peak, total.compute_s + comm)
     return Plan(lambda: traced.fingerprint, model.mesh, gp, in_specs, out_specs,
                 list(traced.in_paths), list(traced.out_paths), cost, _by_kind(total.collectives),
                 lambda: list(_rows(graph, gp, model)), search_mode, hardware, traced.in_tree,

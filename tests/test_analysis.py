@@ -314,6 +314,28 @@ def test_a_bf16_weight_gradient_reduced_in_f32_passes_verify():
     assert plan.verify(compiled).ok
 
 
+def test_a_step_tail_reductions_combined_by_xla_are_priced_as_one_latency():
+    # An Adam step's gradient all-reduces, combined by XLA into one collective: the plan gave
+    # each a share 1/m of one latency, m its outputs there (three per parameter), and so
+    # modelled a third of the latency the compiled program pays.
+    import optax
+
+    from jaxpar.models import mlp
+
+    params = mlp.init_mlp(jax.random.key(0), [64, 128, 64])
+    tx = optax.adam(1e-3)
+    args = (params, tx.init(params), jnp.ones((32, 64)), jnp.ones((32, 64)))
+    mesh8 = jaxpar.make_mesh(8)
+    f = jaxpar.shard(mlp.make_train_step(tx), in_strategy=(None, None, P(("d0", "d1", "d2")),
+                                                           P(("d0", "d1", "d2"))),
+                     mesh=mesh8, hardware="h100-nvlink", search_mode="dynamic_programming")
+    plan, compiled = f.plan(*args), f.lower(*args).compile()
+    measured = jaxpar.estimate_time(compiled, mesh8, "h100-nvlink")
+    assert measured["collectives"]["all-reduce"]["count"] == 1  # XLA combined them
+    assert plan.collectives["all-reduce"]["count"] > 1          # the plan makes several
+    assert plan.cost.comm_s == pytest.approx(measured["comm_s"], rel=0.02)
+
+
 ASYNC = {
     "all-gather": [
         "%x = f32[8,4]{1,0} parameter(0)",

@@ -171,7 +171,9 @@ def test_memory_budget_tiny(tmp_path):
     by = {(r["mode"], r["fraction"]): r for r in saved["rows"]}
     for mode in memory_budget.MODES:
         met, refused = by[(mode, 0.8)], by[(mode, 0.01)]
-        assert met["met"] and met["peak"] <= 0.8 and met["time"] >= 1 - 1e-9
+        # (its modelled time may come out below the free plan's: the searches minimise the
+        # objective, which weighs memory and prices the tail's reductions by shares)
+        assert met["met"] and met["peak"] <= 0.8 and met["time"] > 0
         assert not refused["met"] and "memory_budget=" in refused["error"]
         if mode == "dynamic_programming":  # its unbudgeted plan scores least
             assert met["objective"] >= 1 - 1e-9
