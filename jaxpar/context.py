@@ -574,8 +574,7 @@ def _yaml_mapping(where: str, value: Any) -> dict:
 
 def _unknown(prefix: str, key: Any, known: Iterable[str]) -> None:
     known = sorted(set(known))
-    raise ValueError(f"unknown key {prefix}{key}.{_close(key, known)} Known keys: "
-                     f"{sorted(known)}.")
+    raise ValueError(f"unknown key {prefix}{key}.{_close(key, known)} Known keys: {known}.")
 
 
 def _add(kwargs: dict[str, Any], new: dict[str, Any], where: str) -> None:

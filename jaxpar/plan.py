@@ -423,15 +423,15 @@ def _choice_from(d: dict) -> Choice:
 
 def tail_latency(graph, gp: GraphPlan, model) -> float:
     """Seconds to add to graph_cost's communication for the step's tail (OpGraph.tail_values:
-    the gradient reductions): XLA combines its reductions of one kind over one device group
-    into one collective, which pays one whole latency, where graph_cost gives each a share of
-    one (OpGraph.latency_share, 1 / the outputs there: a third of a latency for an Adam step's
-    one combined gradient all-reduce). Negative where the shares add up to more."""
-    tail = graph.tail_values()
-    if not tail:
-        return 0.0
-    share = graph.latency_share(next(iter(tail)))
-    groups: dict[tuple, int] = {}
+    the gradient reductions), priced as XLA runs it: one latency per kind and device group
+    (search.exact.tail_latency), where graph_cost gives each reduction a share of one
+    (a third of a latency for an Adam step's one combined gradient all-reduce). The groups are
+    those of the collectives each op's cost holds: a partial sum reduce-scattered over some
+    axes and all-reduced over others is two groups (exact._reductions, from the strategy
+    alone, counts it one: its tables' coarser price)."""
+    from jaxpar.search.exact import tail_latency as combined
+
+    tail, groups = graph.tail_values(), {}
     for op in graph.ops:
         choice = gp.choices.get(op.index)
         if op.regions or choice is None or not any(v in tail for v in op.outputs):
@@ -439,8 +439,7 @@ def tail_latency(graph, gp: GraphPlan, model) -> float:
         for c in choice.cost.collectives:
             if c.kind in ("all-reduce", "reduce-scatter"):
                 groups[(c.kind, c.axes)] = groups.get((c.kind, c.axes), 0) + c.count
-    return sum(model.collectives_cost([Collective(kind, axes, 0.0)]).comm_s * (1 - n * share)
-               for (kind, axes), n in groups.items())
+    return combined(graph, model, groups)
 
 
 def build_plan(graph, gp: GraphPlan, model, traced, in_specs: list[Spec], out_specs: list[Spec],

@@ -200,13 +200,21 @@ def grouped_objective(graph: OpGraph, model: CostModel, t: Tables, problem: Prob
                       choice: np.ndarray) -> float:
     """`objective` with the tail's reductions paying one latency per (kind, device group)
     instead of a share each (what XLA's combiners make of them)."""
-    used = _tail_groups(graph, t, choice)
-    if not used:
-        return objective(problem, choice)
+    extra = tail_latency(graph, model, _tail_groups(graph, t, choice))
+    return objective(problem, choice) + model.score(OpCost(comm_s=extra))
+
+
+def tail_latency(graph: OpGraph, model: CostModel, groups: dict[tuple, int]) -> float:
+    """Seconds the step's tail reductions, {(kind, axes): how many} (the tables': from
+    `_reductions`; Plan.cost's: from each op's collectives), pay beyond the share of one
+    latency each that the tables and graph_cost give them (OpGraph.latency_share): XLA
+    combines those of one kind over one device group into one collective, which pays one
+    whole latency. Negative where the shares add up to more."""
+    if not groups:
+        return 0.0
     share = graph.latency_share(next(iter(graph.tail_values())))
-    latency = {g: model.collectives_cost([Collective(g[0], g[1], 0.0)]).comm_s for g in used}
-    paid = sum(n * share * latency[g] for g, n in used.items())
-    return objective(problem, choice) + model.score(OpCost(comm_s=sum(latency.values()) - paid))
+    return sum(model.collectives_cost([Collective(kind, axes, 0.0)]).comm_s * (1 - n * share)
+               for (kind, axes), n in groups.items())
 
 
 def _tail_nodes(graph: OpGraph, t: Tables) -> list[int]:

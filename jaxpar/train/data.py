@@ -59,9 +59,7 @@ def parse_dataset_strategy(config: str | tuple, batch: Any,
     """
     mesh = _default_mesh(mesh)
     leaves, treedef = jax.tree_util.tree_flatten(batch)
-    shapes = [_shape(x, i) for i, x in enumerate(leaves)]
-    specs = _leaf_specs(config, shapes, mesh)
-    return jax.tree_util.tree_unflatten(treedef, specs)
+    return jax.tree_util.tree_unflatten(treedef, _batch_specs(config, leaves, mesh))
 
 
 def shard_batch(batch: Any, mesh: Mesh | None = None,
@@ -91,11 +89,15 @@ def shard_batch(batch: Any, mesh: Mesh | None = None,
     mesh = _default_mesh(mesh)
     if jax.process_count() == 1:
         leaves, treedef = jax.tree_util.tree_flatten(batch)
-        specs = _leaf_specs(dataset_strategy, [_shape(x, i) for i, x in enumerate(leaves)],
-                            mesh, uneven=True)
+        specs = _batch_specs(dataset_strategy, leaves, mesh, uneven=True)
         return jax.tree_util.tree_unflatten(treedef, [
             jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(leaves, specs, strict=True)])
     return _from_process_local(batch, mesh, dataset_strategy)
+
+
+def _batch_specs(config, leaves: list, mesh: Mesh, uneven: bool = False) -> list[P]:
+    """The PartitionSpec of each batch leaf (_leaf_specs of their shapes)."""
+    return _leaf_specs(config, [_shape(x, i) for i, x in enumerate(leaves)], mesh, uneven)
 
 
 def process_slabs(process_grid: np.ndarray, axis_names: tuple[str, ...], spec: P,
