@@ -2,8 +2,9 @@
 
 `check_rule(fn, args, primitive_name)` traces fn, takes the first op of that primitive, and for
 every strategy `candidates()` lists: runs the op alone under `jax.jit` with the strategy's input
-shardings and its output constrained to the strategy's output specs, compares values (and, where
-`grad=True`, the gradient of a weighted sum of the outputs) with unsharded `jax.jit`, and checks
+shardings and its output constrained to the strategy's output specs (ops in registry.LOCAL bound
+per shard, as the lowering binds them), compares values (and, where `grad=True`, the gradient
+of a weighted sum of the outputs) with unsharded `jax.jit`, and checks
 that the compiled program communicates exactly when the strategy says it must (partial results)
 or reshards. Returns the strategies it checked.
 """
@@ -17,8 +18,10 @@ from jax.sharding import NamedSharding
 
 from jaxpar.analysis import collective_stats
 from jaxpar.ir import build_graph, trace
+from jaxpar.lower.jit import bind_local
 from jaxpar.mesh import make_mesh
 from jaxpar.rules import OpInfo, candidates
+from jaxpar.rules.registry import is_local
 from jaxpar.spec import MeshInfo
 
 
@@ -90,7 +93,8 @@ def _check_one(op, s, operands, expected, mesh, want_grad, rtol, atol):
     out_sh = tuple(NamedSharding(mesh, spec.to_pspec()) for spec in s.outs)
 
     def run(*a):
-        outs = _bind(op, *a)
+        # Ops XLA would gather whole run per shard, as the lowering binds them.
+        outs = bind_local(op, list(a), s, mesh) if is_local(op.primitive) else _bind(op, *a)
         return [jax.lax.with_sharding_constraint(o, sh) for o, sh in zip(outs, out_sh, strict=True)]
 
     placed = [jax.device_put(x, sh) for x, sh in zip(operands, in_sh, strict=True)]

@@ -39,6 +39,43 @@ def test_binary(name, fn):
     check_rule(fn, (arr(8, 4), arr(8, 4)), name, grad=name not in ("lt", "eq", "ge"))
 
 
+SPECIAL = [  # jax.scipy.special and searchsorted's primitives (jax 0.10's total-order compares)
+    ("bessel_i0e", jax.scipy.special.i0e, 1),
+    ("bessel_i1e", jax.scipy.special.i1e, 1),
+    ("polygamma", lambda x: jax.scipy.special.polygamma(1, jnp.abs(x) + 1), 1),
+    ("zeta", lambda x: jax.scipy.special.zeta(jnp.abs(x) + 2, 1.0), 1),
+    # bound per shard (registry.LOCAL): the partitioner all-reduced their loops' flags
+    ("igamma", lambda a, b: jax.scipy.special.gammainc(jnp.abs(a) + .5, jnp.abs(b)), 2),
+    ("igammac", lambda a, b: jax.scipy.special.gammaincc(jnp.abs(a) + .5, jnp.abs(b)), 2),
+    ("le_to", lambda a, b: jax.lax.le_to_p.bind(a, b), 2),
+    ("lt_to", lambda a, b: jax.lax.lt_to_p.bind(a, b), 2),
+]
+
+
+@pytest.mark.parametrize("name,fn,arity", SPECIAL, ids=[c[0] for c in SPECIAL])
+def test_special_functions_are_elementwise(name, fn, arity):
+    # These ran replicated (no rule): a batch-cut operand was all-gathered first. igamma's
+    # rule promised no communication where the partitioner all-reduced each loop turn.
+    checked = check_rule(fn, tuple(arr(8, 4) for _ in range(arity)), name, rtol=1e-4,
+                         atol=1e-5)
+    # each of the 2 mesh axes on one of 2 dims or on none (9), less both on the size-4 dim;
+    # array operands cut as the result, scalar ones (polygamma's order) replicated
+    assert len(checked) == 8
+    assert all(x.dims == s.outs[0].dims for s in checked for x in s.ins if x.rank)
+
+
+def test_searchsorted_runs_cut():
+    import jaxpar
+
+    def fn(x):
+        return jnp.searchsorted(jnp.linspace(-2, 2, 9), x)
+
+    x = arr(32, 8)
+    f = jaxpar.shard(fn, in_strategy=((8, 1),))
+    np.testing.assert_array_equal(f(x), jax.jit(fn)(x))
+    assert f.plan(x).cost.comm_s == 0
+
+
 def test_scalar_literal_operand():
     checked = check_rule(lambda x: jnp.maximum(x, 0.0), (arr(8, 4),), "max", grad=True)
     assert all(s.ins[1].rank == 0 for s in checked)

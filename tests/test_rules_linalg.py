@@ -1,7 +1,8 @@
 """Linear algebra rules: every candidate against jax.jit, values and collectives.
 
 Each op is cut on its batch dims only (the problems are independent); the matrix dims stay
-whole. FFTs have no rule (XLA gathers them whole: the strict xfail below).
+whole. FFTs too, bound per shard by the lowering (XLA alone gathers them: the strict xfail
+below).
 """
 
 import jax
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import PartitionSpec as P
 from rule_harness import check_rule
 
 RNG = np.random.default_rng(0)
@@ -49,9 +51,46 @@ def test_batched_rules(case):
     assert not any(any(s.partial) for s in checked)
 
 
+FFTS = {
+    "fft": (lambda x: jnp.fft.fft(x), (8, 2, 6), 1),
+    "ifft2": (lambda x: jnp.fft.ifft2(x), (8, 4, 6), 2),
+    "rfft": (lambda x: jnp.fft.rfft(x), (8, 2, 6), 1),
+    "irfft": (lambda x: jnp.fft.irfft(x, n=8), (8, 2, 5), 1),
+    "rfftn": (lambda x: jnp.fft.rfftn(x, axes=(1, 2)), (8, 4, 6), 2),
+}
+
+
+@pytest.mark.parametrize("case", list(FFTS))
+def test_fft(case):
+    # Bound per shard (registry.LOCAL), as the lowering binds it: values, gradients, and no
+    # candidate communicates.
+    fn, shape, core = FFTS[case]
+    x = jnp.asarray(RNG.standard_normal(shape) + (1j * RNG.standard_normal(shape)
+                                                  if "irfft" in case or "ifft" in case else 0),
+                    jnp.complex64 if "ifft" in case or "irfft" in case else jnp.float32)
+    checked = check_rule(fn, (x,), "fft", rtol=1e-4, atol=1e-4, grad=True, grad_limit=2)
+    assert cut_dims(checked) == set(range(len(shape) - core)), "every batch dim, and only those"
+    assert not any(any(s.partial) for s in checked)
+
+
+def test_planned_fft_runs_per_shard():
+    import jaxpar
+    from jaxpar.analysis import collective_stats
+
+    def fn(x):  # a spectral filter over a batch of signals
+        return jnp.fft.irfft(jnp.fft.rfft(x) * jnp.exp(-jnp.arange(17.0) / 4), n=32)
+
+    x = arr(16, 32)
+    f = jaxpar.shard(fn, in_strategy=((8, 1),))
+    np.testing.assert_allclose(f(x), jax.jit(fn)(x), rtol=1e-5, atol=1e-5)
+    plan = f.plan(x)
+    assert plan.collectives == {} and "no rule" not in plan.explain()
+    assert collective_stats(f.lower(x).compile()) == {}
+
+
 @pytest.mark.xfail(strict=True, reason="XLA's SPMD partitioner all-gathers an FFT's operand even "
-                   "where only its batch dims are cut. Add an fft rule (a loop per batch dim) "
-                   "when this passes.")
+                   "where only its batch dims are cut. When this passes, fft can leave "
+                   "registry.LOCAL (the lowering's shard_map).")
 def test_fft_batch_cut_is_local():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -86,3 +125,37 @@ def test_a_batched_cholesky_solve_runs_without_communication():
     assert plan.collectives == {}
     assert plan.verify(f.lower(a, b).compile()).ok
     np.testing.assert_allclose(f(a, b), jnp.linalg.solve(a, b), rtol=1e-4, atol=1e-4)
+
+
+def test_linalg_solve_and_inv_are_planned_through_their_solve():
+    # jnp.linalg.solve and inv are custom_linear_solve calls: the graph holds their solve
+    # jaxpr (lu's factors, two triangular solves), cut on the batch like its ops. As one
+    # opaque op they ran replicated, the batch of matrices gathered on every device.
+    import jaxpar
+    from jaxpar.ir import build_graph, trace
+
+    a = spd(16, n=4)
+    b = arr(16, 4)
+
+    def fn(a, b):
+        return jnp.linalg.solve(a, b[..., None])[..., 0] + jnp.linalg.inv(a).sum(-1)
+
+    graph = build_graph(trace(fn, (a, b)).closed_jaxpr)
+    assert "custom_linear_solve" not in {op.name for _, op in graph.walk()}
+    assert graph.custom_derivatives
+    batch = P(("d0", "d1", "d2"))
+    f = jaxpar.shard(fn, in_strategy=(batch, batch))
+    np.testing.assert_allclose(f(a, b), jax.jit(fn)(a, b), rtol=1e-5, atol=1e-5)
+    assert f.plan(a, b).collectives == {}
+
+    # Differentiated from outside, the matrix's gradient comes from the primitive's own rule:
+    # the solve jaxpr reads its factors under stop_gradient (replayed, it gave zero).
+    def loss(a, b):
+        return jnp.sum(f(a, b) ** 2)
+
+    got = jax.grad(loss, argnums=(0, 1))(a, b)
+    want = jax.grad(lambda a, b: jnp.sum(fn(a, b) ** 2), argnums=(0, 1))(a, b)
+    for g, w in zip(got, want, strict=True):
+        assert np.abs(np.asarray(w)).max() > 1e-3
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+

@@ -11,7 +11,7 @@ from rule_harness import check_rule
 
 from jaxpar.analysis import collective_stats
 from jaxpar.mesh import make_mesh
-from jaxpar.rules import has_rule
+from jaxpar.rules.registry import is_local
 
 RNG = np.random.default_rng(0)
 MESH3 = make_mesh(8)
@@ -142,13 +142,48 @@ def test_sort(fn, dim):
     check_rule(fn, (arr(8, 4, 6),), "sort", mesh=MESH3, limit=8)
 
 
-def test_top_k_stays_replicated():
-    assert not has_rule(lax.top_k_p)
-    check_rule(lambda x: lax.top_k(x, 3), (arr(8, 6),), "top_k")
+TOP_K = [
+    ("top_k", lambda x: lax.top_k(x, 3), 2),
+    ("top_k", lambda x: lax.top_k(x, 2, axis=1), 1),
+    ("approx_top_k", lambda x: lax.approx_max_k(x, 3), 2),
+    ("approx_top_k", lambda x: lax.approx_min_k(x, 2, reduction_dimension=0), 0),
+]
+
+
+@pytest.mark.parametrize("name,fn,dim", TOP_K)
+def test_top_k(name, fn, dim):
+    # Bound per shard (registry.LOCAL), as the lowering binds them: the harness checks values,
+    # gradients and that no candidate communicates.
+    assert is_local(lax.top_k_p) and is_local(lax.approx_top_k_p)
+    checked = check_rule(fn, (arr(8, 4, 6),), name, grad=True, grad_limit=2)
+    assert never_cut(checked, [dim]) and not has_partials(checked)
+    cut = {d for s in checked for d, axes in enumerate(s.ins[0].dims) if axes}
+    assert cut == {0, 1, 2} - {dim}, "every other dim is cut by some candidate"
+    assert all(len(set(s.ins + s.outs)) == 1 for s in checked), "operand and results alike"
+    check_rule(fn, (arr(8, 4, 6),), name, mesh=MESH3, limit=8)
+
+
+def test_planned_top_k_runs_per_shard():
+    # A batch-cut router: XLA alone all-gathers top_k's operand (below); jaxpar's lowering
+    # binds it per shard, so the compiled step has no collective at all.
+    import jaxpar
+
+    def fn(x):
+        values, idx = lax.top_k(jnp.tanh(x), 2)
+        return values * idx
+
+    x = arr(32, 16)
+    f = jaxpar.shard(fn, in_strategy=((8, 1),))
+    np.testing.assert_allclose(f(x), jax.jit(fn)(x), rtol=1e-6)
+    plan = f.plan(x)
+    assert plan.cost.comm_s == 0
+    assert collective_stats(f.lower(x).compile()) == {}
+    assert "no rule" not in plan.explain()
 
 
 @pytest.mark.xfail(strict=True, reason="XLA partitions the TopK custom call only along the top-k "
-                   "dim; a batch-cut operand is all-gathered. Add a top_k rule when this passes.")
+                   "dim; a batch-cut operand is all-gathered. When this passes, top_k can leave "
+                   "registry.LOCAL (the lowering's shard_map).")
 def test_top_k_batch_cut_is_local():
     mesh = make_mesh((4, 2), ("a", "b"))
     sh = NamedSharding(mesh, P("a"))

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax._src.lax import lax as lax_internal
 from rule_harness import check_rule
 
 from jaxpar.mesh import make_mesh
@@ -109,6 +110,28 @@ def test_concatenate(shapes, axis):
     assert all(not cut(s.outs[0], axis) for s in checked)
     assert all(len({x.dims for x in s.ins}) == 1 for s in checked), "operands cut alike"
     assert any(any(s.outs[0].dims) for s in checked)
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_stack(axis):
+    # jax 0.10's jnp.stack is one `stack` primitive: it ran replicated before this rule.
+    checked = check_grad(lambda a, b: jnp.stack([a, b], axis), (arr(8, 4), arr(8, 4)), "stack")
+    old = [d for d in range(3) if d != axis]
+    for s in checked:
+        assert len({x.dims for x in s.ins}) == 1, "operands cut alike"
+        assert [s.outs[0].dims[d] for d in old] == list(s.ins[0].dims)
+    assert not any(cut(s.outs[0], axis) for s in checked), "the partitioner all-to-alls it"
+    assert all(any(cut(s.ins[0], d) for s in checked) for d in range(2))
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_unstack(axis):
+    checked = check_grad(lambda x: jnp.unstack(x, axis=axis), (arr(4, 4, 8),), "unstack")
+    assert all(not cut(s.ins[0], axis) for s in checked)
+    kept = [d for d in range(3) if d != axis]
+    for s in checked:
+        assert all(o.dims == tuple(s.ins[0].dims[d] for d in kept) for o in s.outs)
+    assert all(any(cut(s.ins[0], d) for s in checked) for d in kept)
 
 
 @pytest.mark.parametrize("config,kept", [
@@ -242,6 +265,8 @@ MESH8 = [
     ("bitcast_convert_type", lambda x: lax.bitcast_convert_type(x, jnp.int32), (arr(8, 4),)),
     ("device_put", jax.device_put, (arr(8, 4),)),
     ("optimization_barrier", lambda x: lax.optimization_barrier(x), (arr(8, 4),)),
+    ("stack", lambda x, y: jnp.stack([x, y], 1), (arr(8, 4), arr(8, 4))),
+    ("unstack", lambda x: jnp.unstack(x, axis=1), (arr(8, 2, 4),)),
 ]
 
 
@@ -253,5 +278,7 @@ def test_mesh8(name, fn, args):
 
 
 def test_every_family_member_has_a_rule():
-    missing = [name for name, _, _ in MESH8 if not has_rule(getattr(lax, f"{name}_p"))]
+    prims = [getattr(lax, f"{name}_p", None) or getattr(lax_internal, f"{name}_p")
+             for name, _, _ in MESH8]
+    missing = [name for (name, _, _), p in zip(MESH8, prims, strict=True) if not has_rule(p)]
     assert not missing, f"no rule registered for {missing}"

@@ -1,11 +1,13 @@
 """ClosedJaxpr -> OpGraph: one flat list of ops with def-use edges between numbered values.
 
-Before: a ClosedJaxpr, possibly with nested `jit`, `custom_jvp_call`, `custom_vjp_call` and
-`remat` calls. After: an OpGraph in which those calls are inlined (their bodies' ops appear in
-place, their consts become graph constants), while `scan`, `while` and `cond` stay single
-*region* ops whose bodies are OpGraphs of their own (planned once, not per iteration). Ops whose
-results reach no output and that have no effects are dropped, as XLA would drop them (the loss
-value of a step that returns only gradients, say), so the search never pays for them.
+Before: a ClosedJaxpr, possibly with nested `jit`, `custom_jvp_call`, `custom_vjp_call` and `remat`
+calls. After: an OpGraph in which those calls are inlined (their bodies' ops appear in place, their
+consts become graph constants; a `custom_linear_solve`, which jnp.linalg.solve and inv make, becomes
+its `solve` jaxpr, which is all it evaluates: the others are for AD), while `scan`, `while` and
+`cond` stay single *region* ops whose bodies are OpGraphs of their own (planned once, not per
+iteration). Ops whose results reach no output and that have no effects are dropped, as XLA would
+drop them (the loss value of a step that returns only gradients, say), so the search never pays for
+them.
 """
 
 from __future__ import annotations
@@ -108,8 +110,9 @@ class OpGraph:
     inputs: tuple[int, ...] = ()
     outputs: tuple[int | Lit, ...] = ()
     consts: dict[int, Any] = field(default_factory=dict)
-    # The program holds a custom_jvp or custom_vjp function (in a loop body too): its ops are
-    # inlined as the primal computes, without the derivative rule (lower.jit keeps it).
+    # The program holds a custom_jvp or custom_vjp function or a custom_linear_solve (in a loop
+    # body too): its ops are inlined as the primal computes, without the derivative rule
+    # (lower.jit keeps it).
     custom_derivatives: bool = False
     _tail: frozenset[int] | None = field(default=None, repr=False, compare=False)
 
@@ -182,11 +185,15 @@ def build_graph(closed, in_names: tuple[str, ...] | None = None) -> OpGraph:
     return b.graph
 
 
-_CUSTOM_RULES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+# custom_linear_solve counts: its solve jaxpr reads the matrix's factors under stop_gradient,
+# so only its own derivative rule (implicit, through matvec) reaches the matrix.
+_CUSTOM_RULES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
+                           "custom_linear_solve"})
 
 
 def _custom_derivatives(jaxpr) -> bool:
-    """Whether `jaxpr` or a jaxpr nested in it calls a custom_jvp or custom_vjp function."""
+    """Whether `jaxpr` or a jaxpr nested in it calls a custom_jvp or custom_vjp function (or
+    a custom_linear_solve)."""
     return any(eqn.primitive.name in _CUSTOM_RULES for eqn in jaxpr.eqns) or any(
         _custom_derivatives(sub) for sub in jax_core.subjaxprs(jaxpr))
 
@@ -282,6 +289,9 @@ class _Builder:
             if body is not None:
                 self._inline(body, ins, eqn.outvars, env)
                 continue
+            if name == "custom_linear_solve":
+                self._inline(*_linear_solve(eqn, ins), eqn.outvars, env)
+                continue
             outs = tuple(self.new(v.aval) for v in eqn.outvars)
             env.update((v, o) for v, o in zip(eqn.outvars, outs, strict=True))
             regions = tuple(build_graph(j) for j in _region_bodies(eqn)) if name in REGION_PARAMS \
@@ -309,6 +319,15 @@ def _inline_body(eqn):
     if isinstance(body, jcore.Jaxpr):
         return jcore.ClosedJaxpr(body, ())
     return body
+
+
+def _linear_solve(eqn, ins: tuple) -> tuple[Any, tuple]:
+    """(body, its operands) of a custom_linear_solve: the `solve` jaxpr applied to its own
+    constants and the right-hand sides, as jax evaluates the primitive."""
+    lengths = eqn.params["const_lengths"]
+    start = lengths.matvec + lengths.vecmat
+    rhs = ins[sum(lengths):]
+    return eqn.params["jaxprs"].solve, ins[start:start + lengths.solve] + rhs
 
 
 def _region_bodies(eqn) -> list:

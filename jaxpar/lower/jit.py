@@ -2,10 +2,12 @@
 
 Every operand whose spec differs from what the chosen strategy needs is constrained to the
 needed spec first, and every result is constrained to its planned spec, so the SPMD partitioner
-has no freedom left to pick other layouts. Region ops are rebuilt with `lax.scan`,
-`lax.while_loop` and `lax.switch` around replays of their bodies, each body's arguments and a
-loop's new carry constrained to the specs the body's plan gives them (the loop state is laid out
-as planned: otherwise the partitioner picks its own layout and moves it around the loop).
+has no freedom left to pick other layouts. Ops the partitioner would gather whole although their
+cut is local (registry.LOCAL: top_k, fft) are bound per shard in a shard_map instead. Region ops
+are rebuilt with `lax.scan`, `lax.while_loop` and `lax.switch` around replays of their bodies,
+each body's arguments and a loop's new carry constrained to the specs the body's plan gives them
+(the loop state is laid out as planned: otherwise the partitioner picks its own layout and moves
+it around the loop).
 
 With `fp32` (MindSpore's fp32 communication), an op whose chosen strategy leaves a bf16/f16
 result partial (a matmul or sum cut along its reduction) computes that result in float32, is
@@ -22,6 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from jaxpar.ir.graph import Lit, Op, OpGraph, scan_counts
+from jaxpar.rules.registry import is_local
 from jaxpar.search.propagation import GraphPlan
 from jaxpar.spec import Spec
 
@@ -55,6 +58,8 @@ def replay(graph: OpGraph, plan: GraphPlan, mesh: Mesh, args: list, fp32: bool =
         ins = [read(v, need) for v, need in zip(op.inputs, choice.strategy.ins, strict=True)]
         if op.regions:
             outs = _region(op, choice.regions, ins, mesh, fp32, choice.strategy.outs)
+        elif is_local(op.primitive) and any(s.axes() for s in choice.strategy.outs):
+            outs = bind_local(op, ins, choice.strategy, mesh)
         elif fp32 and _reduces_low(op, choice.strategy, graph):
             outs = [_bind_fp32(op, ins, graph.dtype(op.outputs[0]), choice.strategy.outs[0],
                                mesh)]
@@ -88,6 +93,21 @@ def _bind(op: Op, ins: list) -> list:
     with op.ctx.manager:
         out = op.primitive.bind(*ins, **op.primitive.get_bind_params(op.params))
     return list(out) if op.primitive.multiple_results else [out]
+
+
+def bind_local(op: Op, ins: list, strategy, mesh: Mesh) -> list:
+    """The op bound per shard, each device on its own block of the strategy's operand specs:
+    for ops the partitioner would run whole (registry.LOCAL). Their rules cut only dims the op
+    maps, so a block's results are the results' block, with no communication."""
+    def local(*xs):
+        # Not under the op's eqn context: its abstract mesh (the traced program's, no axes)
+        # would hide the shard_map's manual axes from the op's transpose under jax.grad.
+        out = op.primitive.bind(*xs, **op.primitive.get_bind_params(op.params))
+        return tuple(out) if op.primitive.multiple_results else (out,)
+
+    run = jax.shard_map(local, mesh=mesh, in_specs=tuple(s.to_pspec() for s in strategy.ins),
+                        out_specs=tuple(s.to_pspec() for s in strategy.outs))
+    return list(run(*ins))
 
 
 def _region(op: Op, plans: tuple[GraphPlan, ...], ins: list, mesh: Mesh, fp32: bool,

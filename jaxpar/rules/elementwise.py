@@ -10,7 +10,7 @@ from jax import lax
 from jax._src import ad_util
 from jax._src.lax import lax as lax_internal
 
-from jaxpar.rules.registry import RULES, Loop, OpInfo, loop_strategies
+from jaxpar.rules.registry import LOCAL, RULES, Loop, OpInfo, loop_strategies
 from jaxpar.spec import MeshInfo, OpStrategy
 
 
@@ -28,11 +28,18 @@ def elementwise_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
 _NAMES = """
 abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp complex conj
 convert_element_type copy cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge
-gt igamma igammac imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg
+gt imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg
 nextafter not or population_count pow real reduce_precision rem round rsqrt select_n
 shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient
 sub tan tanh xor clz one_minus_square log2
+eq_to le_to lt_to mulhi bessel_i0e bessel_i1e polygamma zeta
 """
+
+# XLA computes these in a while loop that runs until every element has converged: cut by the
+# partitioner, each turn all-reduces the devices' "not done" flags. Bound per shard instead
+# (registry.LOCAL), each device loops until its own elements converge; an element's value does
+# not depend on how many more turns the others take (checked equal to jax.jit).
+_LOOPED = "igamma igammac igamma_grad_a"
 
 
 def _primitive(name: str):
@@ -46,6 +53,11 @@ def _register() -> None:
         prim = _primitive(name)
         if prim is not None:
             RULES[prim] = elementwise_rule
+    for name in _LOOPED.split():
+        prim = _primitive(name)
+        if prim is not None:
+            RULES[prim] = elementwise_rule
+            LOCAL.add(prim)
     RULES[ad_util.add_jaxvals_p] = elementwise_rule  # `add_any`: AD's cotangent accumulation
 
 

@@ -7,18 +7,20 @@ the same numbers. The matrix dims are never cut (each problem needs all of its m
 SPMD partitioner runs these ops on the local batch as they are (checked by
 tests/test_rules_linalg.py against jax.jit, values and collectives).
 
-FFTs have no rule: XLA all-gathers an FFT's operand even where only its batch dims are cut (a
-strict xfail in tests/test_rules_linalg.py says when that changes), so the replicated strategy
-is what runs.
+FFTs work on their last `len(fft_lengths)` dims and are cut on the leading ones the same way.
+XLA all-gathers an FFT's operand even where only its batch dims are cut (a strict xfail in
+tests/test_rules_linalg.py says when that changes), so `fft` is in `registry.LOCAL`: the
+lowering binds it per shard in a shard_map, each device transforming its own rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from jax import lax
 from jax._src.lax import linalg
 
-from jaxpar.rules.registry import RULES, Loop, OpInfo, loop_strategies
+from jaxpar.rules.registry import LOCAL, RULES, Loop, OpInfo, loop_strategies
 from jaxpar.spec import MeshInfo, OpStrategy
 
 
@@ -39,6 +41,14 @@ def matrix_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
     return loop_strategies(info, mesh, _batch_loops(info, 2))
 
 
+def fft_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
+    # A real FFT changes the length of the last dim (n <-> n // 2 + 1): only batch dims are
+    # shared, and _batch_loops checks every array has them at the same size.
+    return loop_strategies(info, mesh, _batch_loops(info, len(info.params["fft_lengths"])))
+
+
+RULES[lax.fft_p] = fft_rule
+LOCAL.add(lax.fft_p)
 for _p in (linalg.cholesky_p, linalg.eigh_p, linalg.qr_p, linalg.svd_p, linalg.lu_p,
            linalg.triangular_solve_p):
     RULES[_p] = matrix_rule

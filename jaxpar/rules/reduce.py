@@ -14,10 +14,12 @@ The dimensions it works along ("worked" dims) differ by kind:
   need the carry of every shard before it.
 - `sort` (operands sorted together): the sort dimension is never cut.
 
-`top_k` has no rule, so it stays replicated (visibly). XLA rewrites it into a `TopK` custom
-call before partitioning, and the partitioner replicates that call's operand (an all-gather)
-unless the top-k dimension itself is cut, which needs a second top-k after a gather: no cut of
-top_k is free of communication.
+- `top_k` / `approx_top_k` (`approx_max_k`, `approx_min_k`): the dimension they pick along is
+  never cut (a shard's winners are not the whole row's); every other dim is a loop. XLA rewrites
+  top_k into a `TopK` custom call before partitioning and replicates that call's operand (an
+  all-gather) even where only other dims are cut (a strict xfail in tests/test_rules_reduce.py
+  says when that changes), so both are in `registry.LOCAL`: the lowering binds them per shard
+  in a shard_map, where a row's top k are found on the device that holds the row.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 from jax import lax
 
-from jaxpar.rules.registry import RULES, Loop, OpInfo, loop_strategies
+from jaxpar.rules.registry import LOCAL, RULES, Loop, OpInfo, loop_strategies
 from jaxpar.spec import MeshInfo, OpStrategy
 
 
@@ -81,9 +83,18 @@ def mapped_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
     return loop_strategies(info, mesh, _mapped_loops(info, _worked(info)))
 
 
+def top_k_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
+    """Every dim but the one the op picks along (`axis`, `reduction_dimension`; the last when
+    the op has neither) is cut on operand and both results alike."""
+    p = info.params
+    axis = p.get("axis", p.get("reduction_dimension", -1))
+    return loop_strategies(info, mesh, _mapped_loops(info, [axis % len(info.in_shapes[0])]))
+
+
 _FAMILIES = {
     reduce_rule: "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor",
     mapped_rule: "argmax argmin cumsum cumprod cummax cummin cumlogsumexp sort",
+    top_k_rule: "top_k approx_top_k",
 }
 
 
@@ -93,6 +104,8 @@ def _register() -> None:
             prim = getattr(lax, f"{name}_p", None)
             if prim is not None:
                 RULES[prim] = rule
+                if rule is top_k_rule:
+                    LOCAL.add(prim)
 
 
 _register()

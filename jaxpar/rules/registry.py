@@ -9,8 +9,9 @@ into concrete choices: an all-reduce (result replicated on the axis) or a reduce
 cut on the axis along one of its dimensions).
 
 Primitives without a rule get the replicated strategy only, and `has_rule()` says so, so the plan
-can mark them. Ops with the same loops over the same shapes (an add and a mul) get the same
-candidate lists, kept per mesh in `MeshInfo.cache`: a deep model lists each kind of op once.
+can mark them. Primitives in `LOCAL` are bound per shard by the lowering (XLA would gather them).
+Ops with the same loops over the same shapes (an add and a mul) get the same candidate lists, kept
+per mesh in `MeshInfo.cache`: a deep model lists each kind of op once.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ RULES: dict[Any, Rule] = {}
 # Primitives that run only as their rule says when it gives a candidate (a shard_map in its
 # own specs): no replicated candidate beside it, which would stand for a run that never happens.
 EXCLUSIVE: set[Any] = set()
+# Primitives XLA's SPMD partitioner runs whole even where their rule's cut needs no data from
+# other devices (top_k, fft: it all-gathers the operand first). The lowering binds them per
+# shard inside a shard_map of the chosen strategy's specs (lower/jit.py), so the cut runs as
+# planned, with no communication, on every backend.
+LOCAL: set[Any] = set()
 
 
 @dataclass(frozen=True)
@@ -139,6 +145,12 @@ def replicated(info: OpInfo) -> OpStrategy:
 def has_rule(primitive) -> bool:
     _load_families()
     return primitive in RULES
+
+
+def is_local(primitive) -> bool:
+    """Whether the lowering binds this primitive per shard (see LOCAL)."""
+    _load_families()
+    return primitive in LOCAL
 
 
 def candidates(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:

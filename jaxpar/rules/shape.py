@@ -1,4 +1,5 @@
-"""Shape and layout ops: broadcast, reshape, transpose, slicing, padding, concatenation, iota.
+"""Shape and layout ops: broadcast, reshape, transpose, slicing, padding, concatenation, stacking,
+iota.
 
 These ops move elements without combining them, so no loop is ever a reduction. A dimension is a
 loop only when cutting it gives every device exactly the operand block its result block needs:
@@ -14,6 +15,7 @@ from __future__ import annotations
 import math
 
 from jax import lax
+from jax._src.lax import lax as lax_internal
 
 from jaxpar.rules.registry import (
     RULES,
@@ -98,6 +100,24 @@ def iota_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
     return loop_strategies(info, mesh, [Loop(n, (), (d,)) for d, n in enumerate(shape)])
 
 
+def stack_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
+    # Every operand dim is a loop of the result's dim at its place. The new dim (one slot per
+    # operand) is never cut: XLA's partitioner builds it with all-to-alls even from replicated
+    # operands, as it does a concatenation's dim.
+    axis, shape, n = info.params["axis"], info.out_shapes[0], len(info.in_shapes)
+    loops = [Loop(size, (d - (d > axis),) * n, (d,)) for d, size in enumerate(shape)
+             if d != axis]
+    return loop_strategies(info, mesh, loops)
+
+
+def unstack_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
+    # Each result is one slice along `axis`, so that dim is never cut; the others are shared.
+    axis, operand = info.params["axis"], info.in_shapes[0]
+    loops = [Loop(size, (d,), (d - (d > axis),) * len(info.out_shapes))
+             for d, size in enumerate(operand) if d != axis]
+    return loop_strategies(info, mesh, loops)
+
+
 def tile_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
     # An untiled dim is shared with the operand; a dim tiled r times can be cut by p | r, each
     # device then holding r/p whole copies of the (replicated) operand dim.
@@ -158,7 +178,7 @@ _RULES = {
     "broadcast_in_dim": broadcast_in_dim_rule, "reshape": reshape_rule,
     "transpose": transpose_rule, "squeeze": squeeze_rule, "concatenate": concatenate_rule,
     "pad": pad_rule, "slice": slice_rule, "split": split_rule, "iota": iota_rule,
-    "rev": rev_rule, "tile": tile_rule,
+    "rev": rev_rule, "tile": tile_rule, "stack": stack_rule, "unstack": unstack_rule,
     "bitcast_convert_type": bitcast_convert_type_rule, "device_put": identity_rule,
     "optimization_barrier": identity_rule,
 }
@@ -166,7 +186,8 @@ _RULES = {
 
 def _register() -> None:
     for name, rule in _RULES.items():
-        prim = getattr(lax, f"{name}_p", None)
+        # stack and unstack (jax 0.10) live only in jax._src.lax.lax
+        prim = getattr(lax, f"{name}_p", None) or getattr(lax_internal, f"{name}_p", None)
         if prim is not None:
             RULES[prim] = rule
     from jax._src.ad_checkpoint import name_p  # checkpoint_name (no public handle)
