@@ -80,6 +80,9 @@ def flops(info: OpInfo) -> float:
     if name == "dot_general":
         (lc, _), _ = info.params["dimension_numbers"]
         return 2.0 * out * math.prod(info.in_shapes[0][d] for d in lc)
+    if name == "ragged_dot_general":  # each row times its own group's matrix
+        (lc, _), _ = info.params["ragged_dot_dimension_numbers"].dot_dimension_numbers
+        return 2.0 * out * math.prod(info.in_shapes[0][d] for d in lc)
     if name == "conv_general_dilated":
         rhs = info.in_shapes[1]
         spec = info.params["dimension_numbers"].rhs_spec
