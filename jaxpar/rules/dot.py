@@ -7,6 +7,8 @@ dim never cut.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from jax import lax
 from jax._src.lax import lax as lax_internal
 
@@ -24,7 +26,28 @@ def dot_general_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
     loops += [Loop(lhs[a], (a, None), (len(lb) + i,)) for i, a in enumerate(lfree)]
     loops += [Loop(rhs[b], (None, b), (len(lb) + len(lfree) + i,)) for i, b in enumerate(rfree)]
     loops += [Loop(lhs[a], (a, b), (None,), reducible=True) for a, b in zip(lc, rc, strict=True)]
-    return loop_strategies(info, mesh, loops)
+    strategies = loop_strategies(info, mesh, loops)
+    return _no_scatter_onto_cut_batch(strategies, len(lb), len(info.out_shapes[0]), mesh)
+
+
+def _no_scatter_onto_cut_batch(strategies: list[OpStrategy], batch: int, rank: int,
+                               mesh: MeshInfo) -> list[OpStrategy]:
+    """XLA's partitioner miscompiles a batched dot whose batch dim is cut and whose contraction
+    is cut over two or more axes when the result's batch dim takes some but not all of them
+    by reduce-scatter (wrong numbers, reproduced with jax.jit alone: a strict xfail in
+    tests/test_rules_core.py). Such strategies reduce-scatter onto the other dims only."""
+    if not batch:
+        return strategies
+    key = ("dot: no scatter onto a cut batch dim", id(strategies))
+    hit = mesh.cache.get(key)
+    if hit is not None and hit[0] is strategies:
+        return hit[1]
+    others = tuple(range(batch, rank))
+    safe = [replace(s, scatter_dims=others)
+            if len(s.partial[0]) > 1 and any(s.outs[0].dims[d] for d in range(batch)) else s
+            for s in strategies]
+    mesh.cache[key] = (strategies, safe)  # strategies kept alive: no other list takes its id
+    return safe
 
 
 def ragged_dot_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
