@@ -11,6 +11,7 @@ jax.jit, grad, vmap) the program is one more jitted call in the caller's trace.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import math
@@ -21,7 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import progress
 from jaxpar.cost.hardware import load_profile
@@ -212,6 +213,19 @@ class ShardedFunction:
         return self.opts.mesh
 
     def __call__(self, *args, **kwargs):
+        ambient = jax.sharding.get_abstract_mesh()
+        with _on_own_mesh(self.mesh):
+            out = self._call(args, kwargs)
+        if not ambient.empty and ambient != _abstract(self.mesh) and any(
+                isinstance(y, jax.core.Tracer) for y in jax.tree_util.tree_leaves(out)):
+            # Traced under the caller's jax.set_mesh over another mesh: the results, laid out
+            # on the plan's mesh, are handed back replicated on the caller's, where its next
+            # ops (typed on that mesh) can read them.
+            out = jax.tree_util.tree_map(lambda y: jax.sharding.reshard(y, PartitionSpec()),
+                                         out)
+        return out
+
+    def _call(self, args: tuple, kwargs: dict):
         self._check_concrete("call")
         args = positional_arguments(self.fn, args, kwargs)
         leaves, tree = jax.tree_util.tree_flatten(args)
@@ -222,12 +236,13 @@ class ShardedFunction:
             raise TypeError(f"{_name(self.fn)}({path}=ShapeDtypeStruct): a call needs arrays; "
                             "shapes alone are for .plan(...) and .lower(...).")
         c = self._compiled(args, leaves, tree)
+        if c.shardings is None:
+            c.shardings = tuple(NamedSharding(self.mesh, s.to_pspec()) for s in c.plan.in_specs)
         if "tracer" in _kinds(leaves):
             # Inside jax.jit, grad, vmap...: the program is one more jitted call in the
             # caller's trace, its operands constrained to the plan's specs inside it.
-            return jax.tree_util.tree_unflatten(c.plan.out_tree, list(c.traced(*leaves)))
-        if c.shardings is None:
-            c.shardings = tuple(NamedSharding(self.mesh, s.to_pspec()) for s in c.plan.in_specs)
+            flat = [_onto(x, s) for x, s in zip(leaves, c.shardings, strict=True)]
+            return jax.tree_util.tree_unflatten(c.plan.out_tree, list(c.traced(*flat)))
         flat = [_placed(x, s) for x, s in zip(leaves, c.shardings, strict=True)]
         if c.donate:
             flat = _own_buffers(flat, c.donate)
@@ -243,17 +258,20 @@ class ShardedFunction:
         """The plan for these arguments (arrays, ShapeDtypeStructs or Python scalars); nothing
         runs."""
         args = positional_arguments(self.fn, args, kwargs)
-        return self._compiled(array_arguments(self.fn, args)[0]).plan
+        with _on_own_mesh(self.mesh):
+            return self._compiled(array_arguments(self.fn, args)[0]).plan
 
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """The lowered program (call `.compile()` on it)."""
         self._check_concrete("lower")
         args = array_arguments(self.fn, positional_arguments(self.fn, args, kwargs))[0]
-        c = self._compiled(args)
-        flat = [jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                     sharding=NamedSharding(self.mesh, s.to_pspec()))
-                for x, s in zip(jax.tree_util.tree_leaves(args), c.plan.in_specs, strict=True)]
-        return c.jitted.lower(*flat)
+        with _on_own_mesh(self.mesh):
+            c = self._compiled(args)
+            flat = [jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                         sharding=NamedSharding(self.mesh, s.to_pspec()))
+                    for x, s in zip(jax.tree_util.tree_leaves(args), c.plan.in_specs,
+                                    strict=True)]
+            return c.jitted.lower(*flat)
 
     def with_plan(self, plan: Plan) -> ShardedFunction:
         """This function pinned to a saved plan (checked against the program and mesh)."""
@@ -641,6 +659,21 @@ def _same_structure(arg, out) -> bool:
         for a, o in zip(a_leaves, o_leaves, strict=True))
 
 
+def _on_own_mesh(mesh: Mesh | AbstractMesh):
+    """A context in which jaxpar traces, compiles and runs on its own mesh. Under a user's
+    jax.set_mesh over another mesh its programs would be traced against that one (on Explicit
+    axes every sharding constraint becomes an assert, and the plan's axes are not there).
+    No context when no other mesh is set: the common case costs nothing."""
+    ambient, own = jax.sharding.get_abstract_mesh(), _abstract(mesh)
+    if ambient.empty or ambient == own:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(own)  # jax.set_mesh is refused inside a trace
+
+
+def _abstract(mesh: Mesh | AbstractMesh) -> AbstractMesh:
+    return mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh
+
+
 def _placed(x, sharding: NamedSharding):
     """x, moved onto `sharding` first when it is a jax.Array laid out otherwise (jit refuses
     committed arguments whose sharding differs from in_shardings). With several processes a
@@ -655,6 +688,23 @@ def _placed(x, sharding: NamedSharding):
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
     return x
+
+
+def _onto(x, sharding: NamedSharding):
+    """A leaf for the program traced inside a caller's transformation, on the plan's mesh: a
+    concrete array committed elsewhere (one device, another mesh) is moved as a direct call
+    moves it, and so is a tracer typed with another mesh's sharding (its Explicit axes) or,
+    under jvp and grad, carrying an array on other devices (committed to one): jit and the
+    sharding constraints on the plan's mesh refused both."""
+    if not isinstance(x, jax.core.Tracer):
+        return _placed(x, sharding)
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    primal = getattr(x, "primal", None)  # jvp and grad carry the concrete array
+    if (mesh is not None and not mesh.empty and mesh != _abstract(sharding.mesh)) or (
+            isinstance(primal, jax.Array) and not isinstance(primal, jax.core.Tracer)
+            and primal.sharding.device_set != sharding.device_set):
+        return jax.device_put(x, sharding)
+    return x  # vmap's tracers are left alone: a sharding put on them would miss their batch
 
 
 def _explicit(sharding) -> bool:

@@ -180,7 +180,7 @@ class AutoParallel:
     def __call__(self, *args, **kwargs):
         program, flat = self._program(positional_arguments(self.network, args, kwargs))
         out = program.sharded(*flat)
-        return program.unwrap(out)
+        return program.unwrap(out, program.changed())
 
     def plan(self, *args, **kwargs) -> Plan:
         """The plan for these arguments (arrays, ShapeDtypeStructs or nnx objects)."""
@@ -335,6 +335,7 @@ class AutoParallel:
         key = (tree, signature(leaves), getattr(pure, "graphdefs", None))
         if key not in self._functions:
             self._functions[key] = self._build(pure, flat_args, unwrap)
+            self._functions[key].pure = pure  # traced once; it records what its calls change
             self._save_operator_plans()
         program = self._functions[key]
         program.unwrap = unwrap
@@ -470,6 +471,12 @@ class _Program:
     n_state: int
     state_leaves: list[int]
     note: str | None = None  # what the plans say of how they were made (hsdp's settings)
+    pure: Any = None  # the function traced for this signature (_purify's)
+
+    def changed(self):
+        """Per group of nnx objects, whether the traced call changes their state (_changed);
+        all True before it is traced."""
+        return getattr(self.pure, "changed", None)
 
     def plan_for(self, args: tuple | None) -> Plan | None:
         """The plan for args, or (None) the one already made, if any."""
@@ -523,7 +530,7 @@ def _purify(network, args: tuple):
         return _module_call(network, args)
     objects = [i for i, a in enumerate(args) if nnx.graph.is_graph_node(a)]
     if not objects:
-        return network, args, lambda out: out
+        return network, args, lambda out, changed=None: out
     names = arg_names(network, len(args))
     groups = [objects] if _shared([args[i] for i in objects]) else [[i] for i in objects]
 
@@ -544,14 +551,20 @@ def _purify(network, args: tuple):
         for i, x in zip(others, xs[len(groups):], strict=True):
             rebuilt[i] = x
         out = network(*rebuilt)
-        return (*(nnx.state(node(g, rebuilt.__getitem__)) for g in groups), out)
+        new = [nnx.state(node(g, rebuilt.__getitem__)) for g in groups]
+        pure.changed = [_changed(old, st) for old, st in zip(xs[:len(groups)], new,
+                                                               strict=True)]
+        return (*new, out)
 
     _sign(pure, ["_and_".join(names[i] for i in g) for g in groups] + [names[i] for i in others])
     pure.n_state, pure.graphdefs = len(groups), graphdefs
 
-    def unwrap(out):
-        for g, new in zip(groups, out[:len(groups)], strict=True):
-            nnx.update(node(g, args.__getitem__), new)
+    def unwrap(out, changed=None):
+        flags = [True] * len(groups) if changed is None else changed
+        for g, new, flag in zip(groups, out[:len(groups)], flags, strict=True):
+            obj = node(g, args.__getitem__)
+            if flag or _donated(obj):
+                nnx.update(obj, new)
         return out[len(groups)]
 
     return pure, (*states, *(args[i] for i in others)), unwrap
@@ -580,16 +593,38 @@ def _module_call(module, args: tuple):
     def pure(model, *xs):
         live = nnx.merge(graphdef, model)
         out = live(*xs)
-        return nnx.state(live), out
+        new = nnx.state(live)
+        pure.changed = [_changed(model, new)]
+        return new, out
 
     _sign(pure, ["model"] + [f"arg{i}" for i in range(len(args))])
     pure.n_state, pure.graphdefs = 1, (graphdef,)
 
-    def unwrap(out):
-        nnx.update(module, out[0])
+    def unwrap(out, changed=None):
+        if changed is None or changed[0] or _donated(module):
+            nnx.update(module, out[0])
         return out[1]
 
     return pure, (state, *args), unwrap
+
+
+def _changed(old, new) -> bool:
+    """Whether a traced call changed an object's state (BatchNorm statistics, an RNG count):
+    a variable it left alone hands back the very tracer it was given. Unchanged state is
+    written back only where the call donated the old arrays: inside a caller's jax.jit or
+    grad (nothing donated) nnx refuses to change an object made outside the trace (a forward
+    pass changes nothing and plain nnx runs it so; changed state there is refused by nnx, as
+    without jaxpar)."""
+    a, b = jax.tree_util.tree_flatten(old), jax.tree_util.tree_flatten(new)
+    return a[1] != b[1] or any(x is not y for x, y in zip(a[0], b[0], strict=True))
+
+
+def _donated(obj) -> bool:
+    """Whether the call handed over the object's arrays (a direct call donates its state)."""
+    from flax import nnx
+
+    return any(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+               and x.is_deleted() for x in jax.tree_util.tree_leaves(nnx.state(obj)))
 
 
 def _sign(fn, names: list[str]) -> None:

@@ -426,6 +426,47 @@ def test_a_sharded_function_composes_with_jit_grad_and_vmap():
     assert inside and inside == jaxpar.collective_stats(f.lower(X, W, B).compile())
 
 
+def test_arguments_from_elsewhere_compose_with_jit_and_grad():
+    # Inside a caller's jax.jit or grad, arrays on another mesh's Explicit axes or committed
+    # to one device (a checkpoint just loaded) failed in the sharding constraints (another
+    # mesh's axis, devices [0] against [0..7]); they are moved onto the plan's mesh there too.
+    def loss(x, w, b):
+        return jnp.sum(dense_relu(x, w, b) ** 2)
+
+    f = jaxpar.shard(loss)
+    explicit = jax.make_mesh((8,), ("a",))
+    x_elsewhere = jax.device_put(X, NamedSharding(explicit, P("a", None)))
+    w_on_one = jax.device_put(W, jax.devices()[0])
+    want = jax.grad(loss, argnums=(0, 1))(X, W, B)
+    for x, w in ((x_elsewhere, W), (X, w_on_one)):
+        got = jax.grad(f, argnums=(0, 1))(x, w, B)
+        for g, v in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, v, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(jax.jit(f)(x_elsewhere, W, B), loss(X, W, B), rtol=1e-5)
+
+
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_a_sharded_function_runs_under_a_callers_set_mesh(axis_type):
+    # Under jax.set_mesh over another mesh the program was traced against that mesh: on
+    # Explicit axes every sharding constraint asserted; on Auto ones jit compared the
+    # cotangent with the results' out_shardings under grad.
+    from jax.sharding import AxisType
+
+    def loss(x, w, b):
+        return jnp.sum(dense_relu(x, w, b) ** 2)
+
+    f = jaxpar.shard(loss)
+    theirs = jax.make_mesh((2, 4), ("a", "b"), axis_types=(getattr(AxisType, axis_type),) * 2)
+    want = jax.grad(loss, argnums=(0, 1))(X, W, B)
+    with jax.set_mesh(theirs):
+        np.testing.assert_allclose(f(X, W, B), loss(X, W, B), rtol=1e-5)
+        assert f.plan(X, W, B).mesh.names == ("d0", "d1", "d2")
+        x = X if axis_type == "Auto" else jax.device_put(X, NamedSharding(theirs, P("a")))
+        got = jax.grad(lambda x, w: f(x, w, B) * 2.0, argnums=(0, 1))(x, W)
+        for g, v in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, 2.0 * v, rtol=1e-5, atol=1e-6)
+
+
 def test_a_sharded_function_differentiated_from_outside_keeps_custom_derivatives():
     # The graph inlines custom_jvp and custom_vjp functions as their primal computes; the
     # derivative must still be theirs (it was the primal's: relu's 0.5 at 0, the identity's 1).

@@ -160,6 +160,22 @@ def test_nnx_module_forward():
                                atol=1e-5)
 
 
+def test_nnx_module_under_a_callers_jit_and_grad():
+    # AutoParallel(module) wrote the module's state back after every call: inside jax.jit or
+    # grad those were the trace's values, and nnx refused them (TraceContextError). A call
+    # that changes no variable writes nothing back there; a direct call still takes the new
+    # (donated) state.
+    model = nnx.Linear(16, 8, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((16, 16)), jnp.float32)
+    net = AutoParallel(model)
+    want = model(x)
+    np.testing.assert_allclose(net(x), want, rtol=1e-5)
+    np.testing.assert_allclose(jax.jit(lambda a: net(a))(x), want, rtol=1e-5)
+    got = jax.grad(lambda a: jnp.sum(net(a) ** 2))(x)
+    np.testing.assert_allclose(got, jax.grad(lambda a: jnp.sum(model(a) ** 2))(x), rtol=1e-5)
+    np.testing.assert_allclose(net(x), want, rtol=1e-5)  # the module still holds its arrays
+
+
 class _Norm(nnx.Module):
     def __init__(self, rngs):
         self.lin = nnx.Linear(4, 4, rngs=rngs)

@@ -204,8 +204,12 @@ def build_callable(graph: OpGraph, plan: GraphPlan, mesh: Mesh, in_specs: list[S
     def run(*flat):
         if traced:
             flat = placed(flat, in_specs)
+            return tuple(placed(replay(graph, plan, mesh, list(flat), fp32_communication),
+                                out_specs))
         return tuple(replay(graph, plan, mesh, list(flat), fp32_communication))
 
+    # Traced, the results are laid out by constraints inside the program, not out_shardings:
+    # under jax.grad in a jax.set_mesh context jit checks a cotangent's sharding against them.
     if traced and source is not None and graph.custom_derivatives:
         program = jax.custom_jvp(run)
 
@@ -213,7 +217,7 @@ def build_callable(graph: OpGraph, plan: GraphPlan, mesh: Mesh, in_specs: list[S
             return tuple(placed(source(*placed(xs, in_specs)), out_specs))
 
         program.defjvp(lambda primals, tangents: jax.jvp(exact, primals, tangents))
-        return jax.jit(program, out_shardings=out_sh)
+        return jax.jit(program)
     if traced:
-        return jax.jit(run, out_shardings=out_sh)
+        return jax.jit(run)
     return jax.jit(run, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
