@@ -214,6 +214,14 @@ class ShardedFunction:
 
     def __call__(self, *args, **kwargs):
         ambient = jax.sharding.get_abstract_mesh()
+        manual = [n for n, t in zip(ambient.axis_names, ambient.axis_types, strict=True)
+                  if t == AxisType.Manual]
+        if manual:
+            raise ValueError(
+                f"{_name(self.fn)}: called inside jax.shard_map (manual axes {tuple(manual)}), "
+                "where each device runs its own shard; a jaxpar function places its program "
+                "over the whole mesh itself. Call it outside the shard_map, or call the plain "
+                "function inside it.")
         with _on_own_mesh(self.mesh):
             out = self._call(args, kwargs)
         if not ambient.empty and ambient != _abstract(self.mesh) and any(
@@ -242,7 +250,17 @@ class ShardedFunction:
             # Inside jax.jit, grad, vmap...: the program is one more jitted call in the
             # caller's trace, its operands constrained to the plan's specs inside it.
             flat = [_onto(x, s) for x, s in zip(leaves, c.shardings, strict=True)]
-            return jax.tree_util.tree_unflatten(c.plan.out_tree, list(c.traced(*flat)))
+            try:
+                out = c.traced(*flat)
+            except ValueError as err:
+                if "spmd_axis_name" not in str(err):
+                    raise
+                raise ValueError(
+                    f"{_name(self.fn)}: called under jax.vmap(spmd_axis_name=...), which "
+                    "shards the mapped dim over a mesh axis the plan already uses. Drop "
+                    "spmd_axis_name (jaxpar places the program itself), or plan the batched "
+                    "function: jaxpar.shard(jax.vmap(fn)).") from err
+            return jax.tree_util.tree_unflatten(c.plan.out_tree, list(out))
         flat = [_placed(x, s) for x, s in zip(leaves, c.shardings, strict=True)]
         if c.donate:
             flat = _own_buffers(flat, c.donate)

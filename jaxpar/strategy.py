@@ -148,7 +148,8 @@ def parse_out_strategy(out_strategy, out_shapes_tree, mesh: MeshLike) -> list[Sp
 
     Args:
       out_strategy: None, or a tuple with one entry per output (the elements of a returned
-        tuple, else the single returned value), each in any in_strategy form.
+        tuple, or of a returned list when it has one entry per element, as for lax.top_k's;
+        else the single returned value), each in any in_strategy form.
       out_shapes_tree: the output pytree of `jax.ShapeDtypeStruct`s from tracing.
       mesh: the device mesh.
 
@@ -159,7 +160,10 @@ def parse_out_strategy(out_strategy, out_shapes_tree, mesh: MeshLike) -> list[Sp
       >>> parse_out_strategy(((8, 1),), jax.ShapeDtypeStruct((32, 10), "float32"), mesh)
       [Spec(dims=(('d0', 'd1', 'd2'), ()))]
     """
-    outs = out_shapes_tree if type(out_shapes_tree) is tuple else (out_shapes_tree,)
+    kind = type(out_shapes_tree)
+    elements = kind is tuple or (kind is list and isinstance(out_strategy, tuple | list)
+                                 and len(out_strategy) == len(out_shapes_tree))
+    outs = tuple(out_shapes_tree) if elements else (out_shapes_tree,)
     return _parse_entries(out_strategy, outs, "out_strategy", "output", mesh)
 
 

@@ -467,6 +467,18 @@ def test_a_sharded_function_runs_under_a_callers_set_mesh(axis_type):
             np.testing.assert_allclose(g, 2.0 * v, rtol=1e-5, atol=1e-6)
 
 
+def test_calls_inside_shard_map_or_a_sharded_vmap_are_refused_in_words():
+    # Both failed deep inside JAX (a manual axis type, a constraint naming the vmap's axis).
+    f = jaxpar.shard(dense_relu)
+    inside = jax.shard_map(lambda x: f(x, W, B), mesh=f.mesh, in_specs=P("d0"),
+                           out_specs=P("d0"))
+    with pytest.raises(ValueError, match=r"inside jax.shard_map.*outside the shard_map"):
+        jax.jit(inside)(X)
+    xs = jnp.stack([X, X])
+    with pytest.raises(ValueError, match=r"spmd_axis_name.*jaxpar.shard\(jax.vmap\(fn\)\)"):
+        jax.vmap(f, in_axes=(0, None, None), spmd_axis_name="d0")(xs, W, B)
+
+
 def test_a_sharded_function_differentiated_from_outside_keeps_custom_derivatives():
     # The graph inlines custom_jvp and custom_vjp functions as their primal computes; the
     # derivative must still be theirs (it was the primal's: relu's 0.5 at 0, the identity's 1).

@@ -165,6 +165,11 @@ def test_out_strategy():
         S(("d0", "d1", "d2"), None)]
     assert parse_out_strategy((None, P("tp")), (X, B), M42) == [None, S("tp")]
     assert parse_out_strategy(({"y": (2, 1)},), {"y": X}, M8) == [S("d0", None)]
+    # a returned list (lax.top_k's values and indices) takes one entry per element too, as
+    # a tuple does; one entry for the whole list still works
+    assert parse_out_strategy(((8, 1), None), [X, X], M8) == [S(("d0", "d1", "d2"), None), None]
+    assert parse_out_strategy(([(8, 1), None],), [X, X], M8) == [
+        S(("d0", "d1", "d2"), None), None]
 
 
 # --- parameter_plan --------------------------------------------------------------------------
