@@ -259,14 +259,14 @@ def test_memory_budget_holds_with_tied_layers(budget, proven):
 
 
 def test_tail_reductions_over_several_groups_are_searched_again(monkeypatch):
-    # A top-2 MoE step on a 4 x 2 mesh: the first optimum reduces the tail's gradients over
+    # A top-2 MoE step on a 2 x 4 mesh: the first optimum reduces the tail's gradients over
     # two device groups, each priced at a share of one latency. The search runs again with
     # one group per kind and keeps whichever costs less with one whole latency per group.
     from jaxpar.models import moe
 
     step, args = moe.abstract_train_step(
         moe.MoEConfig(d_model=256, d_ff=1024, experts=8, group_size=64), 16)
-    mesh = jaxpar.make_mesh((4, 2), ("d0", "d1"))
+    mesh = jaxpar.make_mesh((2, 4), ("d0", "d1"))
     solutions = []
     real_solve = exact.solve
 

@@ -269,19 +269,19 @@ class CostModel:
         """op() of every candidate, from what the candidate list shares (_Layout)."""
         layout = self._layouts.get(id(cands))
         if layout is None:
-            layout = self._layouts[id(cands)] = _Layout(cands, self)
+            layout = self._layouts[id(cands)] = _Layout(cands, self, _matmul(info))
         io = _Io(info, self._itemsize)
         work = self.profile.compute_seconds(io.flops, io.total)
         manual = self._manual(info)
         out = []
-        for n, s in enumerate(cands):
+        for n in range(len(cands)):
             memory = sum(b / k for b, k in zip(io.sizes, layout.shards[n], strict=True))
             if manual is not None:
                 out.append(manual + OpCost(memory_bytes=memory))
                 continue
             cost = OpCost(compute_s=work / layout.pieces[n], memory_bytes=memory)
-            for j, raw in layout.partial[n]:
-                cost = cost + self.reshard(raw, s.outs[j], info.out_shapes[j],
+            for j, raw, dst in layout.partial[n]:
+                cost = cost + self.reshard(raw, dst, info.out_shapes[j],
                                            self._reduced(info.out_dtypes[j]), share)
             out.append(cost)
         return out
@@ -295,12 +295,9 @@ class CostModel:
         if manual is not None:
             return manual + OpCost(memory_bytes=memory)
         cost = OpCost(compute_s=compute, memory_bytes=memory)
-        for out, partial, shape, dtype in zip(s.outs, s.partial, io.info.out_shapes,
-                                              io.info.out_dtypes, strict=True):
-            if partial:
-                raw = Spec(tuple(tuple(a for a in d if a not in partial) for d in out.dims),
-                           partial)
-                cost = cost + self.reshard(raw, out, shape, self._reduced(dtype), share)
+        for j, raw, dst in reduction_steps(s, _matmul(io.info)):
+            cost = cost + self.reshard(raw, dst, io.info.out_shapes[j],
+                                       self._reduced(io.info.out_dtypes[j]), share)
         return cost
 
     def _manual(self, info: OpInfo) -> OpCost | None:
@@ -371,13 +368,54 @@ class _Layout:
     strategy cuts the work into, the shards of each operand and result, and each partial
     result before its reduction."""
 
-    def __init__(self, cands: list[OpStrategy], model: CostModel):
+    def __init__(self, cands: list[OpStrategy], model: CostModel, matmul: bool):
         self.cands = cands  # kept alive: the cache is keyed by its id
         self.pieces = [model.pieces(s) for s in cands]
         self.shards = [[sp.shards(model.mesh) for sp in s.ins + s.outs] for s in cands]
-        self.partial = [[(j, Spec(tuple(tuple(a for a in d if a not in p) for d in out.dims), p))
-                         for j, (out, p) in enumerate(zip(s.outs, s.partial, strict=True)) if p]
-                        for s in cands]
+        self.partial = [reduction_steps(s, matmul) for s in cands]
+
+
+def reduction_steps(s: OpStrategy, matmul: bool = True) -> list[tuple[int, Spec, Spec]]:
+    """A strategy's own reductions as the reshardings XLA runs them: (result index, the
+    partial layout, the layout after). One per partial result, from its partial layout to the
+    planned one, unless its partial axes cut two or more of an operand's dims (a weight
+    gradient contracting batch on one axis and sequence on others, a sum over both); XLA's
+    partitioner then reduces dim by dim (checked against compiled programs in
+    tests/test_cost.py):
+    - all-reduced, one all-reduce of the whole result per dim's axes;
+    - partly reduce-scattered: a matmul (`matmul`: dot_general, conv) as one reshard (a
+      reduce-scatter, then an all-reduce of the smaller rest); any other reduction
+      all-reduces the whole result over the dims whose axes it does not scatter first."""
+    steps = []
+    for j, (out, p) in enumerate(zip(s.outs, s.partial, strict=True)):
+        if not p:
+            continue
+        dims = tuple(tuple(a for a in d if a not in p) for d in out.dims)
+        groups = _partial_groups(s, p)
+        scattered = [g for g in groups if set(g) & set(out.axes())]
+        if len(groups) > 1 and not scattered:
+            steps += [(j, Spec(out.dims, g), out) for g in groups]
+        elif len(groups) > 1 and not matmul:
+            last = scattered[-1]
+            steps += [(j, Spec(dims, g), Spec(dims)) for g in groups if g != last]
+            steps.append((j, Spec(dims, last), out))
+        else:
+            steps.append((j, Spec(dims, p), out))
+    return steps
+
+
+def _matmul(info: OpInfo) -> bool:
+    return info.primitive.name in HEAVY_OPS
+
+
+def _partial_groups(s: OpStrategy, partial: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The partial axes grouped by the operand dim each cuts (the first operand cutting it)."""
+    groups: dict[tuple[int, int] | None, list[str]] = {}
+    for a in partial:
+        key = next(((k, d) for k, sp in enumerate(s.ins) if (d := sp.dim_of(a)) is not None),
+                   None)
+        groups.setdefault(key, []).append(a)
+    return [tuple(g) for g in groups.values()]
 
 
 class _Io:

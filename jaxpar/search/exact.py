@@ -45,7 +45,7 @@ import numpy as np
 
 from jaxpar import progress
 from jaxpar.cost.comm import Collective
-from jaxpar.cost.model import CostModel, OpCost
+from jaxpar.cost.model import CostModel, OpCost, reduction_steps
 from jaxpar.ir.graph import OpGraph
 from jaxpar.ir.repeat import op_classes
 from jaxpar.rules.registry import has_rule
@@ -235,13 +235,13 @@ def _tail_groups(graph: OpGraph, t: Tables, choice: np.ndarray) -> dict[tuple, i
 
 
 def _reductions(s) -> list[tuple[str, tuple[str, ...]]]:
-    """(kind, axes) of an op strategy's own reductions: each partial result becomes an
-    all-reduce, or a reduce-scatter when its spec cuts a dimension on a partial axis."""
+    """(kind, axes) of an op strategy's own reductions (cost.model.reduction_steps): each
+    partial result becomes an all-reduce, or a reduce-scatter when its spec cuts a dimension
+    on a partial axis; all-reduced dim by dim where its axes cut several operand dims."""
     keys = []
-    for out, partial in zip(s.outs, s.partial, strict=True):
-        if partial:
-            kind = "reduce-scatter" if set(partial) & set(out.axes()) else "all-reduce"
-            keys.append((kind, tuple(sorted(partial))))
+    for _, raw, out in reduction_steps(s):
+        kind = "reduce-scatter" if set(raw.partial) & set(out.axes()) else "all-reduce"
+        keys.append((kind, tuple(sorted(raw.partial))))
     return keys
 
 
