@@ -177,8 +177,9 @@ def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, sea
     if mesh is None:  # mesh_devices: a ValueError naming the platforms here if `device` is
         mesh = make_mesh(len(mesh_devices(device)), device=device)  # not among them
     profile.devices_in_node(MeshInfo.of(mesh))  # a node count that does not split the mesh
+    budget = None if memory_budget is None else float(memory_budget)  # 2**64: no int64
     return ShardOptions(in_strategy, out_strategy, parameter_plan, level, mesh, mode, hardware,
-                        memory_budget, float(mem_coeff), tuple(donate))
+                        budget, float(mem_coeff), tuple(donate))
 
 
 def check_auto_axes(mesh, where: str) -> None:
@@ -348,6 +349,7 @@ class ShardedFunction:
             pinned.check_fits(graph)
             if self._strict:
                 _check_pinned(pinned, fixed, out_fixed, paths)
+            _check_budget(pinned, o.memory_budget)  # a saved plan answers to it too
             return self._finish(graph, pinned, args, donated)
         fixed_in = {graph.inputs[i]: s for i, s in enumerate(fixed) if s}
         fixed_out = {i: s for i, s in enumerate(out_fixed) if s}
@@ -766,4 +768,7 @@ def _check_budget(plan: Plan, budget: float | None) -> None:
         raise ValueError(
             f"memory_budget={budget:.0f} bytes per device: the {plan.search_mode} plan needs "
             f"{plan.cost.peak_memory_bytes:.0f} bytes at its peak. Cut more dimensions in "
-            "in_strategy/parameter_plan, use a larger mesh, or raise the budget.")
+            "in_strategy/parameter_plan, use a larger mesh, or raise the budget"
+            + (("; or let search_mode='dynamic_programming' (which keeps to a budget exactly) "
+                "or 'recursive_programming' choose the layouts: this mode only checks its "
+                "plan.") if plan.search_mode == "sharding_propagation" else "."))

@@ -328,8 +328,23 @@ def test_a_platform_this_machine_lacks_is_a_clear_error():
 
 
 def test_memory_budget_too_small_is_a_clear_error():
-    with pytest.raises(ValueError, match="memory_budget=100 bytes"):
+    with pytest.raises(ValueError, match="memory_budget=100 bytes.*dynamic_programming"):
         jaxpar.shard(dense_relu, memory_budget=100).plan(X, W, B)
+
+
+def test_a_saved_plan_answers_to_the_memory_budget_too(tmp_path):
+    # with_plan ran a saved plan needing 4x the budget that a fresh plan was refused under.
+    plan = jaxpar.shard(dense_relu).plan(X, W, B)
+    plan.save(tmp_path / "plan.json")
+    budget = plan.cost.peak_memory_bytes / 4
+    pinned = jaxpar.shard(dense_relu, memory_budget=budget).with_plan(
+        jaxpar.Plan.load(tmp_path / "plan.json"))
+    with pytest.raises(ValueError, match="memory_budget=.*needs"):
+        pinned(X, W, B)
+    # a budget beyond int64 is a number like any other (dynamic_programming's check took it
+    # for a numpy integer and failed inside numpy)
+    huge = jaxpar.shard(dense_relu, memory_budget=2 ** 64, search_mode="dynamic_programming")
+    np.testing.assert_allclose(huge(X, W, B), dense_relu(X, W, B), rtol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["sharding_propagation", "recursive_programming"])

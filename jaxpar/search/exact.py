@@ -131,8 +131,9 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
                       "peak is over those: "
                       "search_mode='recursive_programming' plans bodies anew for a larger "
                       "mem_coeff and may find a leaner one.") if loops else ""
+            placed = " once the fixed inputs are placed" if fixed_in else ""
             raise ValueError(f"memory_budget={memory_budget:.0f} bytes per device cannot be "
-                             f"met once the fixed inputs are placed: {err}{bodies}") from None
+                             f"met{placed}: {err}{bodies}") from None
         plan = _to_plan(graph, t, solution.choice, fixed_in, region)
         # Each loop's body was solved for free operands; solved again for the operand specs
         # this plan gives it (a region's: and those its held plan gives it), the loops of a
