@@ -9,7 +9,10 @@ the clear error the search gave), the plan's peak, modelled step time and object
 searches minimise, as search_gap.py scores it) as multiples of the reference's, and the plan
 time. dynamic_programming bounds memory exactly (its note says when its time limit stopped it
 at a gap); recursive_programming plans again with larger mem_coeffs until a plan fits, then
-tries mem_coeffs between the last two. Nothing is compiled or run.
+tries mem_coeffs between the last two. A budget bounds the modelled peak of live values at
+their planned layouts (Alpa's definition); each plan is also compiled (not run) and the bytes
+its program holds at once by XLA's memory analysis are reported beside it ("compiled"), which
+include XLA's temporaries: a resharded operand's copy, a partial sum before its reduction.
 
 Writes DIR/memory_budget.json and DIR/memory_budget.md (a row per case, then how many budgets
 each mode met and what it gave up on average where it met one).
@@ -54,14 +57,18 @@ def plan_budgets(name: str, preset: str, modes, fractions, hardware: str) -> lis
         start = time.perf_counter()
         p = f.plan(*model.args)
         seconds = time.perf_counter() - start
+        p.compiled_bytes = compiled_bytes(f.lower(*model.args).compile())
         return p, seconds, plan_objective(p, graph, hardware, f.opts.level, f.opts.mem_coeff)
 
     free, _, score = plan("dynamic_programming")
     peak, step = free.cost.peak_memory_bytes, free.cost.total_s
+    print(f"{name}: unbudgeted optimum's peak {peak:.0f} bytes, compiled "
+          f"{free.compiled_bytes:.0f}", flush=True)
     for fraction in fractions:
         for mode in modes:
             row = {"model": name, "mode": mode, "fraction": fraction, "budget": fraction * peak,
-                   "free_peak": peak, "free_time": step}
+                   "free_peak": peak, "free_time": step,
+                   "free_compiled": free.compiled_bytes / peak}
             try:
                 p, seconds, objective = plan(mode, fraction * peak)
             except ValueError as err:
@@ -70,15 +77,25 @@ def plan_budgets(name: str, preset: str, modes, fractions, hardware: str) -> lis
                 gap = [n for n in p.notes if n.startswith("dynamic_programming: stopped")]
                 row |= {"met": p.cost.peak_memory_bytes <= fraction * peak * (1 + 1e-9),
                         "peak": p.cost.peak_memory_bytes / peak,
+                        "compiled": p.compiled_bytes / peak,
                         "time": p.cost.total_s / step, "objective": objective / score,
                         "plan_s": seconds,
                         "note": gap[0] if gap else ""}
             rows.append(row)
             print(f"{name} {mode} {fraction}: " + (
-                f"peak {row['peak']:.3f}, time {row['time']:.3f}, objective "
+                f"peak {row['peak']:.3f} (compiled {row['compiled']:.3f}), time "
+                f"{row['time']:.3f}, objective "
                 f"{row['objective']:.3f}, {row['plan_s']:.1f} s"
                 if "peak" in row else "refused"), flush=True)
     return rows
+
+
+def compiled_bytes(compiled) -> float:
+    """Per-device bytes the compiled program holds at once, by XLA's own account: arguments,
+    results and temporaries, less the results that reuse (alias) donated arguments."""
+    m = compiled.memory_analysis()
+    return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                 - m.alias_size_in_bytes)
 
 
 def summary(rows: list[dict]) -> dict:
@@ -87,6 +104,7 @@ def summary(rows: list[dict]) -> dict:
         mine = [r for r in rows if r["mode"] == mode]
         met = [r for r in mine if r["met"]]
         out[mode] = {"cases": len(mine), "met": len(met),
+                     "compiled_over_budget": [r["compiled"] / r["fraction"] for r in met],
                      "mean_time": sum(r["time"] for r in met) / len(met) if met else None,
                      "mean_objective": sum(r["objective"] for r in met) / len(met) if met
                      else None}
@@ -97,15 +115,18 @@ def markdown(result: dict) -> str:
     lines = [f"Plans under a memory budget, a fraction of dynamic_programming's unbudgeted "
              f"peak per device; preset {result['preset']}, make_mesh(8), {result['hardware']}; jax "
              f"{result['jax']}. Peak, modelled step time and objective (what the searches "
-             "minimise) as multiples of dynamic_programming's unbudgeted plan's.", "",
-             "| model | mode | budget | met | peak | time | objective | plan time | note |",
-             "|---|---|---:|---|---:|---:|---:|---:|---|"]
+             "minimise) as multiples of dynamic_programming's unbudgeted plan's; compiled: "
+             "the bytes per device the compiled program holds at once (XLA's memory "
+             "analysis: arguments, results and temporaries), in the same unit.", "",
+             "| model | mode | budget | met | peak | compiled | time | objective | plan time "
+             "| note |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---|"]
     for r in result["rows"]:
         if "peak" in r:
-            cells = [f"{r['peak']:.3f}", f"{r['time']:.3f}", f"{r['objective']:.3f}",
-                     f"{r['plan_s']:.1f} s", r["note"]]
+            cells = [f"{r['peak']:.3f}", f"{r['compiled']:.3f}", f"{r['time']:.3f}",
+                     f"{r['objective']:.3f}", f"{r['plan_s']:.1f} s", r["note"]]
         else:
-            cells = ["", "", "", "", r["error"].split(":")[0]]
+            cells = ["", "", "", "", "", r["error"].split(":")[0]]
         lines.append(f"| {r['model']} | {r['mode']} | {r['fraction']:g} | "
                      f"{'yes' if r['met'] else 'no'} | " + " | ".join(cells) + " |")
     lines.append("")
@@ -113,7 +134,14 @@ def markdown(result: dict) -> str:
         mean = "" if s["mean_time"] is None else \
             f"; where met, on average {s['mean_time']:.3f}x the reference's time and " \
             f"{s['mean_objective']:.3f}x its objective"
-        lines.append(f"{mode}: met {s['met']} of {s['cases']} budgets{mean}.")
+        over = s["compiled_over_budget"]
+        held = "" if not over else \
+            f" The compiled programs of the plans that met it hold {min(over):.2f}x to " \
+            f"{max(over):.2f}x their budget."
+        lines.append(f"{mode}: met {s['met']} of {s['cases']} budgets{mean}.{held}")
+    frees = {r["model"]: r["free_compiled"] for r in result["rows"]}
+    lines.append("Unbudgeted optimum, compiled over modelled peak: " + ", ".join(
+        f"{m} {v:.2f}x" for m, v in frees.items()) + ".")
     return "\n".join(lines) + "\n"
 
 

@@ -177,10 +177,14 @@ def test_memory_budget_tiny(tmp_path):
         assert not refused["met"] and "memory_budget=" in refused["error"]
         if mode == "dynamic_programming":  # its unbudgeted plan scores least
             assert met["objective"] >= 1 - 1e-9
+        # the compiled program's bytes beside the model's, as multiples of the same peak
+        assert met["compiled"] > 0 and met["free_compiled"] > 0
         assert saved["summary"][mode] == {"cases": 2, "met": 1, "mean_time": met["time"],
-                                          "mean_objective": met["objective"]}
+                                          "mean_objective": met["objective"],
+                                          "compiled_over_budget": [met["compiled"] / 0.8]}
     table = (tmp_path / "memory_budget.md").read_text()
     assert "| mlp | dynamic_programming | 0.8 | yes |" in table and "met 1 of 2" in table
+    assert "compiled over modelled peak: mlp" in table
 
 
 def test_reshard_accuracy_tiny(tmp_path):
