@@ -22,6 +22,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import core as jax_core
+from jax._src.interpreters.batching import BatchTracer
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import progress
@@ -223,10 +225,13 @@ class ShardedFunction:
                 "where each device runs its own shard; a jaxpar function places its program "
                 "over the whole mesh itself. Call it outside the shard_map, or call the plain "
                 "function inside it.")
+        foreign = not ambient.empty and ambient != _abstract(self.mesh)
+        if foreign:  # traced values typed on the caller's mesh first (see _onto)
+            args = jax.tree_util.tree_map(_replicated_here, args)
         with _on_own_mesh(self.mesh):
-            out = self._call(args, kwargs)
-        if not ambient.empty and ambient != _abstract(self.mesh) and any(
-                isinstance(y, jax.core.Tracer) for y in jax.tree_util.tree_leaves(out)):
+            out = self._call(args, kwargs, foreign)
+        if foreign and any(isinstance(y, jax.core.Tracer)
+                           for y in jax.tree_util.tree_leaves(out)):
             # Traced under the caller's jax.set_mesh over another mesh: the results, laid out
             # on the plan's mesh, are handed back replicated on the caller's, where its next
             # ops (typed on that mesh) can read them.
@@ -234,7 +239,7 @@ class ShardedFunction:
                                          out)
         return out
 
-    def _call(self, args: tuple, kwargs: dict):
+    def _call(self, args: tuple, kwargs: dict, foreign: bool = False):
         self._check_concrete("call")
         args = positional_arguments(self.fn, args, kwargs)
         leaves, tree = jax.tree_util.tree_flatten(args)
@@ -250,7 +255,7 @@ class ShardedFunction:
         if "tracer" in _kinds(leaves):
             # Inside jax.jit, grad, vmap...: the program is one more jitted call in the
             # caller's trace, its operands constrained to the plan's specs inside it.
-            flat = [_onto(x, s) for x, s in zip(leaves, c.shardings, strict=True)]
+            flat = [_onto(x, s, foreign) for x, s in zip(leaves, c.shardings, strict=True)]
             try:
                 out = c.traced(*flat)
             except ValueError as err:
@@ -349,7 +354,7 @@ class ShardedFunction:
             pinned.check_fits(graph)
             if self._strict:
                 _check_pinned(pinned, fixed, out_fixed, paths)
-            _check_budget(pinned, o.memory_budget)  # a saved plan answers to it too
+            _check_budget(pinned, o.memory_budget, pinned=True)  # a saved plan answers to it
             return self._finish(graph, pinned, args, donated)
         fixed_in = {graph.inputs[i]: s for i, s in enumerate(fixed) if s}
         fixed_out = {i: s for i, s in enumerate(out_fixed) if s}
@@ -687,7 +692,29 @@ def _on_own_mesh(mesh: Mesh | AbstractMesh):
     ambient, own = jax.sharding.get_abstract_mesh(), _abstract(mesh)
     if ambient.empty or ambient == own:
         return contextlib.nullcontext()
-    return jax.sharding.use_abstract_mesh(own)  # jax.set_mesh is refused inside a trace
+    if ambient.size == own.size:  # works inside a trace too, where jax.set_mesh is refused
+        return jax.sharding.use_abstract_mesh(own)
+    if isinstance(mesh, Mesh) and jax_core.trace_state_clean():
+        return jax.set_mesh(mesh)
+    raise ValueError(
+        f"a jaxpar function over {own.size} devices ({_describe(own)}) called under "
+        f"jax.set_mesh over {ambient.size} ({_describe(ambient)})"
+        + (" inside a transformation" if isinstance(mesh, Mesh) else "")
+        + ": JAX cannot switch to a mesh of another size there. Call it outside the "
+        "set_mesh block, or give jaxpar.shard(mesh=...) that mesh.")
+
+
+def _replicated_here(x):
+    """A tracer typed replicated on the caller's mesh (the mesh context), so that its
+    cotangent comes back typed so too, where the caller's next ops can read it; anything else
+    as it is (vmap's tracers too: a sharding put on them would miss their batch dim)."""
+    if isinstance(x, jax.core.Tracer) and not isinstance(x, BatchTracer):
+        return jax.sharding.reshard(x, PartitionSpec())
+    return x
+
+
+def _describe(mesh: AbstractMesh) -> str:
+    return " x ".join(f"{n}={k}" for n, k in zip(mesh.axis_names, mesh.axis_sizes, strict=True))
 
 
 def _abstract(mesh: Mesh | AbstractMesh) -> AbstractMesh:
@@ -710,21 +737,25 @@ def _placed(x, sharding: NamedSharding):
     return x
 
 
-def _onto(x, sharding: NamedSharding):
+def _onto(x, sharding: NamedSharding, foreign: bool = False):
     """A leaf for the program traced inside a caller's transformation, on the plan's mesh: a
     concrete array committed elsewhere (one device, another mesh) is moved as a direct call
     moves it, and so is a tracer typed with another mesh's sharding (its Explicit axes) or,
     under jvp and grad, carrying an array on other devices (committed to one): jit and the
-    sharding constraints on the plan's mesh refused both."""
+    sharding constraints on the plan's mesh refused both. `foreign`: traced under a caller's
+    jax.set_mesh over another mesh, every tracer is moved, so that its cotangent goes back to
+    the caller's mesh (it came back typed on the plan's, which the caller's next op refused)."""
     if not isinstance(x, jax.core.Tracer):
         return _placed(x, sharding)
+    if isinstance(x, BatchTracer):
+        return x  # vmap's: a sharding put on it would miss its batch dim
     mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
     primal = getattr(x, "primal", None)  # jvp and grad carry the concrete array
-    if (mesh is not None and not mesh.empty and mesh != _abstract(sharding.mesh)) or (
+    if foreign or (mesh is not None and not mesh.empty and mesh != _abstract(sharding.mesh)) or (
             isinstance(primal, jax.Array) and not isinstance(primal, jax.core.Tracer)
             and primal.sharding.device_set != sharding.device_set):
         return jax.device_put(x, sharding)
-    return x  # vmap's tracers are left alone: a sharding put on them would miss their batch
+    return x
 
 
 def _explicit(sharding) -> bool:
@@ -763,12 +794,18 @@ def _merge(given: Spec | None, planned: Spec, path: str) -> Spec:
     return planned
 
 
-def _check_budget(plan: Plan, budget: float | None) -> None:
-    if budget is not None and plan.cost.peak_memory_bytes > budget:
+def _check_budget(plan: Plan, budget: float | None, pinned: bool = False) -> None:
+    if budget is None or plan.cost.peak_memory_bytes <= budget:
+        return
+    if pinned:
         raise ValueError(
-            f"memory_budget={budget:.0f} bytes per device: the {plan.search_mode} plan needs "
-            f"{plan.cost.peak_memory_bytes:.0f} bytes at its peak. Cut more dimensions in "
-            "in_strategy/parameter_plan, use a larger mesh, or raise the budget"
-            + (("; or let search_mode='dynamic_programming' (which keeps to a budget exactly) "
-                "or 'recursive_programming' choose the layouts: this mode only checks its "
-                "plan.") if plan.search_mode == "sharding_propagation" else "."))
+            f"memory_budget={budget:.0f} bytes per device: the plan given to with_plan (made "
+            f"by {plan.search_mode}) needs {plan.cost.peak_memory_bytes:.0f} bytes at its "
+            "peak. Plan again under the budget (without with_plan), or raise the budget.")
+    raise ValueError(
+        f"memory_budget={budget:.0f} bytes per device: the {plan.search_mode} plan needs "
+        f"{plan.cost.peak_memory_bytes:.0f} bytes at its peak. Cut more dimensions in "
+        "in_strategy/parameter_plan, use a larger mesh, or raise the budget"
+        + (("; or let search_mode='dynamic_programming' (which keeps to a budget exactly) "
+            "or 'recursive_programming' choose the layouts: this mode only checks its "
+            "plan.") if plan.search_mode == "sharding_propagation" else "."))

@@ -543,7 +543,8 @@ def _purify(network, args: tuple):
     others = [i for i in range(len(args)) if i not in objects]
 
     def pure(*xs):
-        rebuilt = list(args)
+        given = [jax.tree_util.tree_leaves(x) for x in xs[:len(groups)]]  # before nnx.merge,
+        rebuilt = list(args)                         # whose Variables the call may update
         for g, gd, st in zip(groups, graphdefs, xs[:len(groups)], strict=True):
             live = nnx.merge(gd, st)
             for i in g:
@@ -552,8 +553,7 @@ def _purify(network, args: tuple):
             rebuilt[i] = x
         out = network(*rebuilt)
         new = [nnx.state(node(g, rebuilt.__getitem__)) for g in groups]
-        pure.changed = [_changed(old, st) for old, st in zip(xs[:len(groups)], new,
-                                                               strict=True)]
+        pure.changed = [_changed(old, st) for old, st in zip(given, new, strict=True)]
         return (*new, out)
 
     _sign(pure, ["_and_".join(names[i] for i in g) for g in groups] + [names[i] for i in others])
@@ -591,10 +591,11 @@ def _module_call(module, args: tuple):
     graphdef, state = nnx.split(module)
 
     def pure(model, *xs):
-        live = nnx.merge(graphdef, model)
+        given = jax.tree_util.tree_leaves(model)  # before nnx.merge, whose Variables (the
+        live = nnx.merge(graphdef, model)         # state's own) the call may update
         out = live(*xs)
         new = nnx.state(live)
-        pure.changed = [_changed(model, new)]
+        pure.changed = [_changed(given, new)]
         return new, out
 
     _sign(pure, ["model"] + [f"arg{i}" for i in range(len(args))])
@@ -608,15 +609,16 @@ def _module_call(module, args: tuple):
     return pure, (state, *args), unwrap
 
 
-def _changed(old, new) -> bool:
+def _changed(old: list, new) -> bool:
     """Whether a traced call changed an object's state (BatchNorm statistics, an RNG count):
-    a variable it left alone hands back the very tracer it was given. Unchanged state is
-    written back only where the call donated the old arrays: inside a caller's jax.jit or
-    grad (nothing donated) nnx refuses to change an object made outside the trace (a forward
-    pass changes nothing and plain nnx runs it so; changed state there is refused by nnx, as
-    without jaxpar)."""
-    a, b = jax.tree_util.tree_flatten(old), jax.tree_util.tree_flatten(new)
-    return a[1] != b[1] or any(x is not y for x, y in zip(a[0], b[0], strict=True))
+    `old`, the state's leaves as given (read before nnx.merge, which hands the call the
+    state's own Variables); a variable it left alone hands back the very tracer it was given.
+    Unchanged state is written back only where the call donated the old arrays: inside a
+    caller's jax.jit or grad (nothing donated) nnx refuses to change an object made outside
+    the trace (a forward pass changes nothing and plain nnx runs it so; changed state there
+    is refused by nnx, as without jaxpar)."""
+    leaves = jax.tree_util.tree_leaves(new)
+    return len(old) != len(leaves) or any(x is not y for x, y in zip(old, leaves, strict=True))
 
 
 def _donated(obj) -> bool:

@@ -339,7 +339,7 @@ def test_a_saved_plan_answers_to_the_memory_budget_too(tmp_path):
     budget = plan.cost.peak_memory_bytes / 4
     pinned = jaxpar.shard(dense_relu, memory_budget=budget).with_plan(
         jaxpar.Plan.load(tmp_path / "plan.json"))
-    with pytest.raises(ValueError, match="memory_budget=.*needs"):
+    with pytest.raises(ValueError, match="memory_budget=.*given to with_plan.*needs"):
         pinned(X, W, B)
     # a budget beyond int64 is a number like any other (dynamic_programming's check took it
     # for a numpy integer and failed inside numpy)
@@ -480,6 +480,15 @@ def test_a_sharded_function_runs_under_a_callers_set_mesh(axis_type):
         got = jax.grad(lambda x, w: f(x, w, B) * 2.0, argnums=(0, 1))(x, W)
         for g, v in zip(got, want, strict=True):
             np.testing.assert_allclose(g, 2.0 * v, rtol=1e-5, atol=1e-6)
+        # a gradient used by the caller's next op, inside its jit: it comes back typed on
+        # the caller's mesh (it came back on the plan's, and the op refused it)
+        got = jax.jit(lambda x: jax.grad(lambda x: f(x, W, B))(x) * 1.0)(X)
+        np.testing.assert_allclose(got, want[0], rtol=1e-5, atol=1e-6)
+    smaller = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+    with jax.set_mesh(smaller):  # a direct call still runs; a traced one is refused in words
+        np.testing.assert_allclose(f(X, W, B), loss(X, W, B), rtol=1e-5)
+        with pytest.raises(ValueError, match=r"over 4 \(x=4\).*mesh of another size"):
+            jax.jit(f)(X, W, B)
 
 
 def test_calls_inside_shard_map_or_a_sharded_vmap_are_refused_in_words():

@@ -1,5 +1,6 @@
 """AutoParallel: the four modes train like jax.jit, optimizer parallel, strategy files, methods."""
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -174,6 +175,11 @@ def test_nnx_module_under_a_callers_jit_and_grad():
     got = jax.grad(lambda a: jnp.sum(net(a) ** 2))(x)
     np.testing.assert_allclose(got, jax.grad(lambda a: jnp.sum(model(a) ** 2))(x), rtol=1e-5)
     np.testing.assert_allclose(net(x), want, rtol=1e-5)  # the module still holds its arrays
+    # a call that does change state (BatchNorm's statistics) is refused there, as plain nnx
+    # refuses it, not dropped silently
+    norm = nnx.BatchNorm(16, rngs=nnx.Rngs(0))
+    with pytest.raises(flax.errors.TraceContextError):
+        jax.jit(lambda a: AutoParallel(norm)(a))(x)
 
 
 class _Norm(nnx.Module):

@@ -20,7 +20,7 @@ op signature (primitive, params, shapes, dtypes): the layers of a deep model rep
 so a search prices each distinct op once. Ops whose rules give the same candidates on the same
 shapes (an add and a mul) share the work of listing them, and their costs when their flops and
 dtypes agree too; each signature still gets a candidate list of its own (callers key on it).
-With `recompute_heavy=False` (the automatic searches) heavy ops (dot_general, conv) keep only
+With `recompute_heavy=False` (the automatic searches) heavy ops (matmuls, conv) keep only
 the candidates that cut their work into the most pieces the shapes allow, Alpa's rule against
 computing a matmul redundantly: without it a model of toy size is cheapest fully replicated,
 since its compute costs less than one collective's latency.
@@ -44,7 +44,7 @@ from jaxpar.spec import MeshInfo, OpStrategy, Spec
 _LEVEL_COMM_WEIGHT = {0: 2.0, 1: 1.0, 2: 1.0}
 _LEVEL_MEM_WEIGHT = {0: 0.0, 1: 1.0, 2: 0.0}
 _COMBINED_KINDS = frozenset({"all-reduce", "reduce-scatter"})  # what XLA's combiners merge
-HEAVY_OPS = frozenset({"dot_general", "conv_general_dilated"})
+HEAVY_OPS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
 _LINE_BYTES = 2.0 ** 30  # reshard_line's slope is measured over this many bytes
 
 

@@ -45,7 +45,7 @@ import numpy as np
 
 from jaxpar import progress
 from jaxpar.cost.comm import Collective
-from jaxpar.cost.model import CostModel, OpCost, reduction_steps
+from jaxpar.cost.model import HEAVY_OPS, CostModel, OpCost, reduction_steps
 from jaxpar.ir.graph import OpGraph
 from jaxpar.ir.repeat import op_classes
 from jaxpar.rules.registry import has_rule
@@ -185,9 +185,10 @@ def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem:
     progress.step("solving again, the tail's reductions over fewer device groups")
     penalty = 1.0 + 10.0 * float(np.max([c.max() for c in problem.node_cost]))
     costs = [c.copy() for c in problem.node_cost]
-    for node in _tail_nodes(graph, t):
+    for node, matmul in _tail_nodes(graph, t).items():
         for k, s in enumerate(t.cands[node]):
-            if any(keep.get(kind, (kind, axes)) != (kind, axes) for kind, axes in _reductions(s)):
+            if any(keep.get(kind, (kind, axes)) != (kind, axes)
+                   for kind, axes in _reductions(s, matmul)):
                 costs[node][k] += penalty
     again = solve(dataclasses.replace(problem, node_cost=tuple(costs)), left())  # left() > 0
     if grouped_objective(graph, model, t, problem, again.choice) < \
@@ -218,29 +219,29 @@ def tail_latency(graph: OpGraph, model: CostModel, groups: dict[tuple, int]) -> 
                for (kind, axes), n in groups.items())
 
 
-def _tail_nodes(graph: OpGraph, t: Tables) -> list[int]:
+def _tail_nodes(graph: OpGraph, t: Tables) -> dict[int, bool]:
     """The nodes of the searched ops whose results lie in the step's tail (ops with bodies
-    aside)."""
+    aside), each with whether its op is a matmul (how its reductions run: reduction_steps)."""
     tail = graph.tail_values()
-    return [node for x, node in t.op_nodes.items()
-            if not graph.ops[x].regions and any(v in tail for v in graph.ops[x].outputs)]
+    return {node: graph.ops[x].name in HEAVY_OPS for x, node in t.op_nodes.items()
+            if not graph.ops[x].regions and any(v in tail for v in graph.ops[x].outputs)}
 
 
 def _tail_groups(graph: OpGraph, t: Tables, choice: np.ndarray) -> dict[tuple, int]:
     """{(kind, axes): how many} of the reductions the tail's ops make under `choice`."""
     out: dict[tuple, int] = {}
-    for node in _tail_nodes(graph, t):
-        for key in _reductions(t.cands[node][int(choice[node])]):
+    for node, matmul in _tail_nodes(graph, t).items():
+        for key in _reductions(t.cands[node][int(choice[node])], matmul):
             out[key] = out.get(key, 0) + 1
     return out
 
 
-def _reductions(s) -> list[tuple[str, tuple[str, ...]]]:
+def _reductions(s, matmul: bool) -> list[tuple[str, tuple[str, ...]]]:
     """(kind, axes) of an op strategy's own reductions (cost.model.reduction_steps): each
     partial result becomes an all-reduce, or a reduce-scatter when its spec cuts a dimension
     on a partial axis; all-reduced dim by dim where its axes cut several operand dims."""
     keys = []
-    for _, raw, out in reduction_steps(s):
+    for _, raw, out in reduction_steps(s, matmul):
         kind = "reduce-scatter" if set(raw.partial) & set(out.axes()) else "all-reduce"
         keys.append((kind, tuple(sorted(raw.partial))))
     return keys
