@@ -383,7 +383,7 @@ def reduction_steps(s: OpStrategy, matmul: bool = True) -> list[tuple[int, Spec,
     partitioner then reduces dim by dim (checked against compiled programs in
     tests/test_cost.py):
     - all-reduced, one all-reduce of the whole result per dim's axes;
-    - partly reduce-scattered: a matmul (`matmul`: dot_general, conv) as one reshard (a
+    - partly reduce-scattered: a matmul (`matmul`: HEAVY_OPS) as one reshard (a
       reduce-scatter, then an all-reduce of the smaller rest); any other reduction
       all-reduces the whole result over the dims whose axes it does not scatter first."""
     steps = []
