@@ -3,7 +3,7 @@
 Every operand whose spec differs from what the chosen strategy needs is constrained to the
 needed spec first, and every result is constrained to its planned spec, so the SPMD partitioner
 has no freedom left to pick other layouts. Ops the partitioner would gather whole although their
-cut is local (registry.LOCAL: top_k, fft) are bound per shard in a shard_map instead. Region ops
+cut is local (registry.LOCAL: top_k, fft, igamma) are bound per shard in a shard_map. Region ops
 are rebuilt with `lax.scan`, `lax.while_loop` and `lax.switch` around replays of their bodies,
 each body's arguments and a loop's new carry constrained to the specs the body's plan gives them
 (the loop state is laid out as planned: otherwise the partitioner picks its own layout and moves

@@ -59,9 +59,10 @@ RULES: dict[Any, Rule] = {}
 # own specs): no replicated candidate beside it, which would stand for a run that never happens.
 EXCLUSIVE: set[Any] = set()
 # Primitives XLA's SPMD partitioner runs whole even where their rule's cut needs no data from
-# other devices (top_k, fft: it all-gathers the operand first). The lowering binds them per
-# shard inside a shard_map of the chosen strategy's specs (lower/jit.py), so the cut runs as
-# planned, with no communication, on every backend.
+# other devices (top_k, fft: it all-gathers the operand first), or cuts with communication the
+# cut needs not (igamma: its loop all-reduces the devices' flags each turn). The lowering binds
+# them per shard inside a shard_map of the chosen strategy's specs (lower/jit.py), so the cut
+# runs as planned, with no communication, on every backend.
 LOCAL: set[Any] = set()
 
 
