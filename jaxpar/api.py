@@ -228,7 +228,7 @@ class ShardedFunction:
         foreign = not ambient.empty and ambient != _abstract(self.mesh)
         if foreign:  # traced values typed on the caller's mesh first (see _onto)
             args = jax.tree_util.tree_map(_replicated_here, args)
-        with _on_own_mesh(self.mesh):
+        with _on_own_mesh(self.mesh, ambient):
             out = self._call(args, kwargs, foreign)
         if foreign and any(isinstance(y, jax.core.Tracer)
                            for y in jax.tree_util.tree_leaves(out)):
@@ -684,12 +684,14 @@ def _same_structure(arg, out) -> bool:
         for a, o in zip(a_leaves, o_leaves, strict=True))
 
 
-def _on_own_mesh(mesh: Mesh | AbstractMesh):
+def _on_own_mesh(mesh: Mesh | AbstractMesh, ambient: AbstractMesh | None = None):
     """A context in which jaxpar traces, compiles and runs on its own mesh. Under a user's
     jax.set_mesh over another mesh its programs would be traced against that one (on Explicit
     axes every sharding constraint becomes an assert, and the plan's axes are not there).
-    No context when no other mesh is set: the common case costs nothing."""
-    ambient, own = jax.sharding.get_abstract_mesh(), _abstract(mesh)
+    No context when no other mesh is set: the common case costs nothing. ambient: the mesh
+    context, where the caller has read it already."""
+    ambient = jax.sharding.get_abstract_mesh() if ambient is None else ambient
+    own = _abstract(mesh)
     if ambient.empty or ambient == own:
         return contextlib.nullcontext()
     if ambient.size == own.size:  # works inside a trace too, where jax.set_mesh is refused

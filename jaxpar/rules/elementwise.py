@@ -49,15 +49,13 @@ def _primitive(name: str):
 
 
 def _register() -> None:
-    for name in _NAMES.split():
+    looped = _LOOPED.split()
+    for name in _NAMES.split() + looped:
         prim = _primitive(name)
         if prim is not None:
             RULES[prim] = elementwise_rule
-    for name in _LOOPED.split():
-        prim = _primitive(name)
-        if prim is not None:
-            RULES[prim] = elementwise_rule
-            LOCAL.add(prim)
+            if name in looped:
+                LOCAL.add(prim)
     RULES[ad_util.add_jaxvals_p] = elementwise_rule  # `add_any`: AD's cotangent accumulation
 
 
