@@ -49,6 +49,16 @@ class MeshInfo:
             hit = self.cache[axes] = math.prod(self.sizes[self.names.index(a)] for a in axes)
         return hit
 
+    def derived(self, tag, source: list, extra, make):
+        """make(), remembered in `cache` for this `source` list and `extra` (hashable): the
+        rules' candidate lists are shared objects (loop_strategies), so what is made from one
+        is made once. The entry keeps `source` alive, so no other list takes its id."""
+        key = (tag, id(source), extra)
+        hit = self.cache.get(key)
+        if hit is None or hit[0] is not source:
+            hit = self.cache[key] = (source, make())
+        return hit[1]
+
     def order(self, axes) -> Axes:
         """`axes` sorted into mesh order (the canonical order within one dimension)."""
         return tuple(sorted(axes, key=self.names.index))

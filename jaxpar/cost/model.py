@@ -404,8 +404,14 @@ def reduction_steps(s: OpStrategy, matmul: bool = True) -> list[tuple[int, Spec,
     return steps
 
 
+def reduces_as_matmul(primitive: str) -> bool:
+    """Whether an op's partial results reduce as a matmul's do (reduction_steps' `matmul`):
+    the heavy ops."""
+    return primitive in HEAVY_OPS
+
+
 def _matmul(info: OpInfo) -> bool:
-    return info.primitive.name in HEAVY_OPS
+    return reduces_as_matmul(info.primitive.name)
 
 
 def _partial_groups(s: OpStrategy, partial: tuple[str, ...]) -> list[tuple[str, ...]]:

@@ -38,16 +38,11 @@ def _no_scatter_onto_cut_batch(strategies: list[OpStrategy], batch: int, rank: i
     tests/test_rules_core.py). Such strategies reduce-scatter onto the other dims only."""
     if not batch:
         return strategies
-    key = ("dot: no scatter onto a cut batch dim", id(strategies))
-    hit = mesh.cache.get(key)
-    if hit is not None and hit[0] is strategies:
-        return hit[1]
     others = tuple(range(batch, rank))
-    safe = [replace(s, scatter_dims=others)
-            if len(s.partial[0]) > 1 and any(s.outs[0].dims[d] for d in range(batch)) else s
-            for s in strategies]
-    mesh.cache[key] = (strategies, safe)  # strategies kept alive: no other list takes its id
-    return safe
+    return mesh.derived("dot: no scatter onto a cut batch dim", strategies, (batch, rank),
+                        lambda: [replace(s, scatter_dims=others) if len(s.partial[0]) > 1 and
+                                 any(s.outs[0].dims[d] for d in range(batch)) else s
+                                 for s in strategies])
 
 
 def ragged_dot_rule(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:

@@ -160,10 +160,15 @@ def candidates(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
     _load_families()
     rule = RULES.get(info.primitive)
     raw = rule(info, mesh) if rule else []
-    key = ("candidates", id(raw), info.in_shapes, info.out_shapes)
-    hit = mesh.cache.get(key)
-    if hit is not None and hit[0] is raw:
-        return hit[1]
+    if not raw:
+        return _resolved(raw, info, mesh)
+    return mesh.derived("candidates", raw, (info.in_shapes, info.out_shapes),
+                        lambda: _resolved(raw, info, mesh))
+
+
+def _resolved(raw: list[OpStrategy], info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
+    """candidates' list from the rule's (the replicated strategy first, unless the op is
+    EXCLUSIVE), each partial result resolved, duplicates dropped."""
     out, seen = [], set()
     for strategy in raw if raw and info.primitive in EXCLUSIVE else [replicated(info), *raw]:
         for s in _resolve_partials(strategy, info, mesh):
@@ -171,8 +176,6 @@ def candidates(info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
             if key_s not in seen:
                 seen.add(key_s)
                 out.append(s)
-    if raw:
-        mesh.cache[key] = (raw, out)  # raw kept alive: no other list takes its id
     return out
 
 

@@ -45,7 +45,7 @@ import numpy as np
 
 from jaxpar import progress
 from jaxpar.cost.comm import Collective
-from jaxpar.cost.model import HEAVY_OPS, CostModel, OpCost, reduction_steps
+from jaxpar.cost.model import CostModel, OpCost, reduces_as_matmul, reduction_steps
 from jaxpar.ir.graph import OpGraph
 from jaxpar.ir.repeat import op_classes
 from jaxpar.rules.registry import has_rule
@@ -223,7 +223,7 @@ def _tail_nodes(graph: OpGraph, t: Tables) -> dict[int, bool]:
     """The nodes of the searched ops whose results lie in the step's tail (ops with bodies
     aside), each with whether its op is a matmul (how its reductions run: reduction_steps)."""
     tail = graph.tail_values()
-    return {node: graph.ops[x].name in HEAVY_OPS for x, node in t.op_nodes.items()
+    return {node: reduces_as_matmul(graph.ops[x].name) for x, node in t.op_nodes.items()
             if not graph.ops[x].regions and any(v in tail for v in graph.ops[x].outputs)}
 
 
