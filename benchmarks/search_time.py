@@ -6,7 +6,7 @@ vocab 8192, seq 512, batch 16 by default), build jaxpar's op graph, then plan it
 strategy given. Reported per run: jaxpr equations (top level) and graph ops (region bodies
 included), trace and graph-building time (first, cold), the search time (the whole `.plan()`
 minus a second, warm trace and graph build: `.plan()` traces again, so what is left is the
-strategy parsing, the search, a second search where carried state is tied, and assembling the
+strategy parsing, the search (carried state priced and tied within it), and assembling the
 Plan), the same in CPU time (`time.process_time`: below the wall clock when the process
 waits, equal to it when the machine just runs slow), the plan's modelled cost (the step's
 time) and objective (what the automatic searches minimise: at the default level 0 and
