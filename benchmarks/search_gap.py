@@ -46,7 +46,7 @@ def plan_objective(plan, graph, hardware: str, level: int, mem_coeff: float,
     model = CostModel(plan.mesh, load_profile(hardware), level, mem_coeff,
                       recompute_heavy=recompute_heavy)
     return model.score(graph_cost(graph, plan.graph_plan, model,
-                                  dict(enumerate(plan.out_specs))))
+                                  dict(enumerate(plan.flat_out_specs))))
 
 
 def score_plans(name: str, preset: str, meshes, hardware, objectives) -> list[dict]:

@@ -251,7 +251,8 @@ class ShardedFunction:
                             "shapes alone are for .plan(...) and .lower(...).")
         c = self._compiled(args, leaves, tree)
         if c.shardings is None:
-            c.shardings = tuple(NamedSharding(self.mesh, s.to_pspec()) for s in c.plan.in_specs)
+            c.shardings = tuple(NamedSharding(self.mesh, s.to_pspec())
+                                for s in c.plan.flat_in_specs)
         if "tracer" in _kinds(leaves):
             # Inside jax.jit, grad, vmap...: the program is one more jitted call in the
             # caller's trace, its operands constrained to the plan's specs inside it.
@@ -293,7 +294,7 @@ class ShardedFunction:
             c = self._compiled(args)
             flat = [jax.ShapeDtypeStruct(x.shape, x.dtype,
                                          sharding=NamedSharding(self.mesh, s.to_pspec()))
-                    for x, s in zip(jax.tree_util.tree_leaves(args), c.plan.in_specs,
+                    for x, s in zip(jax.tree_util.tree_leaves(args), c.plan.flat_in_specs,
                                     strict=True)]
             return c.jitted.lower(*flat)
 
@@ -428,7 +429,7 @@ class ShardedFunction:
             return out_tree.flatten_up_to(out)
 
         return _Compiled(plan, lambda traced: build_callable(
-            graph, plan.graph_plan, self.mesh, plan.in_specs, plan.out_specs, donate,
+            graph, plan.graph_plan, self.mesh, plan.flat_in_specs, plan.flat_out_specs, donate,
             self.opts.fp32_communication, traced, source), donate=donate)
 
     def _donated(self, n_args: int) -> set[int]:
@@ -469,8 +470,9 @@ def _kept(fixed_in: dict[int, Spec], carried: list[tuple[int, int]]) -> dict[int
 def _check_pinned(plan: Plan, fixed: list, out_fixed: list, paths: list[str]) -> None:
     """A ValueError where in_strategy, out_strategy or parameter_plan lays out an input or
     output otherwise than the pinned plan (with_plan) does: the plan would win silently."""
-    sides = (("input", fixed, plan.in_specs, paths),
-             ("output", out_fixed, plan.out_specs, [f"out[{j}]" for j in range(len(out_fixed))]))
+    sides = (("input", fixed, plan.flat_in_specs, paths),
+             ("output", out_fixed, plan.flat_out_specs,
+              [f"out[{j}]" for j in range(len(out_fixed))]))
     for side, asked, planned, names in sides:
         for name, want, spec in zip(names, asked, planned, strict=True):
             if want is not None and want.resolved().dims != spec.resolved().dims:

@@ -57,8 +57,8 @@ from jaxpar.api import (
 from jaxpar.context import ParallelContext, current_context
 from jaxpar.ir import arg_paths
 from jaxpar.ir.trace import arg_names
-from jaxpar.mesh import make_mesh
-from jaxpar.plan import Plan, load_plans, save_plans
+from jaxpar.mesh import abstract_mesh, make_mesh
+from jaxpar.plan import Plan, check_writable, load_plans, save_plans
 from jaxpar.spec import MeshInfo, Spec
 from jaxpar.train.data import batch_spec
 from jaxpar.train.optimizer_parallel import (
@@ -111,7 +111,9 @@ class AutoParallel:
         "dynamic_programming" (see the module docstring). None (the default): the context's,
         as MindSpore reads it: its search_mode under parallel_mode "auto_parallel", else
         semi_auto.
-      mesh: the device mesh; default `make_mesh(device_num)` from the context (all devices).
+      mesh: the device mesh; default `make_mesh(device_num)` from the context (all devices);
+        a device_num above this machine's devices gives `abstract_mesh(device_num)`: the
+        network is planned for that cluster (`.plan`, strategy files) and cannot run here.
         An AbstractMesh plans for any number of devices (`.plan` only; calls refuse).
       parameter_plan: {parameter path: strategy}; an unknown path is an error listing the
         closest known paths.
@@ -154,6 +156,8 @@ class AutoParallel:
             parallel_mode = ctx.search_mode if ctx.parallel_mode == "auto_parallel" else \
                 "semi_auto"
         self.network, self.parallel_mode, self.context = network, parallel_mode, ctx
+        if mesh is None and (ctx.device_num or 0) > len(jax.devices()):
+            mesh = abstract_mesh(ctx.device_num)  # a larger cluster's: it plans, runs nothing
         self.mesh = mesh if mesh is not None else make_mesh(ctx.device_num or len(jax.devices()))
         if not isinstance(self.mesh, Mesh | AbstractMesh):
             raise TypeError(f"AutoParallel(mesh={mesh!r}): pass a jax.sharding.Mesh, e.g. "
@@ -248,6 +252,7 @@ class AutoParallel:
         a parameter_plan."""
         if not isinstance(file_path, str):
             raise TypeError(f"save_param_strategy_file(file_path={file_path!r}): must be a str.")
+        check_writable(os.path.abspath(file_path), "save_param_strategy_file: file_path")
         self._opts.save_param_file = os.path.abspath(file_path)
         for program in self._functions.values():
             program.save_param_file(self._opts.save_param_file)
@@ -401,7 +406,7 @@ class AutoParallel:
         """{leaf: spec} hsdp adds to `plan` (optimizer_parallel_specs; empty: none)."""
         o = self._opts
         sizes = [x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(args)]
-        return optimizer_parallel_specs(plan.in_specs, shapes, sizes,
+        return optimizer_parallel_specs(plan.flat_in_specs, shapes, sizes,
                                         optimizer_followers(paths, shapes),
                                         MeshInfo.of(self.mesh), o.hsdp[2], o.hsdp[1], o.hsdp[0])
 
@@ -493,7 +498,7 @@ class _Program:
         plan = self.plan_for(args)
         if plan is None:
             return
-        params = {self.paths[i]: plan.in_specs[i].to_json() for i in self.state_leaves}
+        params = {self.paths[i]: plan.flat_in_specs[i].to_json() for i in self.state_leaves}
         mesh = {"names": list(plan.mesh.names), "sizes": list(plan.mesh.sizes)}
         Path(path).write_text(json.dumps({"format": PARAM_FILE_FORMAT, "mesh": mesh,
                                           "parameters": params}, indent=1))

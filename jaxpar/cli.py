@@ -115,7 +115,7 @@ def plan_summary(planned, config: str) -> dict[str, Any]:
     from jaxpar.cost.hardware import load_profile
 
     plan, problem = planned.plan, planned.problem
-    specs = dict(zip(plan.in_paths, (str(s) for s in plan.in_specs), strict=True))
+    specs = dict(zip(plan.in_paths, (str(s) for s in plan.flat_in_specs), strict=True))
     owner = dict(zip(problem.paths, problem.owners, strict=True))
     return {"config": config, "model": {"name": planned.model.name, **_model_fields(planned)},
             "mode": planned.mode, "search_mode": plan.search_mode, "devices": plan.mesh.size,
@@ -234,7 +234,7 @@ def _args_table(plan, shapes: dict[str, tuple]):
         t.add_column(col)
     seen = set()
     follows = _follows_param(plan)
-    for path, spec in zip(plan.in_paths, plan.in_specs, strict=True):
+    for path, spec in zip(plan.in_paths, plan.flat_in_specs, strict=True):
         if follows.get(path):
             continue
         shape = ("x".join(map(str, shapes[path])) or "()") if path in shapes else ""
@@ -247,7 +247,7 @@ def _args_table(plan, shapes: dict[str, tuple]):
 
 def _follows_param(plan) -> dict[str, bool]:
     """{path: True} for optimizer-state leaves sharded exactly as their parameter."""
-    specs = dict(zip(plan.in_paths, plan.in_specs, strict=True))
+    specs = dict(zip(plan.in_paths, plan.flat_in_specs, strict=True))
     params = {p.partition("/")[2]: s for p, s in specs.items() if p.startswith("params/")}
     out = {}
     for path, spec in specs.items():
@@ -296,7 +296,7 @@ def _add_explain(sub) -> None:
                        description="Print a saved plan: one row per op (chosen sharding, "
                                    "runner-up, modeled costs), totals, notes and the search's "
                                    "decisions.")
-    p.add_argument("plan", help="a plan JSON file")
+    p.add_argument("plan", help="a plan JSON file (several plans in one: each in turn)")
     p.add_argument("--width", type=int, default=160, help="table width (default 160)")
     p.add_argument("--no-decisions", action="store_true",
                    help="leave out the search's decision log (recursive_programming)")
@@ -304,11 +304,15 @@ def _add_explain(sub) -> None:
 
 
 def _run_explain(args: argparse.Namespace) -> int:
-    from jaxpar.plan import Plan
+    from jaxpar.plan import load_plans
 
     def explain() -> int:
-        plan = Plan.load(args.plan)
-        print(plan.explain(width=args.width, decisions=not args.no_decisions), end="")
+        plans = load_plans(args.plan)  # an AutoParallel strategy file may hold several
+        for k, plan in enumerate(plans):
+            if len(plans) > 1:
+                print(f"{'' if k == 0 else chr(10)}plan {k + 1} of {len(plans)} in this file "
+                      "(one per argument signature its program was called with)")
+            print(plan.explain(width=args.width, decisions=not args.no_decisions), end="")
         return 0
     return _guard("explain", explain)
 

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 _PLATFORMS = {"CPU": "cpu", "GPU": "gpu", "TPU": "tpu"}
 
@@ -129,6 +129,19 @@ def make_mesh(shape: int | Sequence[int], axis_names: Sequence[str] | None = Non
     names = _axis_names(axis_names, dims)
     devices = _take(mesh_devices(device), math.prod(dims), "make_mesh")
     return Mesh(_grid(devices, dims), names, axis_types=(AxisType.Auto,) * len(dims))
+
+
+def abstract_mesh(shape: int | Sequence[int], axis_names: Sequence[str] | None = None
+                  ) -> AbstractMesh:
+    """make_mesh's shape and axis names with no devices behind them: a mesh to plan for (a
+    cluster larger than this machine, say), which runs nothing.
+
+    Example:
+      >>> abstract_mesh(64).axis_sizes  # (2, 2, 2, 2, 2, 2)
+    """
+    dims = _mesh_shape(shape)
+    return AbstractMesh(dims, _axis_names(axis_names, dims),
+                        axis_types=(AxisType.Auto,) * len(dims))
 
 
 def _take(devices: list, count: int, who: str) -> list:

@@ -22,6 +22,7 @@ from rich.text import Text
 
 from jaxpar.cost.comm import Collective
 from jaxpar.cost.model import OpCost
+from jaxpar.rules.registry import OpInfo, candidates, is_local
 from jaxpar.search.propagation import Choice, GraphPlan
 from jaxpar.spec import MeshInfo, OpStrategy, Spec, axes_from_json
 
@@ -84,8 +85,8 @@ class Plan:
     fingerprint: str = _OnDemand()
     mesh: MeshInfo
     graph_plan: GraphPlan
-    in_specs: list[Spec]
-    out_specs: list[Spec]
+    flat_in_specs: list[Spec]   # one per argument leaf (in_specs: as PartitionSpecs, the tree)
+    flat_out_specs: list[Spec]  # one per output leaf
     in_paths: list[str]
     out_paths: list[str]
     cost: PlanCost
@@ -100,13 +101,16 @@ class Plan:
     decisions: list[str] = field(default_factory=list)  # recursive_programming's decision log
 
     @property
-    def in_specs_tree(self):
-        """PartitionSpecs in the structure of the arguments (when known)."""
-        return _unflatten(self.in_tree, [s.to_pspec() for s in self.in_specs])
+    def in_specs(self):
+        """The arguments' PartitionSpecs, in the structure of the arguments (a plan loaded from
+        a file has no structure until it is bound to arguments, by with_plan and a call or
+        .plan: a flat list until then)."""
+        return _unflatten(self.in_tree, [s.to_pspec() for s in self.flat_in_specs])
 
     @property
-    def out_specs_tree(self):
-        return _unflatten(self.out_tree, [s.to_pspec() for s in self.out_specs])
+    def out_specs(self):
+        """The outputs' PartitionSpecs, in the structure of the outputs (see in_specs)."""
+        return _unflatten(self.out_tree, [s.to_pspec() for s in self.flat_out_specs])
 
     def table(self) -> Table:
         """The per-op plan as a rich Table."""
@@ -133,8 +137,8 @@ class Plan:
                           markup=False, highlight=False)
         console.print(self.table())
         c = self.cost
-        for label, paths, specs in (("inputs: ", self.in_paths, self.in_specs),
-                                    ("outputs:", self.out_paths, self.out_specs)):
+        for label, paths, specs in (("inputs: ", self.in_paths, self.flat_in_specs),
+                                    ("outputs:", self.out_paths, self.flat_out_specs)):
             pairs = zip(paths, specs, strict=True)
             console.print(f"{label} {', '.join(f'{p}={s}' for p, s in pairs)}")
         console.print(f"modeled per device: compute {_fmt_s(c.compute_s)}, communication "
@@ -180,14 +184,14 @@ class Plan:
                 problems.append(f"{what} is {spec}, which does not cut shape {tuple(shape)} "
                                 f"into equal pieces on mesh {self.mesh.describe()}")
 
-        for side, specs, values in (("in_specs", self.in_specs, graph.inputs),
-                                    ("out_specs", self.out_specs, graph.outputs)):
+        for side, specs, values in (("in_specs", self.flat_in_specs, graph.inputs),
+                                    ("out_specs", self.flat_out_specs, graph.outputs)):
             if len(specs) != len(values):
                 problems.append(f"{side} holds {len(specs)} specs for {len(values)} arrays")
                 continue
             for k, (spec, v) in enumerate(zip(specs, values, strict=True)):
                 check(f"{side}[{k}]", spec, graph.shape(v))
-        _check_graph_plan(graph, self.graph_plan, check, problems, "graph")
+        _check_graph_plan(graph, self.graph_plan, check, problems, "graph", self.mesh)
         if problems:
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
             raise ValueError(f"{where} does not fit this program: {'; '.join(problems[:3])}"
@@ -214,8 +218,8 @@ class Plan:
                 "fingerprint": self.fingerprint,
                 "mesh": {"names": list(self.mesh.names), "sizes": list(self.mesh.sizes)},
                 "search_mode": self.search_mode, "hardware": self.hardware,
-                "in_specs": [s.to_json() for s in self.in_specs],
-                "out_specs": [s.to_json() for s in self.out_specs],
+                "in_specs": [s.to_json() for s in self.flat_in_specs],
+                "out_specs": [s.to_json() for s in self.flat_out_specs],
                 "in_paths": self.in_paths, "out_paths": self.out_paths,
                 "cost": asdict(self.cost), "collectives": self.collectives,
                 "rows": [asdict(r) for r in self.rows], "notes": self.notes,
@@ -251,17 +255,53 @@ class Plan:
                                      f"{mesh.describe()}")
         collectives = d["collectives"]
         if not isinstance(collectives, dict) or not all(
-                isinstance(v, dict) and {"count", "bytes"} <= set(v) for v in collectives.values()):
-            raise ValueError("field collectives: {kind: {count, bytes}} expected")
+                isinstance(v, dict) and {"count", "bytes"} <= set(v) and
+                _number(v["count"]) and _number(v["bytes"]) for v in collectives.values()):
+            raise ValueError("field collectives: {kind: {count: number, bytes: number}} "
+                             "expected")
+        cost = d["cost"]
+        if not isinstance(cost, dict) or set(cost) != set(PlanCost.__dataclass_fields__) or \
+                not all(map(_number, cost.values())):
+            raise ValueError(f"field cost: a number for each of "
+                             f"{', '.join(PlanCost.__dataclass_fields__)} expected")
+        rows = d["rows"]
+        if not isinstance(rows, list) or not all(
+                isinstance(r, dict) and set(r) == set(Row.__dataclass_fields__) and
+                _number(r["cost_s"], False) and (r["runner_cost_s"] is None or
+                                                 _number(r["runner_cost_s"], False)) and
+                all(isinstance(r[k], str) for k in ("path", "op", "shapes", "chosen",
+                                                    "runner_up", "note")) for r in rows):
+            raise ValueError("field rows: a list of explain() rows expected")
+        for key in ("notes", "decisions"):
+            if not isinstance(d.get(key, []), list) or \
+                    not all(isinstance(line, str) for line in d.get(key, [])):
+                raise ValueError(f"field {key}: a list of strings expected")
+        for key in ("search_mode", "hardware", "layout", "fingerprint"):
+            if not isinstance(d.get(key, ""), str):
+                raise ValueError(f"field {key}: a string expected")
         return Plan(d["fingerprint"], mesh,
                     _graph_from_json(d["graph"]), specs["in"], specs["out"], d["in_paths"],
-                    d["out_paths"], PlanCost(**d["cost"]), collectives,
-                    [Row(**r) for r in d["rows"]], d["search_mode"], d["hardware"],
-                    notes=list(d.get("notes", [])), layout=d.get("layout", ""),
-                    decisions=list(d.get("decisions", [])))
+                    d["out_paths"], PlanCost(**cost), collectives, [Row(**r) for r in rows],
+                    d["search_mode"], d["hardware"], notes=list(d.get("notes", [])),
+                    layout=d.get("layout", ""), decisions=list(d.get("decisions", [])))
 
 
-def _check_graph_plan(graph, gp: GraphPlan, check, problems: list[str], where: str) -> None:
+def _number(x, finite: bool = True) -> bool:
+    """A JSON number (not a bool), finite unless `finite` is False (a runner-up no plan may
+    take costs inf)."""
+    return isinstance(x, int | float) and not isinstance(x, bool) and \
+        (math.isfinite(x) or not finite)
+
+
+def _a_candidate(op, graph, s: OpStrategy, mesh: MeshInfo) -> bool:
+    """Whether strategy `s` is one the op's rule offers (by its specs and partial axes)."""
+    key = (s.ins, s.outs, s.partial)
+    return any((c.ins, c.outs, c.partial) == key
+               for c in candidates(OpInfo.of(op, graph), mesh))
+
+
+def _check_graph_plan(graph, gp: GraphPlan, check, problems: list[str], where: str,
+                      mesh: MeshInfo) -> None:
     """Plan.check_fits' work on one graph (a loop body's: recursively): `check(what, spec,
     shape)` for each value's spec and each op's strategy; what is missing goes to `problems`."""
     for v, spec in gp.specs.items():
@@ -286,9 +326,16 @@ def _check_graph_plan(graph, gp: GraphPlan, check, problems: list[str], where: s
             check(f"{what} operand {i}", spec, graph.shape(v))
         for j, (spec, v) in enumerate(zip(s.outs, op.outputs, strict=True)):
             check(f"{what} result {j}", spec, graph.shape(v))
+        if is_local(op.primitive) and not _a_candidate(op, graph, s, mesh):
+            # Bound per shard (registry.LOCAL): each device computes on its own block, so a
+            # strategy the op's rule does not offer (top_k cut along its sorted dim) gives wrong
+            # numbers; every other op is partitioned by XLA, which keeps any layout correct.
+            problems.append(f"{what} takes {', '.join(map(str, s.ins))} to "
+                            f"{', '.join(map(str, s.outs))}, which its rule does not offer: "
+                            "the op runs per shard and would compute another result")
         if op.regions and len(choice.regions) == len(op.regions):
             for r, (body, plan) in enumerate(zip(op.regions, choice.regions, strict=True)):
-                _check_graph_plan(body, plan, check, problems, f"{what} body {r}")
+                _check_graph_plan(body, plan, check, problems, f"{what} body {r}", mesh)
         elif op.regions:
             problems.append(f"{what} plans {len(choice.regions)} bodies for an op of "
                             f"{len(op.regions)}")
@@ -333,6 +380,12 @@ def _read_plan_file(path, where: str):
 
 def _one_plan(data, path, where: str) -> Plan:
     """The plan of a single-plan file's JSON (Plan.save's format)."""
+    if isinstance(data, dict) and data.get("format") == "jaxpar-plans":
+        raise ValueError(f"{where}({str(path)!r}): this file holds {len(data.get('plans', []))} "
+                         "plans, one per argument signature (an AutoParallel strategy file "
+                         "written for several input shapes); load it with "
+                         "jaxpar.plan.load_plans, or give the AutoParallel it was written by "
+                         "load_operator_strategy_file.")
     if not isinstance(data, dict) or data.get("format") != "jaxpar-plan":
         raise ValueError(f"{where}({str(path)!r}): not a jaxpar plan file.")
     _check_version(data, path, where)

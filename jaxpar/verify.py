@@ -71,7 +71,7 @@ def verify_plan(plan, compiled, rtol: float = 0.10) -> Verification:
     except (AttributeError, TypeError):
         shardings = []
     import jax
-    for path, spec, sh in zip(plan.out_paths, plan.out_specs, jax.tree_util.tree_leaves(
+    for path, spec, sh in zip(plan.out_paths, plan.flat_out_specs, jax.tree_util.tree_leaves(
             shardings), strict=False):
         got = getattr(sh, "spec", None)
         if got is not None and Spec.from_pspec(got, spec.rank) != spec.resolved():

@@ -26,7 +26,7 @@ def test_plans_for_64_devices_on_an_8_device_machine(mode):
                      else None, mesh=MESH, search_mode=mode)
     plan = f.plan(*ARGS)
     assert plan.mesh.size == 64 > len(jax.devices())
-    assert max(s.shards(plan.mesh) for s in plan.in_specs) > 8  # uses the devices it lacks
+    assert max(s.shards(plan.mesh) for s in plan.flat_in_specs) > 8  # uses the devices it lacks
 
 
 def test_an_abstract_mesh_plan_cannot_run():
@@ -34,3 +34,17 @@ def test_an_abstract_mesh_plan_cannot_run():
     for call in (lambda: f.lower(*ARGS), lambda: f(*(jnp.zeros(a.shape) for a in ARGS))):
         with pytest.raises(ValueError, match="AbstractMesh of 64 devices"):
             call()
+
+
+def test_a_context_device_num_above_the_machine_plans_for_that_cluster():
+    # ParallelContext's device_num "may exceed the devices of this machine (a plan for a larger
+    # cluster)"; AutoParallel then asked make_mesh for 64 devices and stopped on XLA_FLAGS.
+    jaxpar.set_auto_parallel_context(device_num=64)
+    try:
+        net = jaxpar.AutoParallel(_mlp, "recursive_programming")
+    finally:
+        jaxpar.reset_auto_parallel_context()
+    assert net.mesh.size == 64 and net.mesh.axis_names == tuple(f"d{k}" for k in range(6))
+    assert net.plan(*ARGS).mesh.size == 64
+    with pytest.raises(ValueError, match="AbstractMesh of 64 devices"):
+        net(*(jnp.zeros(a.shape) for a in ARGS))

@@ -31,9 +31,34 @@ def test_reference_dense_relu():
     np.testing.assert_allclose(y, jax.jit(dense_relu)(X, W, B), rtol=1e-5, atol=1e-5)
     assert isinstance(y.sharding, NamedSharding)
     plan = f.plan(X, W, B)
-    assert plan.in_specs[0].to_pspec() == P(("d0", "d1"), "d2")
-    assert plan.in_specs_tree[0] == P(("d0", "d1"), "d2")
-    assert y.sharding.spec == plan.out_specs[0].to_pspec()
+    assert plan.flat_in_specs[0].to_pspec() == P(("d0", "d1"), "d2")
+    assert plan.in_specs[0] == P(("d0", "d1"), "d2")
+    assert y.sharding.spec == plan.out_specs  # one array out: one PartitionSpec
+
+
+def test_plan_specs_are_partition_specs_in_the_arguments_structure(tmp_path):
+    # DESIGN's contract: plan.in_specs / out_specs are PartitionSpecs in pytrees matching the
+    # arguments and outputs (they were flat lists of jaxpar Specs), usable as jax shardings.
+    params, x = blocks_params(), jnp.asarray(RNG.standard_normal((64, 32)), jnp.float32)
+    f = jaxpar.shard(lambda p, x: (three_blocks(p, x), {"sum": x.sum()}),
+                     in_strategy=(None, (8, 1)),
+                     parameter_plan={"block1/dense2/weight": (8, 1)})
+    plan = f.plan(params, x)
+    ins, outs = plan.in_specs, plan.out_specs
+    assert jax.tree.structure(ins, is_leaf=lambda s: isinstance(s, P)) == \
+        jax.tree.structure((params, x))
+    assert ins[0]["block1"]["dense2"]["weight"] == P(("d0", "d1", "d2")) == ins[1]
+    assert isinstance(outs, tuple) and isinstance(outs[1]["sum"], P)
+    placed = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(f.mesh, s)),
+                          (params, x), ins,
+                          is_leaf=lambda s: isinstance(s, P))
+    np.testing.assert_allclose(f(*placed)[0], jax.jit(three_blocks)(params, x), rtol=1e-5,
+                               atol=1e-5)
+    plan.save(tmp_path / "plan.json")
+    loaded = jaxpar.Plan.load(tmp_path / "plan.json")
+    # no tree yet:
+    assert loaded.in_specs == jax.tree.leaves(ins, is_leaf=lambda s: isinstance(s, P))
+    assert f.with_plan(loaded).plan(params, x).in_specs == ins  # bound to the arguments: the tree
 
 
 def test_reference_three_blocks_with_parameter_plan():
@@ -43,15 +68,14 @@ def test_reference_three_blocks_with_parameter_plan():
     np.testing.assert_allclose(f(params, x), jax.jit(three_blocks)(params, x),
                                rtol=1e-5, atol=1e-5)
     plan = f.plan(params, x)
-    spec = dict(zip(plan.in_paths, plan.in_specs, strict=True))["params/block1/dense2/weight"]
-    assert spec.to_pspec() == P(("d0", "d1", "d2"))
+    assert plan.in_specs[0]["block1"]["dense2"]["weight"] == P(("d0", "d1", "d2"))
 
 
 def test_plan_from_shape_dtype_structs_matches_plan_from_arrays():
     f = jaxpar.shard(dense_relu, in_strategy=((4, 2), None, None))
     abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (X, W, B)]
     p1, p2 = f.plan(*abstract), f.plan(X, W, B)
-    assert p1.fingerprint == p2.fingerprint and p1.in_specs == p2.in_specs
+    assert p1.fingerprint == p2.fingerprint and p1.flat_in_specs == p2.flat_in_specs
 
 
 def test_explain_shows_every_op_and_totals():
@@ -135,7 +159,8 @@ def test_save_load_round_trip_and_refusals(tmp_path):
     path = tmp_path / "plan.json"
     plan.save(path)
     loaded = jaxpar.Plan.load(path)
-    assert loaded.in_specs == plan.in_specs and loaded.out_specs == plan.out_specs
+    assert loaded.flat_in_specs == plan.flat_in_specs
+    assert loaded.flat_out_specs == plan.flat_out_specs
     assert loaded.explain() == plan.explain()
     g = jaxpar.shard(dense_relu).with_plan(loaded)
     np.testing.assert_allclose(g(X, W, B), f(X, W, B), rtol=1e-6)
@@ -170,7 +195,7 @@ def test_verify_reports_predicted_and_measured():
 
 def test_donation_and_cache():
     f = jaxpar.shard(lambda x: x * 2, in_strategy=((8, 1),), donate_argnums=0)
-    spec = f.plan(jnp.ones((16, 4))).in_specs[0].to_pspec()
+    spec = f.plan(jnp.ones((16, 4))).flat_in_specs[0].to_pspec()
     x = jax.device_put(jnp.ones((16, 4)), NamedSharding(f.mesh, spec))  # already placed
     f(x)
     assert x.is_deleted()  # its buffer was reused
@@ -361,7 +386,7 @@ def test_python_scalars_are_arguments_as_under_jit(mode):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert len(f._cache) == 1  # new values, one program
     plan = f.plan(x, 2.0, 3, True)
-    assert [s.dims for s in plan.in_specs[1:]] == [(), (), ()]
+    assert [s.dims for s in plan.flat_in_specs[1:]] == [(), (), ()]
     assert f.lower(x, 2.0, 3, True).compile() is not None
 
 
@@ -618,6 +643,29 @@ def test_a_plan_file_that_does_not_fit_the_program_is_refused_before_lowering(
         f.with_plan(jaxpar.Plan.load(path))(X, W, B)
 
 
+def test_a_plan_file_cutting_a_per_shard_op_as_its_rule_does_not_is_refused(tmp_path):
+    # top_k runs per shard (registry.LOCAL); a file edited to cut its sorted dim loaded and ran,
+    # and each device's top 2 of its own block came back: shape (8, 4), wrong values.
+    import json
+
+    def f(x):
+        return jax.lax.top_k(x, 2)[0]
+
+    x = jnp.asarray(RNG.standard_normal((8, 16)), jnp.float32)
+    g = jaxpar.shard(f)
+    data = g.plan(x).to_json()
+    cut = [[], ["d0"]]
+    (choice,) = data["graph"]["choices"].values()
+    choice["strategy"]["ins"], choice["strategy"]["outs"] = [cut], [cut, cut]
+    data["graph"]["specs"] = {v: cut for v in data["graph"]["specs"]}
+    data["in_specs"], data["out_specs"] = [cut], [cut]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"\(top_k\) takes \[-, d0\] to .*which its rule does "
+                                         r"not offer"):
+        g.with_plan(jaxpar.Plan.load(path))(x)
+    np.testing.assert_array_equal(g.with_plan(g.plan(x))(x), jax.jit(f)(x))  # as planned: runs
+
 @pytest.mark.parametrize("mode", [0, "", False, [], "dynamic-programming"])
 def test_a_search_mode_that_is_not_a_mode_is_refused(mode):
     with pytest.raises(ValueError, match=r"shard\(search_mode=.*supports"):
@@ -657,7 +705,10 @@ def test_a_hardware_file_that_is_not_yaml_or_lacks_a_key_is_named(tmp_path):
     ("in_paths", ["x"]), ("collectives", "garbage"), ("collectives", {"all-gather": 3}),
     ("in_specs", [[["d0"], ["d0"]], [[], []], [[]]]), ("in_specs", [["d0"], [[]], [[]]]),
     ("mesh", {"names": ["d0", "d1", "d2"], "sizes": ["2", "2", "2"]}),
-    ("graph", {"specs": None, "choices": {}})])
+    ("graph", {"specs": None, "choices": {}}), ("collectives", {"all-gather": {"count": "one",
+                                                                            "bytes": 8}}),
+    ("cost", {"compute_s": "fast"}), ("rows", [{"path": 0}]), ("notes", "hi"),
+    ("decisions", [1]), ("layout", 3)])
 def test_a_plan_file_with_a_corrupt_field_is_refused_when_loaded(tmp_path, field, value):
     """Such files loaded, then failed inside jax.sharding when lowered (a stray axis) or in
     explain() (zip, str.items)."""

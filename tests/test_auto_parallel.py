@@ -67,7 +67,7 @@ def _train(net, args, steps=STEPS):
 def _specs(net, args) -> dict:
     """{leaf path: planned Spec} of net's plan for args."""
     plan = net.plan(*args)
-    return dict(zip(plan.in_paths, plan.in_specs, strict=True))
+    return dict(zip(plan.in_paths, plan.flat_in_specs, strict=True))
 
 
 def _close_trees(a, b, rtol=1e-4, atol=1e-5):  # atol: 1% of one Adam update (lr 1e-3)
@@ -258,7 +258,7 @@ def test_optimizer_parallel_levels_cut_memory_and_train_alike(mlp_problem):
     # Adam's moments are 2/3 of the replicated state: level1 keeps 1/8 of them per device.
     assert sizes["level1"] < 0.5 * sizes[None]
     # level2 lays out state as level1 does; the gradients' reduce-scatter is the search's.
-    assert nets["level2"].plan(*args).in_specs == nets["level1"].plan(*args).in_specs
+    assert nets["level2"].plan(*args).flat_in_specs == nets["level1"].plan(*args).flat_in_specs
     for level in ("level1", "level3"):
         losses, params = _train(nets[level], args)
         np.testing.assert_allclose(losses, want_losses, rtol=1e-4)
@@ -300,7 +300,7 @@ def test_optimizer_parallel_threshold_keeps_small_tensors(mlp_problem):
     net = AutoParallel(step)
     net.hsdp(threshold=10_000, optimizer_level="level1")  # 10 MB: nothing is that big here
     plain = AutoParallel(step)
-    assert net.plan(*args).in_specs == plain.plan(*args).in_specs
+    assert net.plan(*args).flat_in_specs == plain.plan(*args).flat_in_specs
 
 
 def test_the_mode_comes_from_the_context_unless_given():
@@ -454,13 +454,17 @@ def test_param_strategy_file_round_trip(mlp_problem, tmp_path):
     loaded = AutoParallel(step, "semi_auto")
     loaded.load_param_strategy_file(path)
     again = loaded.plan(*args)
-    for p, a, b in zip(plan.in_paths, plan.in_specs, again.in_specs, strict=True):
+    for p, a, b in zip(plan.in_paths, plan.flat_in_specs, again.flat_in_specs, strict=True):
         if p.startswith("params/"):
             assert a == b, p
-    assert any(s.axes() for p, s in zip(plan.in_paths, plan.in_specs, strict=True)
+    assert any(s.axes() for p, s in zip(plan.in_paths, plan.flat_in_specs, strict=True)
                if p.startswith("params/")), "a plan that cuts no parameter tests nothing here"
     with pytest.raises(ValueError, match="mesh"):
         AutoParallel(step, mesh=jaxpar.make_mesh(4)).load_param_strategy_file(path)
+    # A path it cannot write is refused when given (it ended in a FileNotFoundError from
+    # pathlib at the first call, after the search).
+    with pytest.raises(ValueError, match=r"save_param_strategy_file: file_path .*does not exist"):
+        AutoParallel(step).save_param_strategy_file(str(tmp_path / "missing" / "params.json"))
 
 
 def test_unknown_parameter_path_lists_the_closest(problem):
@@ -513,7 +517,7 @@ def test_a_new_shape_plans_again():
     w = jnp.ones((16, 16))
     a, b = net.plan(w, jnp.ones((8, 16))), net.plan(w, jnp.ones((16, 16)))
     assert a is net.plan(w, jnp.ones((8, 16))) and a is not b
-    assert a.in_specs[1] != b.in_specs[1] or a.fingerprint != b.fingerprint
+    assert a.flat_in_specs[1] != b.flat_in_specs[1] or a.fingerprint != b.fingerprint
 
 
 def test_a_python_scalar_argument_is_a_weak_array():
@@ -653,7 +657,7 @@ def test_checkpoint_from_8_devices_continues_on_4(mlp_problem, tmp_path):
         losses.append(float(loss))
     jaxpar.save_checkpoint(tmp_path / "ckpt", tuple(state))
     net4 = AutoParallel(step, "recursive_programming", mesh=jaxpar.make_mesh(4))
-    shardings = net4.plan(*args).in_specs_tree[:2]
+    shardings = net4.plan(*args).in_specs[:2]
     restored = jaxpar.restore_checkpoint(tmp_path / "ckpt", tuple(state), mesh=net4.mesh,
                                          shardings=shardings)
     leaf = jax.tree.leaves(restored)[0]

@@ -67,6 +67,23 @@ def test_plan_for_64_devices_as_json_then_explain(capsys, tmp_path, config):
     assert f"logical mesh: {summary['layout']}" in out
 
 
+def test_explain_prints_each_plan_of_a_file_holding_several(capsys, tmp_path):
+    # An AutoParallel strategy file written for two argument signatures holds two plans; it
+    # was "not a jaxpar plan file" to `jaxpar explain` and Plan.load.
+    import jax.numpy as jnp
+
+    import jaxpar
+    from jaxpar.plan import save_plans
+
+    f = jaxpar.shard(lambda x: jnp.tanh(x) @ x.T)
+    path = tmp_path / "plans.json"
+    save_plans([f.plan(jnp.ones((16, 8))), f.plan(jnp.ones((32, 8)))], path)
+    status, out, err = _main(capsys, "explain", str(path))
+    assert status == 0, err
+    assert "plan 1 of 2" in out and "plan 2 of 2" in out and out.count("modeled per device") == 2
+    with pytest.raises(ValueError, match="holds 2 plans, one per argument signature.*load_plans"):
+        jaxpar.Plan.load(path)
+
 def test_plan_overrides_mode_and_hardware(capsys):
     config = REPO / "configs" / "mlp_data_parallel.yaml"
     status, out, err = _main(capsys, "plan", str(config), "--mode", "recursive_programming",

@@ -52,7 +52,7 @@ def test_a_shard_map_is_planned_in_its_specs_and_its_collectives_predicted(mode)
     _check(jax.jit(f), sf, x, w)
     plan = sf.plan(x, w)
     assert plan.graph_plan.choices[0].strategy.name == "shard_map's specs"
-    assert plan.out_specs[1].to_pspec() == P(("d0", "d1"))  # its out_spec: nothing gathered
+    assert plan.flat_out_specs[1].to_pspec() == P(("d0", "d1"))  # its out_spec: nothing gathered
     check = plan.verify(sf.lower(x, w).compile())
     assert check.ok, str(check)
     assert check.predicted == check.measured  # each kind, exactly
@@ -96,7 +96,7 @@ def test_a_shard_map_over_other_axes_stays_replicated():
     sf = jaxpar.shard(f, mesh=jaxpar.make_mesh(8))
     _check(jax.jit(f), sf, x, w)
     plan = sf.plan(x, w)
-    assert plan.in_specs[0].to_pspec() == P()
+    assert plan.flat_in_specs[0].to_pspec() == P()
     (note,) = [n for n in plan.notes if "shard_map over another mesh" in n]
     assert "batch=8" in note and "not in the predicted collectives" in note
 

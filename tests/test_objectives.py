@@ -61,7 +61,7 @@ def test_alpa_mlp_cases(mode, batch, hidden, layout, want):
 @pytest.mark.parametrize("mode", AUTOMATIC)
 def test_the_carried_parameters_keep_their_sharding(mode):
     f, args, plan = _planned(32, 256, mode)
-    assert plan.out_specs == plan.in_specs[:12]
+    assert plan.flat_out_specs == plan.flat_in_specs[:12]
     assert any("carried state: 12 outputs" in n for n in plan.notes)
 
 
@@ -142,7 +142,7 @@ def test_optimizer_state_follows_a_fixed_parameter():
     x = jnp.ones((8, 16))
     f = jaxpar.shard(step, parameter_plan={"params/w": (1, 8)})
     plan = f.plan(params, state, x)
-    specs = dict(zip(plan.in_paths, plan.in_specs, strict=True))
+    specs = dict(zip(plan.in_paths, plan.flat_in_specs, strict=True))
     assert specs["opt_state/0/mu/w"] == specs["opt_state/0/nu/w"] == specs["params/w"]
     assert str(specs["params/w"]) == "[-, d0+d1+d2]"
     got, want = f(params, state, x), jax.jit(step)(params, state, x)

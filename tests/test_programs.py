@@ -38,7 +38,7 @@ def test_training_step_keeps_its_state_sharding(mode):
     f = jaxpar.shard(fn, in_strategy=in_strategy, search_mode=mode)
     plan = f.plan(params, x, y)
     n = len(jax.tree_util.tree_leaves(params))
-    assert plan.out_specs[:n] == plan.in_specs[:n]  # params out as params came in
+    assert plan.flat_out_specs[:n] == plan.flat_in_specs[:n]  # params out as params came in
     assert any("carried state" in note for note in plan.notes)
     new_params, _ = f(params, x, y)
     for a, b in zip(jax.tree_util.tree_leaves(new_params),
@@ -65,8 +65,8 @@ def test_a_data_parallel_step_moves_one_all_reduce_of_its_gradients(mode, params
     grads = sum(p.nbytes for p in jax.tree_util.tree_leaves(params))
     assert check.measured == {"all-reduce": {"count": 1, "bytes": grads + 4}}, check
     assert check.predicted["all-reduce"]["bytes"] == grads + 4, check
-    assert plan.out_specs[:len(jax.tree_util.tree_leaves(params))] == \
-        plan.in_specs[:len(jax.tree_util.tree_leaves(params))]
+    assert plan.flat_out_specs[:len(jax.tree_util.tree_leaves(params))] == \
+        plan.flat_in_specs[:len(jax.tree_util.tree_leaves(params))]
 
 
 def test_a_refined_plan_over_the_memory_budget_gives_way_to_the_propagated_one():

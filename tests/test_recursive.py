@@ -621,7 +621,7 @@ def test_a_training_step_is_searched_once():
     f, args, plan = planned(64, 64, layers=2)
     assert sum(line.startswith("recursive_programming:") for line in plan.decisions) == 1
     carried = carried_pairs(args, jax.eval_shape(mlp_step, *args))
-    assert all(plan.out_specs[j] == plan.in_specs[i] for i, j in carried)
+    assert all(plan.flat_out_specs[j] == plan.flat_in_specs[i] for i, j in carried)
     assert_same_as_jit(mlp_step, f, args)
 
 

@@ -157,7 +157,7 @@ def test_tensor_parallel_specs_follow_megatron():
 
 
 def _in_specs(plan) -> dict:
-    return dict(zip(plan.in_paths, plan.in_specs, strict=True))
+    return dict(zip(plan.in_paths, plan.flat_in_specs, strict=True))
 
 
 def test_what_each_mode_fixes_before_the_search():
@@ -188,7 +188,7 @@ def test_plan_run_semi_auto_keeps_the_megatron_layout():
     run = _run(parallel={"parallel_mode": 1}, parallel_config={"model_parallel": 2},
                mesh=8, train={"batch_size": 16})
     plan = plan_run(run).plan
-    specs = dict(zip(plan.in_paths, plan.in_specs, strict=True))
+    specs = dict(zip(plan.in_paths, plan.flat_in_specs, strict=True))
     assert specs["params/0/w"] == Spec(((), ("mp",)))
     assert specs["params/1/w"] == Spec((("mp",), ()))
     assert specs["x"] == Spec((("dp",), ()))
@@ -202,8 +202,8 @@ def test_parallel_optimizer_cuts_optimizer_state_further():
         "parallel_mode": 0, "enable_parallel_optimizer": True,
         "parallel_optimizer_config": {"parallel_optimizer_threshold": 0}}})).plan
     mu = "opt_state/0/mu/1/w"
-    assert dict(zip(off.in_paths, off.in_specs, strict=True))[mu].shards(off.mesh) == 1
-    assert dict(zip(on.in_paths, on.in_specs, strict=True))[mu].shards(on.mesh) == 8
+    assert dict(zip(off.in_paths, off.flat_in_specs, strict=True))[mu].shards(off.mesh) == 1
+    assert dict(zip(on.in_paths, on.flat_in_specs, strict=True))[mu].shards(on.mesh) == 8
 
 
 def test_semi_auto_reads_the_megatron_weights_as_laid_out(monkeypatch):
@@ -221,7 +221,8 @@ def test_semi_auto_reads_the_megatron_weights_as_laid_out(monkeypatch):
     plan = planned.plan
     traced = trace(planned.problem.step, planned.problem.args)
     graph = build_graph(traced.closed_jaxpr, traced.in_paths)
-    pinned = {v: s for v, s, path in zip(graph.inputs, plan.in_specs, plan.in_paths, strict=True)
+    pinned = {v: s for v, s, path in zip(graph.inputs, plan.flat_in_specs, plan.in_paths,
+                                         strict=True)
               if path.startswith(("params/", "opt_state/"))}  # the carried state
     assert sum(bool(s.axes()) for s in pinned.values()) >= 8
     for op in graph.ops:
@@ -250,5 +251,5 @@ def test_data_parallel_mode_keeps_the_better_of_two_propagations():
     run = load_run_config(Path(__file__).parent.parent / "configs" / "mlp_data_parallel.yaml")
     plan = plan_run(run).plan
     assert plan.cost.total_s < 450e-6, plan.cost
-    assert all(s == Spec(((),) * s.rank) for p, s in zip(plan.in_paths, plan.in_specs,
+    assert all(s == Spec(((),) * s.rank) for p, s in zip(plan.in_paths, plan.flat_in_specs,
                                                          strict=True) if p.startswith("params"))
