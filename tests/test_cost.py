@@ -174,6 +174,14 @@ CASES3 = [
      {"all-gather": 4096, "all-to-all": 4096, "collective-permute": 4096}),
     # d2 and d0 dropped, d1 moved: gathered first (the last dimension first), then moved.
     (S("d2", "d0", "d1"), S(None, None, ("d1", "d0")), {"all-gather": 4096, "all-to-all": 4096}),
+    # One dimension cut by two axes, an axis dropped: gathered whole where that dimension is
+    # one src leaves whole and takes an axis src does not use, or dimension 0 after three cut
+    # (a gather and an all-to-all of 2048 + 2048 bytes had been predicted: 7x less).
+    (S("d1", "d2", None), S(None, None, ("d0", "d2")), {"all-gather": 8192 + 16384}),
+    (S("d0", "d1", "d2"), S(("d0", "d1"), None, None), {"all-gather": 4096 + 8192 + 16384}),
+    (S("d0", "d1", "d2"), S(("d1", "d2"), None, None), {"all-gather": 4096 + 8192 + 16384}),
+    # Into dimension 1 instead: the dropped axis gathered, the other moved.
+    (S("d0", "d1", "d2"), S(None, ("d1", "d2"), None), {"all-gather": 4096, "all-to-all": 4096}),
 ]
 
 
