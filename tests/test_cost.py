@@ -339,17 +339,18 @@ def test_reduce_scatter_when_destination_cuts_the_partial_axis():
 K = ("d0", "d1", "d2")
 
 
-def _partial_product(part: tuple, out: tuple) -> tuple[dict, dict]:
-    """(predicted, measured) bytes by kind of x @ w with the contraction cut on `part`, its
-    product (a partial sum over `part`) constrained to `out`, on 2 x 2 x 2 devices."""
+def _partial_product(part: tuple, out: tuple, rows=None, cols=None) -> tuple[dict, dict]:
+    """(predicted, measured) bytes by kind of x @ w with the contraction cut on `part` (and
+    x's rows, w's columns on `rows`, `cols`), its product (a partial sum over `part`)
+    constrained to `out`, on 2 x 2 x 2 devices."""
     mesh = make_mesh((2, 2, 2), K)
     f = jax.jit(lambda x, w: jax.lax.with_sharding_constraint(
         x @ w, NamedSharding(mesh, P(*out))),
-        in_shardings=(NamedSharding(mesh, P(None, part)), NamedSharding(mesh, P(part, None))))
+        in_shardings=(NamedSharding(mesh, P(rows, part)), NamedSharding(mesh, P(part, cols))))
     compiled = f.lower(jax.ShapeDtypeStruct((64, 32), jnp.float32),
                        jax.ShapeDtypeStruct((32, 128), jnp.float32)).compile()
     predicted = {}
-    for c in reshard(Spec(((), ()), part), S(*out), 64 * 128 * 4, MeshInfo.of(mesh)):
+    for c in reshard(S(rows, cols, partial=part), S(*out), 64 * 128 * 4, MeshInfo.of(mesh)):
         predicted[c.kind] = predicted.get(c.kind, 0) + c.bytes
     return predicted, {k: v["bytes"] for k, v in collective_stats(compiled).items()}
 
@@ -371,6 +372,20 @@ def test_partial_sum_onto_two_dims_beside_a_new_axis_matches_compiled(out):
     # Partial over d1 and d2 onto two dims, d0 sliced besides: one reduce-scatter and a
     # permute (an all-reduce at full size and a reduce-scatter had been predicted).
     predicted, measured = _partial_product(("d1", "d2"), out)
+    assert predicted == measured
+
+
+@pytest.mark.parametrize("part, out, rows, cols", [
+    (("d0", "d1"), ("d1", None), None, None), (("d1", "d2"), (None, "d1"), None, None),
+    (("d0", "d2"), (("d1", "d2"), None), "d1", None),
+    (("d1", "d2"), ("d1", ("d0", "d2")), None, "d0"),
+    (("d1", "d2"), (("d0", "d1"), "d2"), "d0", None)], ids=str)
+def test_partial_sum_over_two_axes_resolved_as_compiled(part, out, rows, cols):
+    # One of two partial axes scattered, the other reduced, nothing else cut: XLA slices the
+    # operands, all-reduces the half over both axes and renumbers it (a reduce-scatter of the
+    # whole and an all-reduce had been predicted). Scattered onto a dim src cuts already: one
+    # all-reduce over both, then sliced (a reduce-scatter and an all-reduce predicted).
+    predicted, measured = _partial_product(part, out, rows, cols)
     assert predicted == measured
 
 
