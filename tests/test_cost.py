@@ -180,8 +180,18 @@ CASES3 = [
     (S("d1", "d2", None), S(None, None, ("d0", "d2")), {"all-gather": 8192 + 16384}),
     (S("d0", "d1", "d2"), S(("d0", "d1"), None, None), {"all-gather": 4096 + 8192 + 16384}),
     (S("d0", "d1", "d2"), S(("d1", "d2"), None, None), {"all-gather": 4096 + 8192 + 16384}),
-    # Into dimension 1 instead: the dropped axis gathered, the other moved.
+    # Into dimension 1 instead: the dropped axis gathered, the other moved, and the pieces
+    # renumbered unless the axis kept in place comes first, the moved one second and the
+    # dropped one came from dimension 0 (the all-to-all had been put first, or the permute
+    # left out: 18 of the 36 such pairs).
     (S("d0", "d1", "d2"), S(None, ("d1", "d2"), None), {"all-gather": 4096, "all-to-all": 4096}),
+    (S("d1", "d0", "d2"), S(None, ("d0", "d2"), None), {"all-gather": 4096, "all-to-all": 4096}),
+    (S("d0", "d1", "d2"), S(None, ("d0", "d2"), None),
+     {"all-gather": 4096, "all-to-all": 4096, "collective-permute": 4096}),
+    (S("d2", "d0", "d1"), S(None, ("d0", "d2"), None),
+     {"all-gather": 4096, "all-to-all": 4096, "collective-permute": 4096}),
+    (S("d1", "d2", "d0"), S(None, None, ("d1", "d2")),
+     {"all-gather": 4096, "all-to-all": 4096, "collective-permute": 4096}),
 ]
 
 

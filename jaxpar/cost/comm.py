@@ -125,6 +125,9 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo) -> list[Collect
     dropped = _dropped_for(src, dst, nbytes, mesh)
     if dropped is not None:
         return dropped
+    three = _three_into_two(src, dst, local, mesh)
+    if three is not None:
+        return three
     new = [a for d, axes in enumerate(dst.dims) for a in axes
            if a not in src.axes() and a not in src.dims[d]]
     local /= mesh.group_size(tuple(new))
@@ -208,6 +211,36 @@ def _two_partial(src: Spec, dst: Spec, scatter: Axes, reduce: Axes, new: list, l
     if any(src.dims[dst.dim_of(a)] for a in scatter):
         return [Collective("reduce-scatter", src.partial, local)]
     return None
+
+
+def _three_into_two(src: Spec, dst: Spec, local: float, mesh: MeshInfo
+                    ) -> list[Collective] | None:
+    """src cuts three dimensions, one axis each; dst cuts one of them but the first, with two
+    of those axes, and drops the third (`[d0, d1, d2] -> [-, d0+d2, -]`). XLA gathers the
+    dropped axis first, then moves the other into place, and renumbers the pieces unless the
+    axis dst keeps in place comes first in it, the moved one second and the dropped one came
+    from dimension 0 (every such pair of rank 3 on 2 x 2 x 2 compiled: tests/test_cost.py).
+    None for other pairs."""
+    if src.partial or len(src.dims) < 3:
+        return None
+    cut = [d for d, axes in enumerate(src.dims) if axes]
+    into = [d for d, axes in enumerate(dst.dims) if axes]
+    if len(cut) != 3 or any(len(src.dims[d]) != 1 for d in cut) or len(into) != 1 or \
+            into[0] == 0 or len(dst.dims[into[0]]) != 2:
+        return None
+    j = into[0]
+    origin = [src.dim_of(a) for a in dst.dims[j]]
+    gone = [a for a in src.axes() if dst.dim_of(a) is None]
+    if None in origin or len(gone) != 1:
+        return None
+    moved = tuple(a for a, d in zip(dst.dims[j], origin, strict=True) if d != j)
+    local *= mesh.group_size(tuple(gone))
+    out = [Collective("all-gather", tuple(gone), local),
+           Collective("all-to-all", moved, local)]
+    in_order = origin[0] == j and origin[1] != j and src.dim_of(gone[0]) == 0
+    if not in_order:
+        out.append(Collective("collective-permute", moved, local))
+    return out
 
 
 def _cutting(spec: Spec, mesh: MeshInfo) -> Spec:
