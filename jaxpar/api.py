@@ -268,9 +268,9 @@ class ShardedFunction:
                     "spmd_axis_name (jaxpar places the program itself), or plan the batched "
                     "function: jaxpar.shard(jax.vmap(fn)).") from err
             return jax.tree_util.tree_unflatten(c.plan.out_tree, list(out))
+        if c.donate:  # before placing: placed replicas of one array may share its buffer
+            leaves = _own_buffers(leaves, c.donate)
         flat = [_placed(x, s) for x, s in zip(leaves, c.shardings, strict=True)]
-        if c.donate:
-            flat = _own_buffers(flat, c.donate)
         if c.called:
             out = c.jitted(*flat)
         else:
@@ -777,7 +777,9 @@ def _all_auto(mesh) -> bool:
 def _own_buffers(flat: list, donate: tuple[int, ...]) -> list:
     """flat with each donated array that is passed elsewhere too (one array in two leaves of
     a donated pytree: tied weights) copied: a buffer donated and read again, or donated twice,
-    breaks the call (XLA aborts the process on a multi-device program)."""
+    breaks the call (XLA aborts the process on a multi-device program). Called on the leaves
+    as given, before _placed: two leaves of one array on one device, each placed replicated
+    on the mesh, are two arrays that share its buffer on that device."""
     given = set(donate)
     seen = {id(x) for i, x in enumerate(flat) if i not in given and isinstance(x, jax.Array)}
     out = list(flat)

@@ -230,6 +230,24 @@ def test_one_array_in_two_donated_leaves_is_copied_not_donated_twice():
     np.testing.assert_allclose(out["a"], jnp.full((64, 32), 8.0))
 
 
+def test_tied_weights_fresh_from_one_device_are_copied_before_being_placed():
+    # {"emb": e, "unemb": e} with e made by jax.random (on one device, uncommitted) and planned
+    # replicated: each leaf placed on the mesh shared e's buffer on that device, the copy came
+    # after the placing (by identity, which two placed arrays do not share), and XLA was asked
+    # to donate one buffer twice: the process died (SIGSEGV).
+    def step(p, x):
+        return {k: v - 0.1 * (x @ v.T).mean() for k, v in p.items()}, x.sum()
+
+    e = jax.random.normal(jax.random.key(0), (32, 16))
+    f = jaxpar.shard(step, in_strategy=({"emb": (1, 1), "unemb": (1, 1)}, (8, 1)),
+                     donate_argnums=0)
+    x = jnp.ones((64, 16))
+    want = jax.jit(step)({"emb": e, "unemb": e}, x)
+    out, total = f({"emb": e, "unemb": e}, x)
+    np.testing.assert_allclose(out["emb"], want[0]["emb"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out["unemb"], want[0]["unemb"], rtol=1e-5, atol=1e-6)
+
+
 def test_a_steps_outputs_go_back_in_without_being_moved(monkeypatch):
     # A training loop feeds each step's outputs back: they already lie where the plan wants
     # them, so the call neither moves them nor runs the slower equivalence check.
