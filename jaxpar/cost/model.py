@@ -184,16 +184,18 @@ class CostModel:
                                  for c in cs),
                       comm_bytes=sum(c.bytes for c in cs), collectives=tuple(cs))
 
-    def reshard(self, src: Spec, dst: Spec, shape, dtype, share: float = 1.0) -> OpCost:
+    def reshard(self, src: Spec, dst: Spec, shape, dtype, share: float = 1.0,
+                matmul: bool = True) -> OpCost:
         """Moving a value from `src` to `dst`. share: the fraction of a latency its reductions
-        pay (OpGraph.latency_share: below 1 in a step's tail, where XLA combines them)."""
+        pay (OpGraph.latency_share: below 1 in a step's tail, where XLA combines them);
+        matmul: whether a partial `src` is a matmul's product (comm.reshard)."""
         if src.placed_as(dst):
             return _FREE
-        key = (src, dst, shape if type(shape) is tuple else tuple(shape), dtype, share)
+        key = (src, dst, shape if type(shape) is tuple else tuple(shape), dtype, share, matmul)
         hit = self._reshard_cache.get(key)
         if hit is None:  # the search prices the same edges many times
             size = float(math.prod(shape)) * self._itemsize(dtype)
-            hit = self._reshard_cache[key] = self._moving(src, dst, size, share)
+            hit = self._reshard_cache[key] = self._moving(src, dst, size, share, matmul)
         return hit
 
     def reshard_bytes(self, src: Spec, dst: Spec, nbytes: float) -> OpCost:
@@ -201,11 +203,12 @@ class CostModel:
         (worked out once per pair, whatever the size)."""
         return self._moving(src, dst, nbytes, 1.0)
 
-    def _moving(self, src: Spec, dst: Spec, nbytes: float, share: float) -> OpCost:
+    def _moving(self, src: Spec, dst: Spec, nbytes: float, share: float,
+                matmul: bool = True) -> OpCost:
         """reshard() of an array of `nbytes`: _one_byte's collectives, scaled."""
         return self.collectives_cost(
             [Collective(c.kind, c.axes, c.bytes * nbytes, c.count)
-             for c in self._one_byte(src, dst)], share)
+             for c in self._one_byte(src, dst, matmul)], share)
 
     def reshard_line(self, src: Spec, dst: Spec, share: float = 1.0) -> tuple[float, float]:
         """(per_byte, fixed): the score of reshard(src, dst, ...) for an array of n bytes is
@@ -225,12 +228,13 @@ class CostModel:
             hit = self._lines[key] = (weight * comm[0], weight * comm[1])
         return hit
 
-    def _one_byte(self, src: Spec, dst: Spec) -> list[Collective]:
+    def _one_byte(self, src: Spec, dst: Spec, matmul: bool = True) -> list[Collective]:
         """reshard()'s collectives for an array of one byte: what moves depends on the specs
         only (worked out once per pair), how much on the size."""
-        hit = self._per_byte.get((src, dst))
+        key = (src, dst) if matmul or not src.partial else (src, dst, False)
+        hit = self._per_byte.get(key)
         if hit is None:
-            hit = self._per_byte[(src, dst)] = reshard(src, dst, 1.0, self.mesh)
+            hit = self._per_byte[key] = reshard(src, dst, 1.0, self.mesh, matmul)
         return hit
 
     def _comm_line(self, src: Spec, dst: Spec, share: float) -> tuple[float, float]:
@@ -282,7 +286,8 @@ class CostModel:
             cost = OpCost(compute_s=work / layout.pieces[n], memory_bytes=memory)
             for j, raw, dst in layout.partial[n]:
                 cost = cost + self.reshard(raw, dst, info.out_shapes[j],
-                                           self._reduced(info.out_dtypes[j]), share)
+                                           self._reduced(info.out_dtypes[j]), share,
+                                           layout.matmul)
             out.append(cost)
         return out
 
@@ -295,9 +300,10 @@ class CostModel:
         if manual is not None:
             return manual + OpCost(memory_bytes=memory)
         cost = OpCost(compute_s=compute, memory_bytes=memory)
-        for j, raw, dst in reduction_steps(s, _matmul(io.info)):
+        matmul = _matmul(io.info)
+        for j, raw, dst in reduction_steps(s, matmul):
             cost = cost + self.reshard(raw, dst, io.info.out_shapes[j],
-                                       self._reduced(io.info.out_dtypes[j]), share)
+                                       self._reduced(io.info.out_dtypes[j]), share, matmul)
         return cost
 
     def _manual(self, info: OpInfo) -> OpCost | None:
@@ -373,6 +379,7 @@ class _Layout:
         self.pieces = [model.pieces(s) for s in cands]
         self.shards = [[sp.shards(model.mesh) for sp in s.ins + s.outs] for s in cands]
         self.partial = [reduction_steps(s, matmul) for s in cands]
+        self.matmul = matmul
 
 
 def reduction_steps(s: OpStrategy, matmul: bool = True) -> list[tuple[int, Spec, Spec]]:
