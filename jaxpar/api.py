@@ -611,19 +611,36 @@ def carried_pairs(args: tuple, out_shapes) -> list[tuple[int, int]]:
     When the function returns a tuple whose k-th element has the structure, shapes and dtypes
     of its k-th argument (params in, params out; optimizer state in, optimizer state out), the
     leaves of the two are paired; so are the leaves of a function that returns just its new
-    first argument (`sgd_step(params, batch) -> params`).
+    first argument (`sgd_step(params, batch) -> params`). An argument left unpaired is then
+    paired with the one element of the returned tuple, list or dict (`(loss, params,
+    opt_state)`, `{"params": ..., "opt_state": ..., "loss": ...}`) that has its structure,
+    where that element has no other such argument: the state is then laid out alike in and
+    out as well (it was planned freely, and moved back before every next call).
     """
     if args and _same_structure(args[0], out_shapes):
         return [(k, k) for k in range(len(jax.tree_util.tree_leaves(args[0])))]
-    if not isinstance(out_shapes, tuple | list):
+    if isinstance(out_shapes, dict):
+        keys = sorted(out_shapes)  # jax flattens a dict's values in sorted key order
+        elements = [out_shapes[k] for k in keys]
+    elif isinstance(out_shapes, tuple | list):
+        elements = list(out_shapes)
+    else:
         return []
-    pairs, in_off, out_off = [], 0, 0
-    for arg, out in zip(args, out_shapes, strict=False):
-        n_in, n_out = len(jax.tree_util.tree_leaves(arg)), len(jax.tree_util.tree_leaves(out))
-        if _same_structure(arg, out):
-            pairs += [(in_off + k, out_off + k) for k in range(n_in)]
-        in_off, out_off = in_off + n_in, out_off + n_out
-    return pairs
+    sizes = [len(jax.tree_util.tree_leaves(x)) for x in args]
+    starts_in = np.cumsum([0, *sizes])
+    starts_out = np.cumsum([0, *(len(jax.tree_util.tree_leaves(x)) for x in elements)])
+    paired: dict[int, int] = {}  # argument -> returned element
+    if not isinstance(out_shapes, dict):
+        paired = {i: i for i, (arg, out) in enumerate(zip(args, elements, strict=False))
+                  if _same_structure(arg, out)}
+    free = [j for j in range(len(elements)) if j not in paired.values()]
+    alike = {i: [j for j in free if _same_structure(arg, elements[j])]
+             for i, arg in enumerate(args) if i not in paired}
+    for i, js in alike.items():
+        if len(js) == 1 and sum(js[0] in other for other in alike.values()) == 1:
+            paired[i] = js[0]
+    return sorted((int(starts_in[i]) + k, int(starts_out[j]) + k)
+                  for i, j in paired.items() for k in range(sizes[i]))
 
 
 def optimizer_followers(paths: list[str], shapes: list[tuple]) -> dict[int, int]:

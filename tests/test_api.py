@@ -589,6 +589,34 @@ def test_carried_pairs_match_state_returned_in_place():
     assert carried_pairs((x, params), params) == []  # only a first argument is replaced whole
     other = {"w": jax.ShapeDtypeStruct((4, 4), jnp.bfloat16), "b": params["b"]}
     assert carried_pairs((params, x), (other, loss)) == []  # dtype changed: not the same state
+    # State returned elsewhere than in place: found by its structure where that is unique
+    # (it was planned freely, then moved back before every next call).
+    state = {"mu": params, "count": loss}
+    assert carried_pairs((params, state, x), (loss, params, state)) == \
+        [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+    assert carried_pairs((params, state, x), {"loss": loss, "params": params, "state": state}) \
+        == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+    assert carried_pairs((params, params, x), (loss, loss, params)) == []  # which? neither
+
+
+def test_state_returned_after_the_loss_keeps_its_layout_for_the_next_call():
+    # step(params, x) -> (loss, params): the state was planned freely (its update data
+    # parallel, say) and moved back onto the input's layout before every next call.
+    def step(p, x):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean(jnp.tanh(x @ p["w"]) @ p["v"]))(p)
+        return loss, jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+
+    p = {"w": jnp.ones((32, 64)) * 0.01, "v": jnp.ones((64, 8)) * 0.01}
+    x = jnp.ones((64, 32))
+    want = jax.jit(step)(jax.jit(step)(p, x)[1], x)[0]
+    f = jaxpar.shard(step, search_mode="dynamic_programming", donate_argnums=0)
+    plan = f.plan(p, x)
+    assert plan.flat_out_specs[1:] == plan.flat_in_specs[:2]
+    assert any(n.startswith("carried state: 2 outputs") for n in plan.notes)
+    loss, p2 = f(p, x)
+    for k in p2:  # the next call takes the state as it lies
+        assert p2[k].sharding.is_equivalent_to(NamedSharding(f.mesh, plan.in_specs[0][k]), 2)
+    np.testing.assert_allclose(f(p2, x)[0], want, rtol=1e-5)
 
 
 def test_an_argument_used_as_a_python_value_gets_jaxpars_advice():
