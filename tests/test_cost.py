@@ -400,20 +400,6 @@ def test_partial_sum_over_two_axes_resolved_as_compiled(part, out, rows, cols):
     assert predicted == measured
 
 
-def test_a_matmul_scatters_its_partial_axes_behind_the_dims_own_axes():
-    # [d2, -] partial over d0 resolved to [d0+d2, -] compiled as a re-partitioned matmul (an
-    # operand gathered, a larger product reduced), not the reduce-scatter it was priced as.
-    from jaxpar.rules.registry import candidates
-
-    info = OpInfo(jax.lax.dot_general_p, {"dimension_numbers": (((1,), (0,)), ((), ())),
-                                          "precision": None, "preferred_element_type": None},
-                  ((64, 32), (32, 128)), ((64, 128),), (np.dtype("float32"),) * 2,
-                  (np.dtype("float32"),))
-    resolved = {(s.ins, s.outs) for s in candidates(info, MESH) if any(s.partial)}
-    assert ((S("d2", "d0"), S("d0", None)), (S(("d0", "d2"), None),)) not in resolved
-    assert ((S("d1", "d2"), S("d2", None)), (S(("d1", "d2"), None),)) in resolved
-
-
 def _summed(part: tuple, out: tuple, other=None, mesh_shape=(2, 2, 2)) -> tuple[dict, dict]:
     """(predicted, measured) bytes by kind of sin(x).sum(0), x (16, 1024) cut [part, other]:
     the sum partial over `part`, reduced into `out`."""

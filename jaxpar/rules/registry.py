@@ -180,29 +180,16 @@ def _resolved(raw: list[OpStrategy], info: OpInfo, mesh: MeshInfo) -> list[OpStr
 
 
 def _resolve_partials(s: OpStrategy, info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
-    """A partial result becomes an all-reduce, or (single result) a reduce-scatter onto a dim.
-    A matmul's partial axis is scattered onto a dim only behind the axes that dim is cut on
-    already, in mesh order (`[d1, -]` partial over d2 may become `[d1+d2, -]`; `[d2, -]`
-    partial over d0 does not become `[d0+d2, -]`): in front of them XLA re-partitions the
-    matmul instead, gathering an operand and reducing a larger product (all 32 such pairs of
-    rank 2 on 2 x 2 x 2 compiled so, none as the reduce-scatter and permute it was priced
-    as)."""
+    """A partial result becomes an all-reduce, or (single result) a reduce-scatter onto a dim."""
     if not any(s.partial):
         return [s]
     if len(s.outs) != 1:
         return [s]
-    from jaxpar.cost.model import reduces_as_matmul
-
-    behind = reduces_as_matmul(info.primitive.name)
     (out,), (partial,), (shape,) = s.outs, s.partial, info.out_shapes
     targets = range(len(shape)) if s.scatter_dims is None else s.scatter_dims
     variants = []
     for dims in itertools.product((-1, *targets), repeat=len(partial)):
         new = [list(d) for d in out.dims]
-        if behind and any(d >= 0 and out.dims[d] and
-                          mesh.names.index(axis) < max(map(mesh.names.index, out.dims[d]))
-                          for axis, d in zip(partial, dims, strict=True)):
-            continue
         for axis, d in zip(partial, dims, strict=True):
             if d >= 0:
                 new[d] = list(mesh.order(new[d] + [axis]))
