@@ -114,8 +114,9 @@ def test_search_time_tiny(tmp_path):
     assert ok["ops"] >= ok["eqns"] > 100 and ok["layers"] == 1
     assert ok["plan_s"] >= ok["search_s"] >= 0 and ok["trace_s"] > 0 and ok["graph_s"] > 0
     assert math.isfinite(ok["cost"]) and ok["cost"] > 0
-    # level 0 counts communication twice and adds a memory term: never below the time
-    assert math.isfinite(ok["objective"]) and ok["objective"] > ok["cost"]
+    # The objective prices the step's tail reductions a share of one latency each, Plan.cost
+    # one whole latency per kind and device group: neither bounds the other on a toy step.
+    assert math.isfinite(ok["objective"]) and ok["objective"] > 0
     assert ok["optimal"] is None and ok["gap"] is None
     table = [line for line in (tmp_path / "search_time.md").read_text().splitlines()
              if line.startswith("|")]
