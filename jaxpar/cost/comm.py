@@ -197,10 +197,10 @@ def _summed(src: Spec, dst: Spec, scatter: Axes, reduce: Axes, new: list, local:
     or more, some of them scattered and some not, dst keeping src's cuts and adding only
     partial axes: XLA all-reduces it over every partial axis at src's size and slices it (a
     reduce-scatter where the backend has one), and renumbers the pieces where a scattered axis
-    comes before an axis src already cuts that dimension with (every such sum of rank 2 on
-    2 x 2 x 2 and 4 x 2 compiled: tests/test_cost.py; a GRU's bias gradient in its backward
-    scan, on 4 x 2 and 2 x 4, was priced 0.55-0.7x the compiled program's time). None
-    elsewhere."""
+    comes before an axis src already cuts that dimension with (every such sum over one dim of
+    a matrix on 2 x 2 x 2 and 4 x 2 compiled: tests/test_cost.py; a GRU's bias gradient in its
+    backward scan, on 4 x 2 and 2 x 4, was priced 0.55-0.7x the compiled program's time).
+    None elsewhere."""
     if len(src.partial) < 2 or not scatter or not reduce or new or any(
             not set(axes) <= set(dst.dims[d]) for d, axes in enumerate(src.dims)):
         return None
@@ -213,9 +213,9 @@ def _summed(src: Spec, dst: Spec, scatter: Axes, reduce: Axes, new: list, local:
 
 def _two_partial(src: Spec, dst: Spec, scatter: Axes, reduce: Axes, new: list, local: float,
                  mesh: MeshInfo) -> list[Collective] | None:
-    """A sum partial over two axes resolved as XLA compiles it where reshard's general rule
-    does not (every such pair of rank 2 on 2 x 2 x 2 compiled: tests/test_cost.py), dst
-    keeping src's cuts and adding only partial axes:
+    """A matmul's product partial over two axes resolved as XLA compiles it where reshard's
+    general rule does not (every such pair of rank 2 on 2 x 2 x 2 compiled: tests/test_cost.py),
+    dst keeping src's cuts and adding only partial axes:
     - src cuts nothing, one axis is scattered and the other reduced, and a third axis as
       large as the scattered one is idle: XLA splits the operands over the idle axis first,
       all-reduces the piece over both axes and renumbers it (a permute; on a mesh of the two
