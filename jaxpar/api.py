@@ -718,8 +718,8 @@ def _on_own_mesh(mesh: Mesh | AbstractMesh, ambient: AbstractMesh | None = None)
     if isinstance(mesh, Mesh) and jax_core.trace_state_clean():
         return jax.set_mesh(mesh)
     raise ValueError(
-        f"a jaxpar function over {own.size} devices ({_describe(own)}) called under "
-        f"jax.set_mesh over {ambient.size} ({_describe(ambient)})"
+        f"a jaxpar function over {own.size} devices ({MeshInfo.of(own).describe()}) called under "
+        f"jax.set_mesh over {ambient.size} ({MeshInfo.of(ambient).describe()})"
         + (" inside a transformation" if isinstance(mesh, Mesh) else "")
         + ": JAX cannot switch to a mesh of another size there. Call it outside the "
         "set_mesh block, or give jaxpar.shard(mesh=...) that mesh.")
@@ -732,10 +732,6 @@ def _replicated_here(x):
     if isinstance(x, jax.core.Tracer) and not isinstance(x, BatchTracer):
         return jax.sharding.reshard(x, PartitionSpec())
     return x
-
-
-def _describe(mesh: AbstractMesh) -> str:
-    return " x ".join(f"{n}={k}" for n, k in zip(mesh.axis_names, mesh.axis_sizes, strict=True))
 
 
 def _abstract(mesh: Mesh | AbstractMesh) -> AbstractMesh:
