@@ -485,6 +485,8 @@ def read_yaml(path: Path, who: str, example: str) -> Any:
         raise ValueError(f"{who}: no such file; pass a YAML file such as {example}.")
     try:
         return yaml.safe_load(path.read_text())
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not a YAML text file ({err}).") from None
     except yaml.YAMLError as err:
         mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
         where = " ".join(str(err).split()) if mark is None or problem is None else \

@@ -275,6 +275,10 @@ def _blocks(devices: list, ici: tuple[int, ...], dcn: tuple[int, ...]) -> np.nda
 
 
 def _mesh_shape(shape: int | Sequence[int], what: str = "make_mesh shape") -> tuple[int, ...]:
+    if isinstance(shape, np.integer):  # numpy counts, as strategies and Layout take them
+        shape = int(shape)
+    elif isinstance(shape, Sequence) and not isinstance(shape, str):
+        shape = tuple(int(d) if isinstance(d, np.integer) else d for d in shape)
     if isinstance(shape, bool | str) or not isinstance(shape, int | Sequence):
         raise TypeError(f"{what}={shape!r} must be a device count (int) or a tuple of "
                         "axis sizes, e.g. 8 or (4, 2).")

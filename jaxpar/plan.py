@@ -177,7 +177,11 @@ class Plan:
         problems = []
 
         def check(what: str, spec: Spec, shape) -> None:
-            if spec.rank != len(shape):
+            stray = [a for a in spec.axes() if a not in self.mesh.names]
+            if stray:
+                problems.append(f"{what} is {spec}, which names axes {stray} outside the "
+                                f"mesh {self.mesh.describe()}")
+            elif spec.rank != len(shape):
                 problems.append(f"{what} is {spec}, of rank {spec.rank}, for an array of "
                                 f"shape {tuple(shape)}")
             elif not spec.fits(tuple(shape), self.mesh):
@@ -279,8 +283,16 @@ class Plan:
         for key in ("search_mode", "hardware", "layout", "fingerprint"):
             if not isinstance(d.get(key, ""), str):
                 raise ValueError(f"field {key}: a string expected")
+        try:
+            graph = _graph_from_json(d["graph"])
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ValueError(f"field graph: {err}") from None
+        stray = sorted(_graph_axes(graph) - set(mesh.names))
+        if stray:
+            raise ValueError(f"field graph: its specs name axes {stray} outside the mesh "
+                             f"{mesh.describe()}")
         return Plan(d["fingerprint"], mesh,
-                    _graph_from_json(d["graph"]), specs["in"], specs["out"], d["in_paths"],
+                    graph, specs["in"], specs["out"], d["in_paths"],
                     d["out_paths"], PlanCost(**cost), collectives, [Row(**r) for r in rows],
                     d["search_mode"], d["hardware"], notes=list(d.get("notes", [])),
                     layout=d.get("layout", ""), decisions=list(d.get("decisions", [])))
@@ -304,6 +316,12 @@ def _check_graph_plan(graph, gp: GraphPlan, check, problems: list[str], where: s
                       mesh: MeshInfo) -> None:
     """Plan.check_fits' work on one graph (a loop body's: recursively): `check(what, spec,
     shape)` for each value's spec and each op's strategy; what is missing goes to `problems`."""
+    read = {v for op in graph.ops for v in op.inputs if isinstance(v, int)}
+    unplanned = sorted(read - set(gp.specs))
+    if unplanned:  # the lowering reads each operand's planned spec
+        more = f" (and {len(unplanned) - 5} more)" if len(unplanned) > 5 else ""
+        problems.append(f"{where}.specs has no spec for values {unplanned[:5]}{more}, which "
+                        "ops read")
     for v, spec in gp.specs.items():
         if not 0 <= v < len(graph.values):
             problems.append(f"{where}.specs names value {v}, which the program has not")
@@ -374,8 +392,9 @@ def _read_plan_file(path, where: str):
     _check_path(path, where)
     try:
         return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{where}({str(path)!r}): cannot read a plan ({err}).") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{where}({str(path)!r}): cannot read a plan ({err}); pass a file "
+                         "Plan.save or save_plans wrote.") from None
 
 
 def _one_plan(data, path, where: str) -> Plan:
@@ -394,7 +413,7 @@ def _one_plan(data, path, where: str) -> Plan:
 
 def _check_version(data: dict, path, where: str) -> None:
     if data.get("version") != FORMAT_VERSION:
-        raise ValueError(f"{where}({str(path)!r}): format version {data.get('version')} "
+        raise ValueError(f"{where}({str(path)!r}): format version {data.get('version')!r} "
                          f"is not {FORMAT_VERSION}; plan again with this jaxpar.")
 
 
@@ -461,12 +480,27 @@ def _choice_json(c: Choice) -> dict:
 def _graph_from_json(d: dict) -> GraphPlan:
     if not isinstance(d, dict) or not isinstance(d.get("specs"), dict) or \
             not isinstance(d.get("choices"), dict):
-        raise ValueError("field graph: {specs: {value: spec}, choices: {op: choice}} expected")
+        raise ValueError("{specs: {value: spec}, choices: {op: choice}} expected")
     return GraphPlan({int(v): Spec.from_json(s) for v, s in d["specs"].items()},
                      {int(i): _choice_from(c) for i, c in d["choices"].items()})
 
 
+def _graph_axes(gp: GraphPlan) -> set[str]:
+    """Every mesh axis a graph plan's specs and strategies name (loop bodies' included)."""
+    found = {a for s in gp.specs.values() for a in s.axes()}
+    for c in gp.choices.values():
+        for s in (c.strategy, c.runner_up):
+            if s is not None:
+                found.update(a for sp in s.ins + s.outs for a in sp.axes())
+                found.update(a for p in s.partial for a in p)
+        for body in c.regions:
+            found |= _graph_axes(body)
+    return found
+
+
 def _choice_from(d: dict) -> Choice:
+    if d["strategy"] is None:  # (a runner-up may be missing: no other candidate)
+        raise ValueError("a choice's strategy is missing")
     cost = dict(d["cost"])
     cols = tuple(Collective(k, tuple(a), b, n) for k, a, b, n in cost.pop("collectives"))
     return Choice(_strategy_from(d["strategy"]), OpCost(**cost, collectives=cols), d["score"],

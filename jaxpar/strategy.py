@@ -231,7 +231,7 @@ def _parse_entries(strategy, items: tuple, name: str, what: str,
                          f"{'is' if len(items) == 1 else 'are'} {len(items)} {what}(s) "
                          f"(shapes {shapes}) on mesh {info.describe()}; give one entry per "
                          f"{what}, None to let jaxpar decide, e.g. {example}"
-                         f"{_nesting_hint(strategy)}.")
+                         f"{_nesting_hint(strategy, what)}.")
     out = [s for i, (e, x) in enumerate(zip(strategy, items, strict=True))
            for s in _expand(e, x, f"{name}[{i}]", info)]
     assert len(out) == n_leaves, f"{name}: {len(out)} specs for {n_leaves} leaves"
@@ -300,9 +300,9 @@ def _prefix_example(node) -> Any:
     return None
 
 
-def _nesting_hint(strategy: tuple) -> str:
+def _nesting_hint(strategy: tuple, what: str) -> str:
     if strategy and all(_is_int(c) for c in strategy):
-        return f" (for a single array argument write ({strategy!r},))"
+        return f" (for a single array {what} write ({strategy!r},))"
     return ""
 
 

@@ -672,6 +672,10 @@ def test_plan_methods_and_estimate_time_refuse_bad_arguments(tmp_path):
     (lambda d: d["out_specs"].__setitem__(0, [[]]), r"out_specs\[0\] is \[-\], of rank 1"),
     (lambda d: next(iter(d["graph"]["choices"].values()))["strategy"]["ins"].pop(),
      r"graph.choices\[0\] \(dot_general\) has 1 operand and 1 result specs for an op of 2"),
+    # These two failed inside the lowering (KeyError: 0) and in MeshInfo (tuple.index).
+    (lambda d: d["graph"].__setitem__("specs", {}), r"graph.specs has no spec for values \[0,"),
+    (lambda d: d["graph"]["specs"].__setitem__("0", [["zz"], []]),
+     r"field graph: its specs name axes \['zz'\] outside the mesh"),
 ])
 def test_a_plan_file_that_does_not_fit_the_program_is_refused_before_lowering(
         tmp_path, edit, match):
@@ -754,7 +758,8 @@ def test_a_hardware_file_that_is_not_yaml_or_lacks_a_key_is_named(tmp_path):
     ("graph", {"specs": None, "choices": {}}), ("collectives", {"all-gather": {"count": "one",
                                                                             "bytes": 8}}),
     ("cost", {"compute_s": "fast"}), ("rows", [{"path": 0}]), ("notes", "hi"),
-    ("decisions", [1]), ("layout", 3)])
+    ("decisions", [1]), ("layout", 3),
+    ("graph", {"specs": {}, "choices": {"0": {"strategy": None}}})])
 def test_a_plan_file_with_a_corrupt_field_is_refused_when_loaded(tmp_path, field, value):
     """Such files loaded, then failed inside jax.sharding when lowered (a stray axis) or in
     explain() (zip, str.items)."""
@@ -767,3 +772,40 @@ def test_a_plan_file_with_a_corrupt_field_is_refused_when_loaded(tmp_path, field
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=f"corrupt plan file .*field {field}"):
         jaxpar.Plan.load(path)
+
+
+def test_a_file_that_is_not_text_is_named_with_its_reader(tmp_path):
+    """Bytes that are not UTF-8 raised a bare UnicodeDecodeError naming neither the file nor
+    the call."""
+    blob = tmp_path / "blob.json"
+    blob.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ValueError, match=r"Plan.load\(.*blob.json'\): cannot read a plan"):
+        jaxpar.Plan.load(blob)
+    yaml_blob = tmp_path / "blob.yaml"
+    yaml_blob.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ValueError, match=r"hardware=.*blob.yaml.*cannot read"):
+        jaxpar.shard(dense_relu, hardware=str(yaml_blob)).plan(X, W, B)
+    with pytest.raises(ValueError, match=r"blob.yaml: not a YAML text file"):
+        jaxpar.load_config(yaml_blob)
+
+
+def test_a_plan_file_of_another_format_version_shows_the_value_as_written(tmp_path):
+    import json
+
+    data = jaxpar.shard(dense_relu).plan(X, W, B).to_json()
+    data["version"] = str(data["version"])
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"format version '1' is not 1"):
+        jaxpar.Plan.load(path)
+
+
+@pytest.mark.parametrize("in_strategy", [None, ((1, 8),)])
+def test_results_with_no_elements_come_back_readable(in_strategy):
+    """XLA returns an empty result whole on every device whatever its out_sharding says; cut,
+    the array labelled (0, 16) blocks as (0, 2) shards and reading it failed inside jax."""
+    a = jnp.ones((0, 32))
+    y = jaxpar.shard(lambda a: a * 2, in_strategy=in_strategy)(a)
+    np.testing.assert_array_equal(np.asarray(y), np.zeros((0, 32)))
+    z = jaxpar.shard(lambda a, b: a @ b.T)(a, jnp.ones((16, 32)))
+    assert np.asarray(z).shape == (0, 16)

@@ -30,6 +30,9 @@ def test_explicit_shape_and_names():
     mesh = make_mesh((4, 2), ("dp", "tp"))
     assert dict(mesh.shape) == {"dp": 4, "tp": 2}
     assert make_mesh(1).devices.size == 1
+    # numpy counts, as strategies and Layout take them (both were refused as not ints)
+    assert dict(make_mesh(np.int64(8)).shape) == {"d0": 2, "d1": 2, "d2": 2}
+    assert dict(make_mesh((np.int64(4), 2)).shape) == {"d0": 4, "d1": 2}
 
 
 @pytest.mark.parametrize("names, shape", [(("x",), (8,)), (("dp", "tp"), (4, 2))])

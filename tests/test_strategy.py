@@ -344,6 +344,9 @@ MALFORMED = [
     pytest.param(lambda: parse_out_strategy((None, (3,)), (X, B), M8), ValueError,
                  rx("out_strategy[1]=(3,)", "(10,)", "does not divide", "1 or 2"),
                  id="out-bad-count"),
+    pytest.param(lambda: parse_out_strategy((4, 1), X, M8), ValueError,
+                 rx("out_strategy=(4, 1) has 2 entries",
+                    "(for a single array output write ((4, 1),))"), id="out-counts-unnested"),
 ]
 
 

@@ -160,7 +160,7 @@ def load_profile(profile: str | Path | HardwareProfile | None) -> HardwareProfil
                          f"{available_profiles()}, or pass the path of a YAML profile.")
     try:
         data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as err:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ValueError(f"hardware={str(profile)!r}: cannot read {path} as a YAML profile "
                          f"({first}). Fix the file, or pass a profile name: "
