@@ -107,8 +107,9 @@ def test_a_partial_last_batch_is_placed_as_autoparallel_places_it(mesh):
     # An epoch's last batch of 12 on 8 devices: AutoParallel cut it 4 ways with a warning,
     # shard_batch refused it, so a loader placing batches with it stopped there.
     with pytest.warns(UserWarning, match=r"batch of 12 does not divide into 8 devices; it is "
-                                         r"cut 4 ways, over d0 x d1"):
+                                         r"cut 4 ways, over d0 x d1") as caught:
         x, y = shard_batch((np.arange(48.0).reshape(12, 4), np.ones(12)), mesh)
+    assert len(caught) == 1  # one warning per call, not one per leaf of the batch
     assert x.sharding.spec == P(("d0", "d1")) and y.sharding.spec == P(("d0", "d1"))
     np.testing.assert_array_equal(np.asarray(x), np.arange(48.0).reshape(12, 4))
 

@@ -152,7 +152,9 @@ def _leaf_specs(config, shapes: list[Shape], mesh: Mesh, uneven: bool = False) -
                              "or a tuple with one strategy per input, e.g. ((8, 1), (8,)).")
         if config == "full_batch":
             return [P() for _ in shapes]
-        return [_data_parallel_spec(shape, i, mesh, uneven) for i, shape in enumerate(shapes)]
+        warned: set[int] = set()  # batch sizes warned about: once each per call
+        return [_data_parallel_spec(shape, i, mesh, uneven, warned)
+                for i, shape in enumerate(shapes)]
     if isinstance(config, tuple | list):  # lists as the context and AutoParallel take them
         config = tuple(tuple(e) if isinstance(e, list) else e for e in config)  # (YAML's)
     else:
@@ -170,16 +172,21 @@ def _leaf_specs(config, shapes: list[Shape], mesh: Mesh, uneven: bool = False) -
                                                                        strict=True))]
 
 
-def _data_parallel_spec(shape: Shape, i: int, mesh: Mesh, uneven: bool = False) -> P:
+def _data_parallel_spec(shape: Shape, i: int, mesh: Mesh, uneven: bool = False,
+                        warned: set[int] | None = None) -> P:
     """uneven: a batch the device count does not divide is cut as batch_spec says (one
-    process); else it is an error (several processes: each holds its equal slice)."""
+    process); else it is an error (several processes: each holds its equal slice). warned:
+    the batch sizes batch_spec has warned about already (this one is added)."""
     axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
     if not shape:
         raise ValueError(f"dataset_strategy='data_parallel': input {i} is a scalar, with no "
                          "batch dim to split; give it a leading batch dim, or use 'full_batch' "
                          "or a tuple strategy with () for it.")
     if shape[0] % mesh.size and uneven:
-        return batch_spec(shape, mesh) or P()
+        first = warned is None or shape[0] not in warned
+        if warned is not None:
+            warned.add(shape[0])
+        return batch_spec(shape, mesh, warn=first) or P()
     if shape[0] % mesh.size:
         raise ValueError(f"dataset_strategy='data_parallel': input {i} of shape {shape} has a "
                          f"batch dim of {shape[0]}, which does not divide over the {mesh.size} "
@@ -188,10 +195,11 @@ def _data_parallel_spec(shape: Shape, i: int, mesh: Mesh, uneven: bool = False) 
     return P(axes) if axes else P()  # trailing dims whole (jaxpar writes no trailing None)
 
 
-def batch_spec(shape: tuple, mesh: Mesh | AbstractMesh) -> P | None:
+def batch_spec(shape: tuple, mesh: Mesh | AbstractMesh, warn: bool = True) -> P | None:
     """The batch dim cut over every mesh axis; where the device count does not divide the
     batch, over the axes whose sizes multiply to the most that does (the outer first among
-    equals), with a warning: the rest of the devices hold copies (None: no axis divides it).
+    equals), with a warning (unless `warn` is False): the rest of the devices hold copies
+    (None: no axis divides it).
     AutoParallel's and shard_batch's 'data_parallel' (one process: the last, partial batch of
     an epoch)."""
     axes, sizes, batch = tuple(mesh.axis_names), dict(mesh.shape), shape[0]
@@ -201,6 +209,8 @@ def batch_spec(shape: tuple, mesh: Mesh | AbstractMesh) -> P | None:
             if batch % math.prod(sizes[a] for a in c) == 0]
     best = max(fits, key=lambda c: math.prod(sizes[a] for a in c), default=())
     ways = math.prod(sizes[a] for a in best)
+    if not warn:
+        return P(best) if best else None
     warnings.warn(
         f"dataset_strategy 'data_parallel': the batch of {batch} does not divide into "
         f"{mesh.size} devices; " + (f"it is cut {ways} ways, over {' x '.join(best)}, and "
