@@ -2,7 +2,8 @@
 dynamic_programming's, in the cost model's own objective, on the benchmark models.
 
 For each model of a preset (`models.build`: Adam training steps of an MLP, a GPT, a top-2 MoE
-layer, a ViT), each mesh ((8,) and (4, 2) of the 8 simulated CPU devices), each hardware
+layer, a ViT), each mesh ((8,), (4, 2) and make_mesh(8)'s (2, 2, 2) of the 8 simulated CPU
+devices), each hardware
 profile and two objectives (the default, level 0 with mem_coeff 0.1, and "speed", level 2 with
 mem_coeff 0), both modes plan the step with no strategy given, and each plan is scored with the
 objective its search minimised (`CostModel.score` of `graph_cost`, carried outputs back in
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 OBJECTIVES = {"default": {"level": 0, "mem_coeff": 0.1}, "speed": {"level": 2, "mem_coeff": 0.0}}
 MODES = ("recursive_programming", "dynamic_programming")
 HARDWARE = ("h100-nvlink", "h100-2node-ib", "tpu-v5e")
-MESHES = ("8", "4x2")
+MESHES = ("8", "4x2", "2x2x2")  # 2x2x2: make_mesh(8), the default mesh
 
 
 def plan_objective(plan, graph, hardware: str, level: int, mem_coeff: float,

@@ -56,7 +56,14 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    blocks differently (a tensor parallel MLP inside data parallel attention), the last axis
    takes the layout the exact objective prefers. Then the first axis so, the others held:
    it was decided before any other was known (an MoE router cut on its experts on the
-   first axis where the exact search cuts d_model). Then the ops around the largest carried
+   first axis where the exact search cuts d_model). On a mesh of several axes the same two
+   solves also run from the best plan that uses all the axes together (resolve.
+   solve_lockstep: exact over the plans of the flattened mesh, cheap as a 1-D search) unless
+   that scores over _LOCKSTEP_NEAR times the walk's plan, and the better end goes on: the
+   walk's first decision is a two-way cut, which may suit two devices and not eight (on
+   make_mesh(8)'s 2 x 2 x 2, an MoE step's experts took the first axis and its tokens one:
+   1.66x the optimum at level 2 under h100-nvlink, and no axis solved alone could move all
+   three; from the lockstep plan, 1.00x). Then the ops around the largest carried
    state (those within _HOPS of the ops reading it and its update) over every axis, the rest
    held (resolve.solve_region): a language model's embedding table, read by the lookup and
    the tied output head, is priced path by path by the links, and its better layout changes
@@ -98,7 +105,7 @@ from jaxpar.search.links import Link, Slot, Units, mapped
 from jaxpar.search.propagation import GraphIndex, GraphPlan, propagate
 from jaxpar.search.refine import Refiner
 from jaxpar.search.regions import LOOPS
-from jaxpar.search.resolve import objective, solve_axes, solve_region
+from jaxpar.search.resolve import objective, solve_axes, solve_lockstep, solve_region
 from jaxpar.search.state import place_state
 from jaxpar.spec import MeshInfo, OpStrategy, Spec
 
@@ -115,6 +122,9 @@ _CLOSE = 1.05         # a first decision's runner-up this close is tried as a se
 _EXACT_CLASSES = 64   # up to this many classes an axis's joint choice is solved exactly
 _SWEEPS = 50          # coordinate descent over classes: at most this many sweeps
 _PASSES = ("with joint moves", "with shared reads")  # the two passes over the axes (run)
+_LOCKSTEP_NEAR = 1.05  # the lockstep plan's axes are solved again where it scores at most
+                       # this many times the walk's plan (of 48 benchmark cases on 4 x 2 and
+                       # 2 x 2 x 2, the 18 where it ended the better started at most 1.031x)
 _HOPS = 3             # the ops this many def-use hops from the largest carried state's
                       # readers and update are solved again exactly (over every axis)
 
@@ -316,8 +326,9 @@ class _Sapp:
     def run(self) -> GraphPlan:
         # Pricing; each pass's axes and the plan of the other ops; the carried state; the
         # axes solved again; the region around the largest carried state.
-        steps = (1 + len(_PASSES) * (len(self.mesh.names) + 1) + 1 + len(self._again())
-                 + 1)
+        several = len(self.mesh.names) > 1  # the axes are also solved again from lockstep
+        steps = (1 + len(_PASSES) * (len(self.mesh.names) + 1) + 1
+                 + several + (1 + several) * len(self._again()) + 1)
         with progress.stage("", total=steps):
             return self._run()
 
@@ -381,16 +392,44 @@ class _Sapp:
         """Parts of the plan solved again exactly, the rest held (step 5 of the module
         docstring): the last mesh axis (resolve.solve_axis), then the first (decided before
         any other was known), then the ops around the largest carried state. Each plan
-        found is kept where its exact objective is lower."""
+        found is kept where its exact objective is lower. On a mesh of several axes the axes
+        are also solved again from the best plan that uses them all together
+        (resolve.solve_lockstep), and the better of the two results goes on: the walk
+        decides an axis at a time, so a cut that pays only over several axes (a MoE layer's
+        tokens over all eight devices, its experts two-way) is out of its reach."""
         ties = tuple((v, pos) for v, pos, _ in self.units.carried if v not in self.fixed_in)
-        plan, before, taken = solve_axes(self.g, self.model, plan, self.fixed_in,
-                                         self.fixed_out, ties, self._again(),
-                                         lambda p: self._score(p, self.fixed_out))
+        ends = []
+        for what, start in self._starts(plan, ties):
+            ends.append((what, *solve_axes(self.g, self.model, start, self.fixed_in,
+                                            self.fixed_out, ties, self._again(),
+                                            lambda p: self._score(p, self.fixed_out))))
+        what, plan, before, taken = min(ends, key=lambda e: e[2])
+        if len(ends) > 1:
+            _note(self.lines, "from " + " and from ".join(
+                f"{w}, solved again axis by axis: {s:.6g}" for w, _, s, _ in ends) +
+                f"; kept the plan from {what}")
         for axis, was, now in taken:
             _note(self.lines, f"axis {axis}: every op's use of it solved again exactly, the "
                               f"other axes held, scores {now:.6g}, less than {was:.6g}: "
                               "taken instead")
         return self._solve_neighbourhoods(plan, before, ties)
+
+    def _starts(self, plan: GraphPlan, ties: tuple) -> list[tuple[str, GraphPlan]]:
+        """The plans whose axes _solve_again solves again, each with its name: the walk's,
+        and on a mesh of several axes the best that uses them all together, unless it
+        scores more than _LOCKSTEP_NEAR times the walk's."""
+        starts = [("the walk", plan)]
+        if len(self.mesh.names) < 2:
+            return starts
+        progress.step("every axis used together, solved exactly")
+        flat = solve_lockstep(self.g, self.model, self.fixed_in, self.fixed_out, ties)
+        what = f"every axis used together ({'+'.join(self.mesh.names)} as one)"
+        walk, together = self._score(plan, self.fixed_out), self._score(flat, self.fixed_out)
+        if together <= walk * _LOCKSTEP_NEAR:
+            return starts + [(what, flat)]
+        _note(self.lines, f"{what}, solved exactly: scores {together:.6g}, more than "
+                          f"{_LOCKSTEP_NEAR:g}x the walk's {walk:.6g}: not solved again")
+        return starts
 
     def _again(self) -> list[str]:
         """The mesh axes _solve_again solves again, in order: the last, then the first."""
