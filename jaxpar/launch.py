@@ -101,8 +101,21 @@ def validate(cfg: LaunchConfig) -> None:
     if not cfg.grace_s >= 0:  # NaN too
         raise ValueError(f"--grace/grace_s={cfg.grace_s!r} must be a number of seconds >= 0.")
     _check_program(cfg.program)
-    if cfg.log_dir is not None and os.path.exists(cfg.log_dir) and not os.path.isdir(cfg.log_dir):
-        raise ValueError(f"--log-dir {cfg.log_dir!r} exists and is not a directory.")
+    if cfg.log_dir is not None:
+        _check_log_dir(cfg.log_dir)
+
+
+def _check_log_dir(log_dir: str) -> None:
+    """A ValueError unless log_dir is a directory, or one that can be made (its nearest
+    existing ancestor is a writable directory)."""
+    if os.path.exists(log_dir) and not os.path.isdir(log_dir):
+        raise ValueError(f"--log-dir {log_dir!r} exists and is not a directory.")
+    existing = os.path.abspath(log_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--log-dir {log_dir!r} cannot be made: {existing} is not a writable "
+                         "directory. Pass a directory you can write to.")
 
 
 def free_port() -> int:
@@ -128,6 +141,9 @@ def _check_program(program: tuple[str, ...]) -> None:
         if len(program) < 2 or not all(p.isidentifier() for p in program[1].split(".")):
             raise ValueError(f"-m {program[1] if len(program) > 1 else ''!r}: give a module "
                              "name, e.g. `-m mypackage.train`.")
+    elif os.path.isdir(program[0]):
+        raise ValueError(f"script {program[0]!r} is a directory; give the path of a Python "
+                         "file in it, or `-m package.module`.")
     elif not os.path.isfile(program[0]):
         raise ValueError(f"script {program[0]!r} does not exist (looked from {os.getcwd()}); "
                          "give the path of a Python file.")
@@ -256,11 +272,13 @@ class _Launch:
         """Name the rank that died first (the others likely failed because of it) and stop the
         ranks still running. Deaths within SETTLE_S of the first are too close to order (each
         is timed when a thread of this process wakes); among them a rank killed by a signal
-        is named, as its peers exit with an error once it is gone."""
+        is named, as its peers exit with an error once it is gone, but one that aborted
+        (SIGABRT) last: JAX aborts a process whose coordinator, rank 0, went away, so an
+        error in rank 0 ends its peers with SIGABRT."""
         when = {i: self.ranks[i].died_at or reaped for i, _, reaped in failed}
         first = min(when.values())
         index, code, _ = min((f for f in failed if when[f[0]] <= first + SETTLE_S),
-                             key=lambda f: (f[1] >= 0, when[f[0]]))
+                             key=lambda f: (_cause_rank(f[1]), when[f[0]]))
         self.failure = f"rank {index} {_describe(code)}"
         self.status = code if code > 0 else 128 - code
         if running:
@@ -382,6 +400,14 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass  # the group is gone already
+
+
+def _cause_rank(code: int) -> int:
+    """How likely an exit status is the cause of a launch's failure (lower: likelier) among
+    near-simultaneous deaths: killed by a signal, then an error status, then an abort."""
+    if code == -signal.SIGABRT:
+        return 2
+    return 0 if code < 0 else 1
 
 
 def _describe(code: int) -> str:

@@ -256,6 +256,29 @@ def test_unsaveable_state_is_rejected_before_writing(tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_a_process_local_array_in_a_multi_process_save_is_named(tmp_path, monkeypatch):
+    # Across processes orbax refused it deep inside ("Cannot serialize host local jax.Array")
+    # and left a temporary directory behind.
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match=re.escape("state['count'] lives on this process's "
+                                                   "devices only")):
+        save_checkpoint(tmp_path / "ckpt", {"count": jnp.zeros((), jnp.int32)})
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_64_bit_values_are_not_restored_onto_devices_as_32_bit(tmp_path, mesh8):
+    # With x64 off, 1e300 came back as float32 inf and 2**40 + 1 as int32 1, with no error.
+    state = {"f": np.array([1 + 2**-40, 1e300]), "i": np.array([2**40 + 1], np.int64)}
+    save_checkpoint(tmp_path / "ckpt", state)
+    target = {"f": np.zeros(2), "i": np.zeros(1, np.int64)}
+    with pytest.raises(ValueError, match=r"target\['f'\] is float64 .*holds as float32 unless "
+                                         "64-bit mode is on"):
+        restore_checkpoint(tmp_path / "ckpt", target, mesh=mesh8)
+    back = restore_checkpoint(tmp_path / "ckpt", target)  # numpy, on the host: exact
+    np.testing.assert_array_equal(back["f"], state["f"])
+    np.testing.assert_array_equal(back["i"], state["i"])
+
+
 def _loss(params, x, y):
     return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
 

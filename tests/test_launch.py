@@ -126,6 +126,9 @@ def test_blame_names_a_rank_killed_by_a_signal_before_a_peer_that_failed_with_it
     assert blame({0: 10.0, 1: 10.1}, {0: 1, 1: -signal.SIGKILL}) == \
         ("rank 1 was killed by SIGKILL", 128 + signal.SIGKILL)
     assert blame({0: 10.0, 1: 10.1}, {0: 1, 1: 3}) == ("rank 0 exited with status 1", 1)
+    # Rank 0, the coordinator, raising: JAX aborts its peers (SIGABRT), which were named.
+    assert blame({0: 10.1, 1: 10.0}, {0: 1, 1: -signal.SIGABRT}) == \
+        ("rank 0 exited with status 1", 1)
     assert blame({0: 10.0, 1: 10.0 + 2 * SETTLE_S}, {0: 1, 1: -signal.SIGKILL}) == \
         ("rank 0 exited with status 1", 1)
 
@@ -215,6 +218,7 @@ def test_log_dir_gets_one_file_per_rank(tmp_path, capsys):
     (["-n", "2", "--grace", "nan", "S"], "--grace/grace_s=nan must be a number of seconds >= 0"),
     (["-n", "2", "--grace", "-1", "S"], "--grace/grace_s=-1.0 must be a number of seconds >= 0"),
     (["-n", "2", "missing.py"], "script 'missing.py' does not exist"),
+    (["-n", "2", "."], "script '.' is a directory"),
     (["-n", "2"], "give a script path"),
     (["-n", "2", "-m", "not-a-module"], "give a module name"),
 ])
@@ -285,3 +289,14 @@ def test_init_refuses_another_device_count_once_started():
     with pytest.raises(RuntimeError, match="already started with 8 CPU devices"):
         init(local_device_count=4)
 
+
+
+def test_a_log_dir_that_cannot_be_made_is_a_usage_error(tmp_path, capsys):
+    # Under a file: os.makedirs raised NotADirectoryError with a traceback, exit status 1.
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["launch", "--log-dir", str(blocker / "logs"), "-n", "2",
+                  str(SCRIPTS / "echo.py")])
+    assert exit_.value.code == 2
+    assert "cannot be made" in capsys.readouterr().err

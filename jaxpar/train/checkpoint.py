@@ -196,6 +196,12 @@ def _check_saveable(keypath: KeyPath, leaf: Any) -> None:
         raise ValueError(f"save_checkpoint: {where} was deleted (a donated buffer: the step "
                          "that took it returned its replacement); save the arrays the step "
                          "returned.")
+    if isinstance(leaf, jax.Array) and jax.process_count() > 1 and leaf.is_fully_addressable:
+        raise ValueError(f"save_checkpoint: {where} lives on this process's devices only "
+                         f"({leaf.sharding}), so each process holds its own copy and the "
+                         "checkpoint, written by all processes together, cannot hold it "
+                         "(optax's step count right after init, say). Place it over the mesh "
+                         "first: jax.device_put(x, NamedSharding(mesh, PartitionSpec())).")
     if isinstance(leaf, jax.Array | np.ndarray) and leaf.size == 0:
         raise ValueError(f"save_checkpoint: {where} has no elements (shape {leaf.shape}), "
                          "which the checkpoint format cannot hold; leave it out of the state.")
@@ -344,6 +350,12 @@ def _restore_leaf(keypath: KeyPath, leaf: Any, saved: Any, explicit: Sharding | 
     if sharding is None:  # orbax restores numpy arrays, not numpy scalars
         return np.asarray(leaf) if isinstance(leaf, np.generic) else leaf
     _check_sharding(where, shape, sharding)
+    if jax.dtypes.canonicalize_dtype(dtype) != dtype:  # restored as float32/int32, silently
+        raise ValueError(f"restore_checkpoint: {where} is {dtype} (shape {shape}), which a "
+                         f"jax.Array holds as {jax.dtypes.canonicalize_dtype(dtype)} unless "
+                         "64-bit mode is on: the values would be rounded or wrapped. Enable it "
+                         "(jax.config.update('jax_enable_x64', True)), or restore into a numpy "
+                         "target with mesh=None and place it yourself.")
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
