@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import hashlib
 import inspect
 import math
 import numbers
@@ -274,6 +275,8 @@ class ShardedFunction:
         if c.called:
             out = c.jitted(*flat)
         else:
+            if jax.process_count() > 1:
+                _check_processes_agree(c.plan, _name(self.fn))
             with progress.activity(f"compiling {_name(self.fn)} (first call)"):
                 out = c.jitted(*flat)
             c.called = True
@@ -450,6 +453,33 @@ class ShardedFunction:
                              f"{self.mesh.size} devices: it only plans (`.plan(...)`). Shard it "
                              "over a Mesh of real devices (jaxpar.make_mesh) to run it.")
 
+
+
+def _check_processes_agree(plan: Plan, name: str) -> None:
+    """A ValueError unless every process planned the same strategies (called by all of them
+    before the first run: a small all-gather). Each process plans on its own, and a search
+    stopped by its time limit may stop elsewhere on a busier machine; programs compiled from
+    different plans would then fail inside their first collective, or hang."""
+    from jax.experimental import multihost_utils
+
+    digest = np.frombuffer(hashlib.sha256(_plan_text(plan).encode()).digest()[:8], np.int32)
+    every = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1, digest.size)
+    if not (every == every[0]).all():
+        apart = [i for i in range(len(every)) if not (every[i] == every[0]).all()]
+        raise ValueError(
+            f"{name}: the processes planned it differently (processes {apart} differ from "
+            "process 0): a search stopped by its time limit at another point, on a busier "
+            "machine. Plan on one process, save it (plan.save, or AutoParallel's "
+            "save_operator_strategy_file) and load it on every process (with_plan).")
+
+
+def _plan_text(plan: Plan) -> str:
+    """The strategies a plan gives, as text (loop bodies' included), for _check_processes_agree."""
+    def strategies(gp) -> list:
+        return [(i, str(c.strategy.ins), str(c.strategy.outs), str(c.strategy.partial),
+                 [strategies(b) for b in c.regions]) for i, c in sorted(gp.choices.items())]
+    return repr((list(map(str, plan.flat_in_specs)), list(map(str, plan.flat_out_specs)),
+                 strategies(plan.graph_plan)))
 
 
 def _kept(fixed_in: dict[int, Spec], carried: list[tuple[int, int]]) -> dict[int, frozenset]:

@@ -809,3 +809,24 @@ def test_results_with_no_elements_come_back_readable(in_strategy):
     np.testing.assert_array_equal(np.asarray(y), np.zeros((0, 32)))
     z = jaxpar.shard(lambda a, b: a @ b.T)(a, jnp.ones((16, 32)))
     assert np.asarray(z).shape == (0, 16)
+
+
+def test_processes_that_planned_apart_are_refused_before_the_first_run(monkeypatch):
+    """Each process plans on its own; a search stopped by its time limit on a busier machine
+    gave one process another plan, and the first step died inside gloo after 30 s."""
+    from jax.experimental import multihost_utils
+
+    gathered = []
+
+    def allgather(x):  # this process and a second one that planned otherwise (or not)
+        other = x if gathered else x + 1
+        gathered.append(x)
+        return np.stack([x, other])
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+    with pytest.raises(ValueError, match=r"dense_relu: the processes planned it differently "
+                                         r"\(processes \[1\] differ from process 0\)"):
+        jaxpar.shard(dense_relu)(X, W, B)
+    np.testing.assert_allclose(jaxpar.shard(dense_relu)(X, W, B), jax.jit(dense_relu)(X, W, B),
+                               rtol=1e-5)  # the same digest: it runs
