@@ -95,7 +95,8 @@ def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=N
     """Shard `fn` over a device mesh, MindSpore style.
 
     Args:
-      fn: the function to shard (positional array/pytree arguments).
+      fn: the function to shard; it takes arrays and pytrees of them (keyword arguments are
+        placed by its signature, as positional ones).
       in_strategy: None, or one entry per positional argument: a tuple of split counts per
         dimension (`(4, 2)`), a `PartitionSpec`, a `Layout(...)` mapping, a pytree prefix of
         these for pytree arguments, or None to let jaxpar decide.

@@ -65,7 +65,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
       `(params, opt_state, loss, aux)` with `has_aux`; loss is float32.
 
     Example:
-      >>> step = make_train_step(loss_fn, optax.adamw(1e-3), grad_accumulation_step=4)
+      >>> optimizer = optax.adamw(1e-3)
+      >>> step = make_train_step(loss_fn, optimizer, grad_accumulation_step=4)
       >>> params, opt_state, loss = jax.jit(step)(params, optimizer.init(params), x, y)
     """
     _check_loss_and_layout(loss_fn, microbatch_layout)
