@@ -429,6 +429,8 @@ class _Sapp:
             return starts + [(what, flat)]
         _note(self.lines, f"{what}, solved exactly: scores {together:.6g}, more than "
                           f"{_LOCKSTEP_NEAR:g}x the walk's {walk:.6g}: not solved again")
+        for axis in self._again():  # the progress bar counted these solves
+            progress.step(f"axis {axis}: the lockstep plan is not solved again")
         return starts
 
     def _again(self) -> list[str]:
