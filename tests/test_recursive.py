@@ -339,7 +339,8 @@ def test_on_three_axes_the_axes_are_also_solved_again_from_the_lockstep_plan(mon
     together = ((), ("d0", "d1", "d2"))
     assert all(d in together for c in flat.choices.values()
                for s in c.strategy.ins + c.strategy.outs for d in s.dims)
-    monkeypatch.setattr(recursive._Sapp, "_starts", lambda self, plan, ties: [("walk", plan)])
+    monkeypatch.setattr(recursive._Sapp, "_starts",
+                        lambda self, plan, ties: [("walk", plan, None)])
     walk, _ = recursive_programming(graph, model, {}, {}, ties=ties)
     assert _tied_cost(graph, model, walk, ties) > exact * 1.3
 
@@ -349,7 +350,7 @@ def _region_solve_ratios(monkeypatch, step, args, hardware: str, state: str):
     objective: (with the region around the largest carried state solved again, without).
     The axes are solved again from the walk's plan alone: from the lockstep plan too, they
     reach the optimum here without the region."""
-    monkeypatch.setattr(recursive._Sapp, "_starts", lambda self, plan, ties: [("walk", plan)])
+    monkeypatch.setattr(recursive._Sapp, "_starts", lambda self, plan, ties: [("walk", plan, None)])
     graph, model, ties = _tied(step, args, jaxpar.make_mesh((4, 2), ("d0", "d1")), hardware)
     model = CostModel(model.mesh, model.profile, 2, 0.0, recompute_heavy=False)
     gp, lines = recursive_programming(graph, model, {}, {}, ties=ties)

@@ -399,10 +399,11 @@ class _Sapp:
         tokens over all eight devices, its experts two-way) is out of its reach."""
         ties = tuple((v, pos) for v, pos, _ in self.units.carried if v not in self.fixed_in)
         ends = []
-        for what, start in self._starts(plan, ties):
+        for what, start, score in self._starts(plan, ties):
             ends.append((what, *solve_axes(self.g, self.model, start, self.fixed_in,
                                             self.fixed_out, ties, self._again(),
-                                            lambda p: self._score(p, self.fixed_out))))
+                                            lambda p: self._score(p, self.fixed_out),
+                                            before=score)))
         what, plan, before, taken = min(ends, key=lambda e: e[2])
         if len(ends) > 1:
             _note(self.lines, "from " + " and from ".join(
@@ -414,19 +415,20 @@ class _Sapp:
                               "taken instead")
         return self._solve_neighbourhoods(plan, before, ties)
 
-    def _starts(self, plan: GraphPlan, ties: tuple) -> list[tuple[str, GraphPlan]]:
-        """The plans whose axes _solve_again solves again, each with its name: the walk's,
-        and on a mesh of several axes the best that uses them all together, unless it
+    def _starts(self, plan: GraphPlan, ties: tuple) -> list[tuple[str, GraphPlan, float]]:
+        """The plans whose axes _solve_again solves again, each with its name and score: the
+        walk's, and on a mesh of several axes the best that uses them all together, unless it
         scores more than _LOCKSTEP_NEAR times the walk's."""
-        starts = [("the walk", plan)]
+        walk = self._score(plan, self.fixed_out)
+        starts = [("the walk", plan, walk)]
         if len(self.mesh.names) < 2:
             return starts
         progress.step("every axis used together, solved exactly")
         flat = solve_lockstep(self.g, self.model, self.fixed_in, self.fixed_out, ties)
         what = f"every axis used together ({'+'.join(self.mesh.names)} as one)"
-        walk, together = self._score(plan, self.fixed_out), self._score(flat, self.fixed_out)
+        together = self._score(flat, self.fixed_out)
         if together <= walk * _LOCKSTEP_NEAR:
-            return starts + [(what, flat)]
+            return starts + [(what, flat, together)]
         _note(self.lines, f"{what}, solved exactly: scores {together:.6g}, more than "
                           f"{_LOCKSTEP_NEAR:g}x the walk's {walk:.6g}: not solved again")
         for axis in self._again():  # the progress bar counted these solves

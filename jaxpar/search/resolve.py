@@ -34,7 +34,7 @@ from jaxpar.ir.graph import OpGraph
 from jaxpar.search.exact import dynamic_programming
 from jaxpar.search.propagation import GraphIndex, GraphPlan, graph_cost
 from jaxpar.search.tables import Region
-from jaxpar.spec import OpStrategy, Spec
+from jaxpar.spec import MeshInfo, OpStrategy, Spec
 
 _SMALL_HOPS = 4  # solve_latency_bound: def-use steps through small values around its seeds
 
@@ -113,7 +113,7 @@ def solve_lockstep(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
       >>> flat = solve_lockstep(graph, model, {}, {}, ties)
     """
     found, _ = dynamic_programming(graph, model, fixed_in, fixed_out, time_limit=time_limit,
-                                   ties=ties, allow=_Lockstep(model.mesh.names),
+                                   ties=ties, allow=_Lockstep(model.mesh),
                                    group_tail=False)
     return found
 
@@ -121,9 +121,8 @@ def solve_lockstep(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
 class _Lockstep:
     """tables.Allow: the candidates that use every mesh axis together (solve_lockstep)."""
 
-    def __init__(self, names: tuple[str, ...]):
-        self.names, self.all = tuple(names), frozenset(names)
-        self.kept: dict[int, tuple] = {}  # id(list) -> (list, indices)
+    def __init__(self, mesh: MeshInfo):
+        self.mesh, self.names, self.all = mesh, mesh.names, frozenset(mesh.names)
         self.spec_ok: dict[Spec, bool] = {}
 
     def _spec(self, s: Spec) -> bool:
@@ -133,13 +132,12 @@ class _Lockstep:
         return hit
 
     def op(self, x: int, cands: list) -> tuple[int, ...]:
-        hit = self.kept.get(id(cands))
-        if hit is None or hit[0] is not cands:
-            kept = tuple(i for i, s in enumerate(cands)
-                         if all(map(self._spec, s.ins + s.outs)) and
-                         all(not p or frozenset(p) == self.all for p in s.partial))
-            hit = self.kept[id(cands)] = (cands, kept or tuple(range(len(cands))))
-        return hit[1]
+        def kept() -> tuple[int, ...]:
+            found = tuple(i for i, s in enumerate(cands)
+                          if all(map(self._spec, s.ins + s.outs)) and
+                          all(not p or frozenset(p) == self.all for p in s.partial))
+            return found or tuple(range(len(cands)))
+        return self.mesh.derived("lockstep", cands, None, kept)
 
     def specs(self, v: int, specs: tuple[Spec, ...]) -> tuple[Spec, ...]:
         return tuple(s for s in specs if self._spec(s)) or specs
