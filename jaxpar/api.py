@@ -31,6 +31,7 @@ from jaxpar import progress
 from jaxpar.cost.hardware import load_profile
 from jaxpar.cost.manual import off_mesh
 from jaxpar.cost.model import CostModel
+from jaxpar.distributed import check_joined
 from jaxpar.ir import arg_paths, build_graph, trace
 from jaxpar.lower.jit import build_callable
 from jaxpar.mesh import make_mesh, mesh_devices
@@ -178,6 +179,8 @@ def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, sea
                         "ints, the positions of the arguments whose buffers a call may reuse, "
                         "e.g. (0, 1).")
     profile = load_profile(hardware)  # unknown profiles fail here, before any tracing
+    if isinstance(mesh, Mesh):  # devices to run on (an AbstractMesh only plans)
+        check_joined("shard")  # a launched rank that never called jaxpar.init()
     if mesh is None:  # mesh_devices: a ValueError naming the platforms here if `device` is
         mesh = make_mesh(len(mesh_devices(device)), device=device)  # not among them
     profile.devices_in_node(MeshInfo.of(mesh))  # a node count that does not split the mesh

@@ -96,6 +96,23 @@ def init(coordinator_address: str | None = None, num_processes: int | None = Non
     return ProcessInfo(s.process_id, s.num_processes, s.coordinator)
 
 
+def check_joined(who: str) -> None:
+    """A RuntimeError when this process was started by `jaxpar launch` as one of several but
+    has not joined them (jax.distributed is not initialized): it would otherwise run alone on
+    its own devices, as if no launch had happened, and every rank would train a model of its
+    own. `who` names the call that found it (make_mesh, shard, ...)."""
+    try:
+        count = int(os.environ.get(ENV_NUM_PROCESSES, "1"))
+    except ValueError:
+        return  # init() names a malformed variable; this check only looks for a clear launch
+    if count > 1 and not jax.distributed.is_initialized():
+        rank = os.environ.get(ENV_PROCESS_ID, "?")
+        raise RuntimeError(
+            f"{who}: this process is rank {rank} of {count} started by `jaxpar launch`, but it "
+            "has not joined the others, so it would run alone on its own devices. Call "
+            "jaxpar.init() at the top of the script, before any other JAX call.")
+
+
 def launch_environment(coordinator_address: str, num_processes: int, process_id: int,
                        local_device_count: int | None = None) -> dict[str, str]:
     """The environment variables `init()` reads, for one process of a launch.

@@ -44,6 +44,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
+from jaxpar.distributed import check_joined
+
 _PLATFORMS = {"CPU": "cpu", "GPU": "gpu", "TPU": "tpu"}
 
 
@@ -88,6 +90,7 @@ def mesh_devices(device: str | None = None) -> list:
       >>> [d.id for d in mesh_devices("CPU")][:4]
       [0, 1, 2, 3]
     """
+    check_joined("make_mesh")
     if device is not None and device not in _PLATFORMS:
         raise ValueError(f"device={device!r} is not a platform jaxpar knows; use one of "
                          f"{sorted(_PLATFORMS)} or None for JAX's default backend.")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,10 +20,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import jaxpar
 from jaxpar import cli
 from jaxpar.analysis import collective_ops
 from jaxpar.distributed import ENV_NUM_PROCESSES, init, launch_environment
 from jaxpar.launch import LaunchConfig, _Launch, launch
+from jaxpar.mesh import abstract_mesh
 
 SCRIPTS = Path(__file__).parent / "multiprocess"
 REPO = Path(__file__).parent.parent
@@ -281,6 +284,31 @@ def test_init_errors(monkeypatch, env, error, match):
     with pytest.raises(error, match=match):
         init()
     assert not jax.distributed.is_initialized()
+
+
+def test_a_launched_rank_that_never_joined_is_refused(monkeypatch):
+    # Before: each rank ran alone on its own devices (every rank training a model of its own).
+    mesh = jaxpar.make_mesh(8)  # before the launch environment: fine
+    monkeypatch.setenv(ENV_NUM_PROCESSES, "2")
+    monkeypatch.setenv("JAXPAR_PROCESS_ID", "1")
+    with pytest.raises(RuntimeError, match=r"make_mesh: this process is rank 1 of 2 .*Call "
+                                           r"jaxpar.init\(\) at the top"):
+        jaxpar.make_mesh(8)
+    with pytest.raises(RuntimeError, match=r"shard: this process is rank 1 of 2"):
+        jaxpar.shard(lambda x: x, mesh=mesh)
+    jaxpar.shard(lambda x: x, mesh=abstract_mesh(8))  # plans only: runs on no devices
+    monkeypatch.setenv(ENV_NUM_PROCESSES, "1")  # a launch of one process: nothing to join
+    assert jaxpar.make_mesh(8).size == 8
+
+
+def test_a_launched_script_without_init_fails_naming_the_cause(capsys):
+    # Before: each rank built a mesh of its own devices and ran alone, status 0.
+    assert launch(2, [str(SCRIPTS / "no_init.py")], devices_per_process=1) != 0
+    out, err = capsys.readouterr()  # each rank's lines, prefixed, on the launcher's stdout
+    assert "ran alone" not in out
+    # Both ranks fail at once; the launcher names whichever it saw first and stops the other.
+    assert re.search(r"\[rank ([01])\] RuntimeError: make_mesh: this process is rank \1 of 2", out)
+    assert re.search(r"jaxpar launch: rank [01] exited with status 1", err)
 
 
 def test_init_refuses_another_device_count_once_started():
