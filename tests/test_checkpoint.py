@@ -1,6 +1,9 @@
 """Sharded checkpoints: save on an 8-device mesh, restore onto other meshes, steps and errors."""
 
+import json
+import logging
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.train import checkpoint_steps, latest_step, restore_checkpoint, save_checkpoint
 
+CHECKSUMS = "_CHECKSUMS.json"
 SPECS_8 = {"w1": P("data", "model"), "w2": P(None, "model"), "w3": P("data"), "b": P("model")}
 
 
@@ -155,12 +159,105 @@ def test_a_damaged_checkpoint_is_named(tmp_path):
     save_checkpoint(root, state, step=1)
     save_checkpoint(root, state, step=2)
     (root / "2" / "_METADATA").write_text("{\"tr")  # cut short
+    with pytest.raises(ValueError, match=r"checkpoint at .*run/2 is damaged: _METADATA has 4 "
+                                         r"bytes"):
+        restore_checkpoint(root, state)
+    (root / "2" / CHECKSUMS).unlink()  # saved without checksums: orbax's metadata still named
     with pytest.raises(ValueError, match=r"checkpoint at .*run/2 is damaged: its metadata "
                                          r"cannot be read \(JSONDecodeError"):
         restore_checkpoint(root, state)
     _assert_identical(restore_checkpoint(root, state, step=1), state)
     save_checkpoint(root, state, step=2, overwrite=True)  # replaced like any checkpoint
     _assert_identical(restore_checkpoint(root, state), state)
+
+
+def _files(directory: Path) -> dict[str, int]:
+    """Every file under `directory` by relative path, with its size."""
+    return {path.relative_to(directory).as_posix(): path.stat().st_size
+            for path in directory.rglob("*") if path.is_file()}
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_an_untouched_checkpoint_has_every_file_checksummed(tmp_path, mesh8):
+    state = _train_state(mesh8)
+    directory = save_checkpoint(tmp_path / "run", state, step=5)
+    record = json.loads((directory / CHECKSUMS).read_text())["files"]
+    files = _files(directory)
+    assert set(record) == set(files) - {CHECKSUMS} and len(record) > 5
+    assert all(record[name]["size"] == size for name, size in files.items() if name in record)
+    _assert_identical(restore_checkpoint(tmp_path / "run", state), state)
+    assert checkpoint_steps(tmp_path / "run") == [5] and latest_step(tmp_path / "run") == 5
+
+
+def test_a_flipped_byte_in_a_data_file_is_named(tmp_path):
+    # Flipping this byte restored silently with a wrong value in "w".
+    state = {"w": np.arange(4096.0), "b": np.ones(3)}
+    root = tmp_path / "run"
+    save_checkpoint(root, state, step=1)
+    directory = save_checkpoint(root, state, step=2)
+    files = _files(directory)
+    data_file = max(files, key=files.get)  # the one holding "w"
+    assert "/d/" in f"/{data_file}"
+    _flip_a_byte(directory / data_file)
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint at {directory} is damaged: "
+                                                   f"{data_file} has crc32 ")
+                       + r".*The file was changed after the checkpoint was saved.*restore an "
+                         "earlier step"):
+        restore_checkpoint(root, state)
+    _assert_identical(restore_checkpoint(root, state, step=1), state)
+
+
+@pytest.mark.usefixtures("no_orbax_restore")
+def test_truncated_and_missing_files_are_named_before_orbax_reads_them(tmp_path):
+    directory = save_checkpoint(tmp_path / "ckpt", {"w": np.arange(4096.0), "b": np.ones(3)})
+    files = _files(directory)
+    data_file = max(files, key=files.get)
+    with (directory / data_file).open("r+b") as f:
+        f.truncate(100)
+    (directory / "_METADATA").unlink()
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint at {directory} is damaged: ")
+                       + ".*These 2 files were changed") as caught:
+        restore_checkpoint(tmp_path / "ckpt", {"w": np.zeros(4096), "b": np.zeros(3)})
+    assert f"{data_file} has 100 bytes, {files[data_file]} when saved" in str(caught.value)
+    assert "_METADATA is missing" in str(caught.value)
+
+
+def test_a_step_that_lost_orbax_metadata_is_still_a_step_and_named(tmp_path):
+    # Without its _CHECKPOINT_METADATA the step was skipped: resuming went back a step, silently.
+    state = {"w": np.arange(8.0)}
+    save_checkpoint(tmp_path / "run", state, step=1)
+    (save_checkpoint(tmp_path / "run", state, step=2) / "_CHECKPOINT_METADATA").unlink()
+    assert latest_step(tmp_path / "run") == 2
+    with pytest.raises(ValueError, match=re.escape("run/2 is damaged: _CHECKPOINT_METADATA is "
+                                                   "missing. The file was changed")):
+        restore_checkpoint(tmp_path / "run", state)
+
+
+@pytest.mark.usefixtures("no_orbax_restore")
+def test_a_damaged_checksum_record_is_named(tmp_path):
+    directory = save_checkpoint(tmp_path / "ckpt", {"w": np.arange(64.0)})
+    _flip_a_byte(directory / CHECKSUMS)
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint at {directory} is damaged: its "
+                                                   f"checksum record {CHECKSUMS} was changed")):
+        restore_checkpoint(tmp_path / "ckpt", {"w": np.zeros(64)})
+
+
+def test_a_checkpoint_without_checksums_still_restores(tmp_path, mesh8, caplog):
+    # As one saved before checksums were recorded.
+    state = _train_state(mesh8)
+    for step in (1, 2):
+        (save_checkpoint(tmp_path / "run", state, step=step) / CHECKSUMS).unlink()
+    assert checkpoint_steps(tmp_path / "run") == [1, 2] and latest_step(tmp_path / "run") == 2
+    with caplog.at_level(logging.DEBUG, logger="jaxpar.train.checkpoint"):
+        _assert_identical(restore_checkpoint(tmp_path / "run", state), state)
+    assert [r.message.endswith("restored unverified.") for r in caplog.records] == [True]
+    (save_checkpoint(tmp_path / "flat", state) / CHECKSUMS).unlink()
+    _assert_identical(restore_checkpoint(tmp_path / "flat", state), state)
 
 
 def test_refuses_to_overwrite_unless_asked(tmp_path, mesh8):

@@ -7,17 +7,25 @@ where `latest_step` and `checkpoint_steps` find it. `restore_checkpoint` reads i
 shardings you ask for (another mesh, fewer devices, other PartitionSpecs); each device reads only
 its own shards. The saved metadata is checked against the restore target first, so a wrong
 structure, shape, dtype or sharding is a `ValueError` that names the leaf, not an orbax traceback.
+Each save also records the size and crc32 of every file it wrote (`_CHECKSUMS.json`, beside
+orbax's files); a restore checks them before orbax reads anything, so a flipped byte, a truncated
+or a missing file is a `ValueError` naming the file, not silently wrong values.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 PathLike = str | os.PathLike[str]
@@ -27,6 +35,10 @@ KeyPath = tuple[Any, ...]
 _STEP_NAMES = ocp.step.standard_name_format()
 _SCALARS = bool | int | float
 _METADATA_FILE = "_CHECKPOINT_METADATA"  # orbax writes it as it finishes a checkpoint
+# jaxpar's own, written once orbax is done: every other file's size and crc32 by relative path.
+_CHECKSUM_FILE = "_CHECKSUMS.json"
+_CHUNK_BYTES = 1 << 22  # files are checksummed in 4 MiB reads, never loaded whole
+log = logging.getLogger("jaxpar.train.checkpoint")
 # The attribute naming each kind of pytree key (DictKey and FlattenedIndexKey use "key").
 _KEY_FIELDS = {jax.tree_util.SequenceKey: "idx", jax.tree_util.GetAttrKey: "name"}
 
@@ -36,7 +48,9 @@ def save_checkpoint(path: PathLike, state: Any, *, step: int | None = None,
     """Save a pytree of arrays and scalars, sharded or not, and wait until it is on disk.
 
     Every process of a multi-process run must call this with the same arguments; each writes
-    only the shards it holds.
+    only the shards it holds. Once all have written, process 0 records the size and crc32 of
+    every file of the checkpoint in `_CHECKSUMS.json` beside them, which `restore_checkpoint`
+    checks.
 
     Args:
       path: checkpoint directory; a relative path is resolved against the working directory.
@@ -60,6 +74,7 @@ def save_checkpoint(path: PathLike, state: Any, *, step: int | None = None,
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(directory, state, force=replace)
         checkpointer.wait_until_finished()
+    _write_checksums(directory)
     return directory
 
 
@@ -71,6 +86,10 @@ def restore_checkpoint(path: PathLike, target: Any, *, step: int | None = None,
     `.sharding` (jax.Array, or jax.ShapeDtypeStruct built with `sharding=`); else replicated on
     `mesh`; else the default device. Without any of these a numpy target leaf comes back as a
     numpy array. Python scalar leaves come back as python scalars.
+
+    Before orbax reads anything, every file listed in the checkpoint's `_CHECKSUMS.json` (all
+    that `save_checkpoint` wrote) must be there with its saved size and crc32. A checkpoint
+    saved before jaxpar wrote checksums has no such file and restores unverified.
 
     Args:
       path: a checkpoint directory, or a directory of numbered steps (see `step`).
@@ -88,8 +107,9 @@ def restore_checkpoint(path: PathLike, target: Any, *, step: int | None = None,
 
     Raises:
       FileNotFoundError: `path` or the step does not exist or holds no checkpoint.
-      ValueError: the target's structure, shapes or dtypes differ from the checkpoint's, or a
-        sharding does not fit its leaf.
+      ValueError: a file of the checkpoint is missing or was changed after it was saved (its
+        size or crc32 differs; the error names it); the target's structure, shapes or dtypes
+        differ from the checkpoint's; or a sharding does not fit its leaf.
 
     Example:
       >>> mesh4 = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"))
@@ -99,6 +119,7 @@ def restore_checkpoint(path: PathLike, target: Any, *, step: int | None = None,
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"restore_checkpoint: mesh={mesh!r} must be a jax.sharding.Mesh or None.")
     directory = _checkpoint_directory(_absolute(path, "path"), step)
+    _verify_checksums(directory)
     saved = _saved_leaves(directory)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
     _check_structure(leaves, saved, directory)
@@ -140,10 +161,11 @@ def checkpoint_steps(path: PathLike) -> list[int]:
     root = _absolute(path, "path")
     if not root.is_dir():
         return []
-    # Only steps that hold a checkpoint (orbax's metadata file): a step directory made by hand,
-    # or left empty, is no step to resume from.
+    # Only steps that hold a checkpoint (orbax's metadata file, or the checksums written after
+    # it): a step directory made by hand, or left empty, is no step to resume from.
     return sorted(m.step for m in _STEP_NAMES.find_all(root)
-                  if (root / _STEP_NAMES.build_name(m.step) / _METADATA_FILE).is_file())
+                  if any((root / _STEP_NAMES.build_name(m.step) / name).is_file()
+                         for name in (_METADATA_FILE, _CHECKSUM_FILE)))
 
 
 def latest_step(path: PathLike) -> int | None:
@@ -238,7 +260,8 @@ def _checkpoint_directory(root: Path, step: int | None) -> Path:
             raise FileNotFoundError(f"restore_checkpoint: no step {step} under {root}; saved "
                                     f"steps: {steps or 'none'}.")
         return root / _STEP_NAMES.build_name(step)
-    if _tree_metadata(root) is not None:
+    # A checksum file marks a checkpoint too, and is verified before its metadata is read.
+    if (root / _CHECKSUM_FILE).is_file() or _tree_metadata(root) is not None:
         return root
     if not steps:
         raise FileNotFoundError(f"restore_checkpoint: {root} holds no checkpoint: neither a "
@@ -259,6 +282,91 @@ def _tree_metadata(directory: Path) -> Any:
                          f"read ({type(err).__name__}: {_first_line(err)}).") from None
     finally:
         handler.close()
+
+
+def _write_checksums(directory: Path) -> None:
+    """Process 0 records the size and crc32 of every file in `directory`. Orbax's wait returned
+    past its commit barrier, so all processes' files are there; the others wait for the record."""
+    if jax.process_index() == 0:
+        files = _checksums(directory, _saved_files(directory))
+        partial = directory / f"{_CHECKSUM_FILE}.partial"
+        partial.write_text(json.dumps({"files": files, "crc32": _record_crc(files)}, indent=1))
+        partial.replace(directory / _CHECKSUM_FILE)  # never half a record under the final name
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"jaxpar checkpoint checksums {directory.name}")
+
+
+def _saved_files(directory: Path) -> list[str]:
+    return sorted(path.relative_to(directory).as_posix() for path in directory.rglob("*")
+                  if path.is_file() and not path.name.startswith(_CHECKSUM_FILE))
+
+
+def _checksums(directory: Path, names: list[str]) -> dict[str, dict[str, int] | None]:
+    """Size and crc32 of each named file (None: missing); files are read on a few threads, as
+    zlib releases the GIL."""
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        return dict(zip(names, pool.map(lambda name: _checksum(directory / name), names),
+                        strict=True))
+
+
+def _checksum(path: Path) -> dict[str, int] | None:
+    size, crc = 0, 0
+    try:
+        with path.open("rb") as file:
+            while chunk := file.read(_CHUNK_BYTES):
+                size, crc = size + len(chunk), zlib.crc32(chunk, crc)
+    except FileNotFoundError:
+        return None
+    return {"size": size, "crc32": crc}
+
+
+def _record_crc(files: Any) -> int:
+    # The record's own checksum: a damaged record is named as such, not blamed on a data file.
+    return zlib.crc32(json.dumps(files, sort_keys=True).encode())
+
+
+def _verify_checksums(directory: Path) -> None:
+    """Raise a ValueError naming every file of `directory` that is missing or differs from its
+    saved size and crc32; nothing to check in a checkpoint saved without checksums."""
+    saved = _read_checksums(directory)
+    if saved is None:
+        log.debug("%s has no %s (saved before jaxpar recorded checksums): restored unverified.",
+                  directory, _CHECKSUM_FILE)
+        return
+    found = _checksums(directory, list(saved))
+    damaged = [_damage(name, saved[name], found[name]) for name in saved
+               if found[name] != saved[name]]
+    if damaged:
+        shown = "; ".join(damaged[:5]) + (f"; and {len(damaged) - 5} more" if damaged[5:] else "")
+        which = "The file was" if len(damaged) == 1 else f"These {len(damaged)} files were"
+        raise ValueError(f"restore_checkpoint: the checkpoint at {directory} is damaged: {shown}. "
+                         f"{which} changed after the checkpoint was saved (a disk, copy or sync "
+                         "error, or an edit), so the restored values would be wrong; restore an "
+                         "earlier step, or copy the checkpoint again from where it was written.")
+
+
+def _read_checksums(directory: Path) -> dict[str, dict[str, int]] | None:
+    try:
+        record = json.loads((directory / _CHECKSUM_FILE).read_text())
+        intact = record["crc32"] == _record_crc(record["files"])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):  # not JSON, or not the record jaxpar writes
+        intact = False
+    if not intact:
+        raise ValueError(f"restore_checkpoint: the checkpoint at {directory} is damaged: its "
+                         f"checksum record {_CHECKSUM_FILE} was changed after it was saved, so "
+                         "its files cannot be verified; restore an earlier step, or copy the "
+                         "checkpoint again from where it was written.")
+    return record["files"]
+
+
+def _damage(name: str, saved: dict[str, int], found: dict[str, int] | None) -> str:
+    if found is None:
+        return f"{name} is missing"
+    if found["size"] != saved["size"]:
+        return f"{name} has {found['size']} bytes, {saved['size']} when saved"
+    return f"{name} has crc32 {found['crc32']:#010x}, {saved['crc32']:#010x} when saved"
 
 
 def _first_line(err: Exception) -> str:
