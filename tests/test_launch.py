@@ -286,6 +286,29 @@ def test_init_errors(monkeypatch, env, error, match):
     assert not jax.distributed.is_initialized()
 
 
+def test_uneven_local_batches_are_refused_in_every_process(capsys):
+    # Before: rank 0 assembled a batch of 8 rows and rank 1 one of 6, and the step compiled for
+    # them failed inside gloo (or hung).
+    assert launch(2, [str(SCRIPTS / "uneven_batch.py")], devices_per_process=2) == 0
+    out = capsys.readouterr().out
+    assert out.count("even batch (8, 3) (8,)") == 2
+    assert "placed" not in out
+    assert ("[rank 0] refused: shard_batch: this process (process 0) passes local inputs "
+            "[(4, 3) float32, (4,) int32], process 1 passes [(3, 3) float32, (3,) int32]") in out
+    assert ("[rank 1] refused: shard_batch: this process (process 1) passes local inputs "
+            "[(3, 3)") in out
+
+
+def test_a_checkpoint_saved_by_two_processes_is_verified_by_both(tmp_path, capsys):
+    # Before checksums, a flipped byte in the data gave rank 1 an orbax error and left rank 0
+    # waiting in its restore until the launch was killed.
+    assert launch(2, [str(SCRIPTS / "checkpoint.py"), str(tmp_path)], devices_per_process=2) == 0
+    out = capsys.readouterr().out
+    for rank in (0, 1):
+        for line in ("checksums True", "restored equal True", "refused True"):
+            assert f"[rank {rank}] {line}" in out
+
+
 def test_a_launched_rank_that_never_joined_is_refused(monkeypatch):
     # Before: each rank ran alone on its own devices (every rank training a model of its own).
     mesh = jaxpar.make_mesh(8)  # before the launch environment: fine

@@ -19,6 +19,7 @@ does not divide its dim, or counts whose product exceeds the device count; each 
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import numbers
@@ -70,7 +71,9 @@ def shard_batch(batch: Any, mesh: Mesh | None = None,
     Several processes (`jax.process_count() > 1`): each passes its process-local data (its
     slice of the batch under "data_parallel", the whole batch under "full_batch", the part its
     devices hold under a tuple strategy) and the global arrays are assembled with
-    `jax.make_array_from_process_local_data`.
+    `jax.make_array_from_process_local_data`, after one small all-gather checks that every
+    process passed local parts of the same shapes and dtypes (each holds an equal part under
+    every strategy); a ValueError in every process names the shapes that differ.
 
     Args:
       batch: a pytree of arrays (numpy or jax).
@@ -301,6 +304,7 @@ def _default_mesh(mesh: Mesh | None) -> Mesh:
 def _from_process_local(batch: Any, mesh: Mesh, config) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(batch)
     local_shapes = [_shape(x, i) for i, x in enumerate(leaves)]
+    _check_local_shapes_agree(local_shapes, [np.result_type(x) for x in leaves])
     # First pass: the specs alone. Each dim is inflated by the device count so that only the
     # shape-independent checks can fail here; the second pass checks the real global shapes.
     inflated = [tuple(n * mesh.size for n in s) for s in local_shapes]
@@ -316,6 +320,59 @@ def _from_process_local(batch: Any, mesh: Mesh, config) -> Any:
     arrays = [jax.make_array_from_process_local_data(NamedSharding(mesh, p), np.asarray(x), g)
               for x, p, g in zip(leaves, specs, shapes, strict=True)]
     return jax.tree_util.tree_unflatten(treedef, arrays)
+
+
+def _check_local_shapes_agree(shapes: list[Shape], dtypes: list[np.dtype]) -> None:
+    """A ValueError, in every process at once, unless every process passes leaves of the same
+    shapes and dtypes: under every strategy the processes' devices hold equal parts, so their
+    local parts match (a last batch of an epoch split unevenly does not, and the step compiled
+    for it would otherwise fail inside its first collective, or hang). One small all-gather per
+    call (a digest); a second only when they differ, to name the shapes."""
+    from jax.experimental import multihost_utils
+
+    code = _shape_code(shapes, dtypes)
+    digest = np.frombuffer(hashlib.sha256(code.tobytes()).digest()[:8], np.int32)
+    head = np.concatenate([digest, np.array([code.size], np.int32)])
+    every = np.asarray(multihost_utils.process_allgather(head)).reshape(-1, head.size)
+    if (every == every[0]).all():
+        return
+    width = int(every[:, -1].max())
+    padded = np.full(width, -1, np.int32)
+    padded[:code.size] = code
+    codes = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, width)
+    mine = jax.process_index()
+    other = next(p for p in range(len(every)) if (every[p] != every[mine]).any())
+    theirs = _described(codes[other][:every[other, -1]])
+    raise ValueError(
+        f"shard_batch: this process (process {mine}) passes local inputs {_described(code)}, "
+        f"process {other} passes {theirs}. Every process must pass local parts of the same "
+        "shapes and dtypes (with data_parallel, the same local batch size): drop or pad an "
+        "uneven last batch in every process alike.")
+
+
+def _shape_code(shapes: list[Shape], dtypes: list[np.dtype]) -> np.ndarray:
+    """Shapes and dtypes as int32s: per leaf its rank, dims and dtype (by _DTYPE_CODES)."""
+    out: list[int] = []
+    for shape, dtype in zip(shapes, dtypes, strict=True):
+        out += [len(shape), *shape, _dtype_code(dtype)]
+    return np.array(out, np.int32)
+
+
+def _dtype_code(dtype: np.dtype) -> int:
+    return int.from_bytes(hashlib.sha256(np.dtype(dtype).str.encode()).digest()[:3], "little")
+
+
+def _described(code: np.ndarray) -> str:
+    """_shape_code's leaves as 'shape' strings (the dtype named when a process's is known)."""
+    names = {_dtype_code(np.dtype(t)): np.dtype(t).name
+             for t in (*np.sctypeDict.values(), jax.numpy.bfloat16)}
+    leaves, i = [], 0
+    while i < len(code):
+        rank = int(code[i])
+        shape = tuple(int(n) for n in code[i + 1:i + 1 + rank])
+        leaves.append(f"{shape} {names.get(int(code[i + 1 + rank]), 'other dtype')}")
+        i += rank + 2
+    return "[" + ", ".join(leaves) + "]"
 
 
 def _slabs(grid: np.ndarray, axis_names: tuple[str, ...], entry, process: int) -> int:

@@ -1,0 +1,23 @@
+"""Each rank passes shard_batch a local batch of its own size: rank 0 four rows, rank 1 three
+(an epoch's last batch split unevenly). shard_batch must refuse it in both ranks, naming the
+shapes, before any step runs; rank 0 prints the error and exits 0 so the test reads it.
+
+Usage (under `jaxpar launch -n 2 --devices-per-process 2`): uneven_batch.py
+"""
+
+import numpy as np
+
+import jaxpar
+from jaxpar.train import shard_batch
+
+info = jaxpar.init()
+mesh = jaxpar.make_mesh(4)
+x, y = shard_batch((np.ones((4, 3), np.float32), np.ones(4, np.int32)), mesh)  # the same: fine
+print(f"even batch {x.shape} {y.shape}", flush=True)
+rows = 4 if info.process_id == 0 else 3
+try:
+    shard_batch((np.ones((rows, 3), np.float32), np.ones(rows, np.int32)), mesh)
+except ValueError as err:
+    print(f"refused: {err}", flush=True)
+else:
+    print("placed", flush=True)
