@@ -18,6 +18,8 @@ from jaxpar.plan import Plan
 from jaxpar.spec import OpStrategy, Spec
 from jaxpar.strategy import Layout
 from jaxpar.train import (
+    checkpoint_steps,
+    latest_step,
     make_train_step,
     restore_checkpoint,
     save_checkpoint,
@@ -25,8 +27,8 @@ from jaxpar.train import (
 )
 
 __all__ = ["AutoParallel", "Layout", "OpStrategy", "ParallelContext", "Plan", "ProcessInfo",
-           "ShardedFunction", "Spec", "collective_stats", "current_context",
-           "estimate_time", "get_auto_parallel_context", "init", "load_config",
+           "ShardedFunction", "Spec", "checkpoint_steps", "collective_stats", "current_context",
+           "estimate_time", "get_auto_parallel_context", "init", "latest_step", "load_config",
            "make_hybrid_mesh", "make_mesh", "make_train_step",
            "reset_auto_parallel_context", "restore_checkpoint", "save_checkpoint",
            "save_config", "set_auto_parallel_context", "shard", "shard_batch"]

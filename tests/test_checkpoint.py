@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
+import jaxpar
 from jaxpar.train import checkpoint_steps, latest_step, restore_checkpoint, save_checkpoint
 
 CHECKSUMS = "_CHECKSUMS.json"
@@ -146,6 +147,7 @@ def test_step_management(tmp_path, mesh8):
     for step, state in states.items():
         assert save_checkpoint(root, state, step=step) == root / str(step)
     assert checkpoint_steps(root) == [1, 2, 3] and latest_step(root) == 3
+    assert jaxpar.latest_step(root) == 3 and jaxpar.checkpoint_steps(root) == [1, 2, 3]
     _assert_identical(restore_checkpoint(root, states[1], step=2), states[2])
     _assert_identical(restore_checkpoint(root, states[1]), states[3])
     (root / "4").mkdir()  # left empty (a run stopped as it began saving): no step
