@@ -322,6 +322,9 @@ def _from_process_local(batch: Any, mesh: Mesh, config) -> Any:
     return jax.tree_util.tree_unflatten(treedef, arrays)
 
 
+_JAX_DTYPES = (jax.numpy.bfloat16, jax.numpy.float8_e4m3fn, jax.numpy.float8_e5m2)
+
+
 def _check_local_shapes_agree(shapes: list[Shape], dtypes: list[np.dtype]) -> None:
     """A ValueError, in every process at once, unless every process passes leaves of the same
     shapes and dtypes: under every strategy the processes' devices hold equal parts, so their
@@ -351,7 +354,7 @@ def _check_local_shapes_agree(shapes: list[Shape], dtypes: list[np.dtype]) -> No
 
 
 def _shape_code(shapes: list[Shape], dtypes: list[np.dtype]) -> np.ndarray:
-    """Shapes and dtypes as int32s: per leaf its rank, dims and dtype (by _DTYPE_CODES)."""
+    """Shapes and dtypes as int32s: per leaf its rank, dims and dtype (_dtype_code)."""
     out: list[int] = []
     for shape, dtype in zip(shapes, dtypes, strict=True):
         out += [len(shape), *shape, _dtype_code(dtype)]
@@ -359,13 +362,14 @@ def _shape_code(shapes: list[Shape], dtypes: list[np.dtype]) -> np.ndarray:
 
 
 def _dtype_code(dtype: np.dtype) -> int:
-    return int.from_bytes(hashlib.sha256(np.dtype(dtype).str.encode()).digest()[:3], "little")
+    # By name: the extension types (bfloat16, the float8s) share their size's void code.
+    return int.from_bytes(hashlib.sha256(np.dtype(dtype).name.encode()).digest()[:3], "little")
 
 
 def _described(code: np.ndarray) -> str:
-    """_shape_code's leaves as 'shape' strings (the dtype named when a process's is known)."""
+    """_shape_code's leaves as '(shape) dtype' strings (numpy's and JAX's dtypes by name)."""
     names = {_dtype_code(np.dtype(t)): np.dtype(t).name
-             for t in (*np.sctypeDict.values(), jax.numpy.bfloat16)}
+             for t in (*np.sctypeDict.values(), *_JAX_DTYPES)}
     leaves, i = [], 0
     while i < len(code):
         rank = int(code[i])
