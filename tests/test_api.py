@@ -140,6 +140,29 @@ def test_a_constraint_is_kept_where_gathering_looks_cheaper():
 
 @pytest.mark.parametrize("mode", ["sharding_propagation", "recursive_programming",
                                   "dynamic_programming"])
+@pytest.mark.parametrize("out_strategy", [None, (None, (8, 1))])
+def test_a_captured_constant_returned_unread(mode, out_strategy, tmp_path):
+    # Before: KeyError in out_spec (no op reads W, so no search gave it a spec).
+    def fn(x):
+        return x * 2, W
+
+    mesh = jaxpar.make_mesh(8)
+    f = jaxpar.shard(fn, mesh=mesh, search_mode=mode, out_strategy=out_strategy)
+    y, w = f(X)
+    np.testing.assert_array_equal(w, W)
+    np.testing.assert_allclose(y, X * 2, rtol=1e-6)
+    want = P() if out_strategy is None else P(("d0", "d1", "d2"))
+    assert w.sharding.spec == want
+    plan = f.plan(X)
+    check = plan.verify(f.lower(X).compile())
+    assert check.ok, str(check)
+    plan.save(tmp_path / "plan.json")
+    again = f.with_plan(jaxpar.Plan.load(tmp_path / "plan.json"))
+    np.testing.assert_array_equal(again(X)[1], W)
+
+
+@pytest.mark.parametrize("mode", ["sharding_propagation", "recursive_programming",
+                                  "dynamic_programming"])
 def test_a_constraint_on_another_meshs_axes_is_planned_freely(mode):
     other = jaxpar.make_mesh((2, 4), ("dp", "tp"))
 

@@ -665,7 +665,12 @@ def _informed(context: tuple) -> bool:
 
 
 def out_spec(graph: OpGraph, plan: GraphPlan, v: int | Lit) -> Spec:
-    return plan.specs[v] if isinstance(v, int) else Spec.replicated(len(v.shape))
+    """The spec output value `v` has: its planned one; a literal, or a constant that no op
+    reads (returned as traced, `lambda x: (x, w)` with `w` captured), is whole on every
+    device."""
+    if isinstance(v, int) and (v in plan.specs or v not in graph.consts):
+        return plan.specs[v]
+    return Spec.replicated(len(v.shape if isinstance(v, Lit) else graph.values[v].shape))
 
 
 def graph_cost(graph: OpGraph, plan: GraphPlan, model: CostModel,
