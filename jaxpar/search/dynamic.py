@@ -54,9 +54,13 @@ from jaxpar.search.dual import DualAscent, LocalSearch, ascend, fixing
 FIX_SIZE = 20_000
 # Prices tried on the overflowing live set's memory when the budget binds.
 PRICE_STEPS = 10
-# The share of the time left that HiGHS is given: it overruns its limit (loading the model,
-# finishing the node it is in), by 1.35 s of 19.9 on a budgeted MoE ILP of 83k variables.
+# HiGHS overruns its time limit: by what loading the model takes (scipy's checks, presolve),
+# 3.4-4.3 us a variable on this 2-core machine (ILPs of 0.26M-1.6M variables: a 0.9 s limit
+# took 3.9 s, a 6.8 s one 12.1 s), and by finishing the node it is in (1.35 s of 19.9 on an
+# 83k-variable ILP). So it is given ILP_SHARE of the time left less the load, and an ILP that
+# has no time left past its load is not started (the dual's best assignment stands).
 ILP_SHARE = 0.9
+ILP_LOAD_S_PER_VAR = 8e-6
 
 
 @dataclass(frozen=True)
@@ -480,7 +484,11 @@ def _solve_ilp(problem: Problem, core: Core, keep: tuple[dict, dict], scale: flo
     integrality = (np.arange(nvar) < xoff[-1]).astype(int)  # x binary, e and m continuous
     upper = np.ones(nvar)  # (HiGHS can hang on integer variables without an upper bound)
     upper[nvar - (len(core.terms) if core.rows is not None else 0):] = np.inf
-    limit = max(ILP_SHARE * (deadline - time.perf_counter()), 0.05)
+    load = ILP_LOAD_S_PER_VAR * nvar
+    limit = ILP_SHARE * (deadline - time.perf_counter()) - load
+    if limit < 0.05 and load > 0.05:
+        return None, -np.inf, False
+    limit = max(limit, 0.05)
     res = milp(c, integrality=integrality, bounds=Bounds(0, upper), constraints=constraints,
                options={"time_limit": limit, "mip_rel_gap": rel_gap})
     if res.status == 2 and problem.has_budget:
