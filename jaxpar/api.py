@@ -17,6 +17,7 @@ import hashlib
 import inspect
 import math
 import numbers
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -117,6 +118,8 @@ def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=N
       memory_budget: bytes per device the plan must fit in, or "hardware" for the profile's
         memory per device. dynamic_programming guarantees it (or says no plan fits);
         recursive_programming honours it as far as it can; every mode checks the final plan.
+        It bounds the plan's modelled peak of live values; the first call also reads XLA's
+        memory analysis of the compiled program and warns when that holds more.
       mem_coeff: weight of per-device memory against time in the objective (MindSpore's,
         default 0.1): larger favours model parallel plans that cut weights, smaller data
         parallel, 0 time alone.
@@ -281,9 +284,15 @@ class ShardedFunction:
         else:
             if jax.process_count() > 1:
                 _check_processes_agree(c.plan, _name(self.fn))
+            budget = self.opts.memory_budget
+            shapes = None if budget is None else [  # donated arrays are gone after the call
+                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                if isinstance(x, jax.Array) else x for x in flat]
             with progress.activity(f"compiling {_name(self.fn)} (first call)"):
                 out = c.jitted(*flat)
             c.called = True
+            if budget is not None:
+                _check_compiled_memory(c, shapes, budget, _name(self.fn))
         return jax.tree_util.tree_unflatten(c.plan.out_tree, list(out))
 
     def plan(self, *args, **kwargs) -> Plan:
@@ -845,6 +854,33 @@ def _merge(given: Spec | None, planned: Spec, path: str) -> Spec:
         raise ValueError(f"parameter_plan[{path!r}]={planned} conflicts with in_strategy for the "
                          f"same leaf ({given}); give it in one place only.")
     return planned
+
+
+def _check_compiled_memory(c: _Compiled, shapes: list, budget: float, name: str) -> None:
+    """Warn when the compiled program holds more per device than `budget`, by XLA's memory
+    analysis (arguments, results and temporaries, less what reuses donated arguments). The
+    budget bounds the plan's modelled peak of live values (Alpa's definition); XLA's
+    temporaries come on top: an operand's resharded copy while its op runs, a matmul's
+    partial sum before its reduction. The first call compiled the program, so this lowering
+    and compilation are cache hits."""
+    try:
+        m = c.jitted.lower(*shapes).compile().memory_analysis()
+    except Exception:  # noqa: BLE001 -- a backend without the analysis: nothing to compare
+        return
+    if m is None:
+        return
+    held = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes)
+    if held <= budget:
+        return
+    warnings.warn(
+        f"{name}: the compiled program holds {held:.0f} bytes per device (XLA's memory "
+        f"analysis: arguments {m.argument_size_in_bytes}, results "
+        f"{m.output_size_in_bytes}, temporaries {m.temp_size_in_bytes}), "
+        f"{held / budget:.2f}x memory_budget={budget:.0f}. The plan keeps its modelled peak "
+        f"of live values to the budget ({c.plan.cost.peak_memory_bytes:.0f} bytes); XLA's "
+        "temporaries (resharded copies, partial sums before their reduction) come on top. "
+        "Give a smaller budget to leave headroom.", stacklevel=4)  # the user's call
 
 
 def _check_budget(plan: Plan, budget: float | None, pinned: bool = False) -> None:
