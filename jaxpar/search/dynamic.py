@@ -55,10 +55,11 @@ FIX_SIZE = 20_000
 # Prices tried on the overflowing live set's memory when the budget binds.
 PRICE_STEPS = 10
 # HiGHS overruns its time limit: by what loading the model takes (scipy's checks, presolve),
-# 3.4-4.3 us a variable on this 2-core machine (ILPs of 0.26M-1.6M variables: a 0.9 s limit
-# took 3.9 s, a 6.8 s one 12.1 s), and by finishing the node it is in (1.35 s of 19.9 on an
-# 83k-variable ILP). So it is given ILP_SHARE of the time left less the load, and an ILP that
-# has no time left past its load is not started (the dual's best assignment stands).
+# 3.4-6.2 us a variable on this 2-core machine (ILPs of 0.26M-1.6M variables: a 0.9 s limit
+# took 3.9 s, a 6.8 s one 12.1 s; ILP_LOAD_S_PER_VAR allows for a busier machine), and by
+# finishing the node it is in (1.35 s of 19.9 on an 83k-variable ILP). So it is given
+# ILP_SHARE of the time left less the load, and an ILP that has no time left past its load is
+# not started (the dual's best assignment stands).
 ILP_SHARE = 0.9
 ILP_LOAD_S_PER_VAR = 8e-6
 
