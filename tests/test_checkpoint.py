@@ -426,3 +426,14 @@ def test_training_continues_with_the_same_loss(tmp_path, mesh8, mesh4):
     _, second = _run(step4, resumed, x, y, 3)
     np.testing.assert_allclose(first + second, reference, rtol=1e-5)
     assert reference[-1] < reference[0]
+
+
+def test_processes_verify_shares_of_the_files_that_cover_them_once():
+    # Before, every process read every file of a multi-process checkpoint again.
+    from jaxpar.train.checkpoint import _share
+
+    saved = {f"f{i}": {"size": size, "crc32": 0} for i, size in enumerate([900, 500, 400, 1, 0])}
+    assert _share(saved, 0, 1) == list(saved)
+    shares = [_share(saved, p, 2) for p in range(2)]
+    assert sorted(shares[0] + shares[1]) == sorted(saved)  # every file, once
+    assert sorted(sum(saved[n]["size"] for n in share) for share in shares) == [900, 901]

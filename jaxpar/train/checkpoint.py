@@ -327,22 +327,49 @@ def _record_crc(files: Any) -> int:
 
 def _verify_checksums(directory: Path) -> None:
     """Raise a ValueError naming every file of `directory` that is missing or differs from its
-    saved size and crc32; nothing to check in a checkpoint saved without checksums."""
+    saved size and crc32; nothing to check in a checkpoint saved without checksums. With several
+    processes each reads a share of the bytes (_share), so the checkpoint is read once more in
+    all, not once per process, and one small all-gather tells every process whether any share
+    was damaged: all of them raise."""
     saved = _read_checksums(directory)
     if saved is None:
         log.debug("%s has no %s (saved before jaxpar recorded checksums): restored unverified.",
                   directory, _CHECKSUM_FILE)
         return
-    found = _checksums(directory, list(saved))
-    damaged = [_damage(name, saved[name], found[name]) for name in saved
+    mine = _share(saved, jax.process_index(), jax.process_count())
+    found = _checksums(directory, mine)
+    damaged = [_damage(name, saved[name], found[name]) for name in mine
                if found[name] != saved[name]]
-    if damaged:
-        shown = "; ".join(damaged[:5]) + (f"; and {len(damaged) - 5} more" if damaged[5:] else "")
-        which = "The file was" if len(damaged) == 1 else f"These {len(damaged)} files were"
-        raise ValueError(f"restore_checkpoint: the checkpoint at {directory} is damaged: {shown}. "
-                         f"{which} changed after the checkpoint was saved (a disk, copy or sync "
-                         "error, or an edit), so the restored values would be wrong; restore an "
-                         "earlier step, or copy the checkpoint again from where it was written.")
+    counts = [len(damaged)]
+    if jax.process_count() > 1:
+        counts = np.asarray(multihost_utils.process_allgather(
+            np.array([len(damaged)], np.int32))).reshape(-1).tolist()
+    if not any(counts):
+        return
+    again = ("restore an earlier step, or copy the checkpoint again from where it was "
+             "written.")
+    if not damaged:
+        others = [p for p, n in enumerate(counts) if n]
+        raise ValueError(f"restore_checkpoint: the checkpoint at {directory} is damaged: "
+                         f"{sum(counts)} of its files, checked by process(es) {others}, were "
+                         f"changed after it was saved (their errors name them); {again}")
+    shown = "; ".join(damaged[:5]) + (f"; and {len(damaged) - 5} more" if damaged[5:] else "")
+    which = "The file was" if len(damaged) == 1 else f"These {len(damaged)} files were"
+    raise ValueError(f"restore_checkpoint: the checkpoint at {directory} is damaged: {shown}. "
+                     f"{which} changed after the checkpoint was saved (a disk, copy or sync "
+                     f"error, or an edit), so the restored values would be wrong; {again}")
+
+
+def _share(saved: dict[str, dict[str, int]], process: int, count: int) -> list[str]:
+    """The files `process` of `count` checks: the largest first, each to the process with the
+    fewest bytes so far (every process computes the same split from the same record)."""
+    if count == 1:
+        return list(saved)
+    load, owner = [0] * count, {}
+    for name in sorted(saved, key=lambda n: (-saved[n]["size"], n)):
+        least = min(range(count), key=lambda p: (load[p], p))
+        owner[name], load[least] = least, load[least] + saved[name]["size"]
+    return [name for name in saved if owner[name] == process]
 
 
 def _read_checksums(directory: Path) -> dict[str, dict[str, int]] | None:
