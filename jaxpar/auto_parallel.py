@@ -139,15 +139,9 @@ class AutoParallel:
                  memory_budget=None, batch_argnums: int | tuple[int, ...] | None = None,
                  donate_argnums: int | tuple[int, ...] = (),
                  context: ParallelContext | None = None):
-        if not callable(network):
-            raise TypeError(f"AutoParallel(network={network!r}): network must be a function or "
-                            "a Flax nnx Module.")
-        if parallel_mode is not None and not isinstance(parallel_mode, str):
-            raise TypeError(f"AutoParallel(parallel_mode={parallel_mode!r}): must be a str, one "
-                            f"of {list(PARALLEL_MODES)}, or None for the context's.")
-        if parallel_mode is not None and parallel_mode not in PARALLEL_MODES:
-            raise ValueError(f"AutoParallel(parallel_mode={parallel_mode!r}): must be one of "
-                             f"{list(PARALLEL_MODES)}.")
+        _check_network(network)
+        if parallel_mode is not None:
+            _check_mode(parallel_mode, " or None for the context's")
         if context is not None and not isinstance(context, ParallelContext):
             raise TypeError(f"AutoParallel(context={context!r}): pass a jaxpar.ParallelContext "
                             "or None for the current one.")
@@ -158,15 +152,9 @@ class AutoParallel:
         self.network, self.parallel_mode, self.context = network, parallel_mode, ctx
         if mesh is None and (ctx.device_num or 0) > len(jax.devices()):
             mesh = abstract_mesh(ctx.device_num)  # a larger cluster's: it plans, runs nothing
-        self.mesh = mesh if mesh is not None else make_mesh(ctx.device_num or len(jax.devices()))
-        if not isinstance(self.mesh, Mesh | AbstractMesh):
-            raise TypeError(f"AutoParallel(mesh={mesh!r}): pass a jax.sharding.Mesh, e.g. "
-                            "jaxpar.make_mesh(8), or an AbstractMesh to plan only.")
-        check_auto_axes(self.mesh, "AutoParallel(mesh=...)")
-        if parameter_plan is not None and not isinstance(parameter_plan, dict):
-            raise TypeError(f"AutoParallel(parameter_plan={parameter_plan!r}): must be a dict "
-                            "mapping parameter paths to strategies, e.g. {'params/w': (1, 8)}.")
-        self.parameter_plan = dict(parameter_plan or {})
+        self.mesh = _checked_mesh(mesh if mesh is not None else
+                                  make_mesh(ctx.device_num or len(jax.devices())))
+        self.parameter_plan = _checked_parameter_plan(parameter_plan)
         self.hardware = hardware if hardware is not None else (ctx.hardware or "cpu")
         self.level = level
         self.mem_coeff = ctx.mem_coeff if mem_coeff is None else mem_coeff
@@ -179,6 +167,30 @@ class AutoParallel:
                              "parallel_optimizer_config['optimizer_weight_shard_size']")
         self._functions: dict[Any, _Program] = {}
         self._check_now()
+
+    def __setattr__(self, name: str, value) -> None:
+        """A setting changed after construction (`net.mesh = jaxpar.make_mesh(4)`) is checked
+        as the constructor checks it, and the programs planned before are dropped: the next
+        call plans again."""
+        if name in _SETTINGS and "_functions" in self.__dict__:
+            value = self._checked(name, value)
+            self._functions.clear()
+        super().__setattr__(name, value)
+
+    def _checked(self, name: str, value):
+        if name == "network":
+            _check_network(value)
+        elif name == "parallel_mode":
+            _check_mode(value, "")
+        elif name == "mesh":
+            value = _checked_mesh(value)
+            if self._opts.hsdp is not None:
+                check_shard_size(self._opts.hsdp[0], MeshInfo.of(value), "hsdp(shard_size)")
+        elif name == "parameter_plan":
+            value = _checked_parameter_plan(value)
+        elif name in ("batch_argnums", "donate_argnums"):
+            value = _argnums(name, value) or (None if name == "batch_argnums" else ())
+        return value  # hardware, level, mem_coeff, memory_budget: checked by shard() when planned
 
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -646,7 +658,11 @@ def _dataset_specs(config, shapes: list[tuple], mesh: Mesh | AbstractMesh) -> li
     if config == "full_batch":
         return [PartitionSpec() for _ in shapes]
     if config == "data_parallel":
-        return [batch_spec(shape, mesh) if shape else None for shape in shapes]
+        specs, seen = [], set()  # batch sizes warned about: once each a call, not per input
+        for shape in shapes:
+            specs.append(batch_spec(shape, mesh, warn=shape[0] not in seen) if shape else None)
+            seen.update(shape[:1])
+        return specs
     if len(config) != len(shapes):
         raise ValueError(f"dataset_strategy({config!r}): {len(config)} strategies for "
                          f"{len(shapes)} data inputs; give one each.")
@@ -705,6 +721,41 @@ def _check_loaded(sharded: ShardedFunction, args: tuple, path: str) -> None:
         sharded.plan(*args)
     except ValueError as err:
         raise ValueError(f"load_operator_strategy_file(file_path={path!r}): {err}") from None
+
+
+# What AutoParallel's programs are planned from: setting one after construction plans again.
+_SETTINGS = frozenset({"network", "parallel_mode", "mesh", "parameter_plan", "hardware", "level",
+                       "mem_coeff", "memory_budget", "batch_argnums", "donate_argnums"})
+
+
+def _check_network(network) -> None:
+    if not callable(network):
+        raise TypeError(f"AutoParallel(network={network!r}): network must be a function or "
+                        "a Flax nnx Module.")
+
+
+def _check_mode(mode, none: str) -> None:
+    if not isinstance(mode, str):
+        raise TypeError(f"AutoParallel(parallel_mode={mode!r}): must be a str, one "
+                        f"of {list(PARALLEL_MODES)}{none}.")
+    if mode not in PARALLEL_MODES:
+        raise ValueError(f"AutoParallel(parallel_mode={mode!r}): must be one of "
+                         f"{list(PARALLEL_MODES)}.")
+
+
+def _checked_mesh(mesh) -> Mesh | AbstractMesh:
+    if not isinstance(mesh, Mesh | AbstractMesh):
+        raise TypeError(f"AutoParallel(mesh={mesh!r}): pass a jax.sharding.Mesh, e.g. "
+                        "jaxpar.make_mesh(8), or an AbstractMesh to plan only.")
+    check_auto_axes(mesh, "AutoParallel(mesh=...)")
+    return mesh
+
+
+def _checked_parameter_plan(plan) -> dict:
+    if plan is not None and not isinstance(plan, dict):
+        raise TypeError(f"AutoParallel(parameter_plan={plan!r}): must be a dict "
+                        "mapping parameter paths to strategies, e.g. {'params/w': (1, 8)}.")
+    return dict(plan or {})
 
 
 def _argnums(name: str, value) -> tuple[int, ...] | None:

@@ -112,8 +112,9 @@ def test_data_parallel_cuts_a_batch_the_devices_do_not_divide_as_far_as_it_goes(
     x = jax.random.normal(jax.random.key(7), (batch, 64))
     args = (params, tx.init(params), x, x)
     net = AutoParallel(step)
-    with pytest.warns(UserWarning, match=f"batch of {batch} does not divide into 8"):
+    with pytest.warns(UserWarning, match=f"batch of {batch} does not divide into 8") as caught:
         spec = _specs(net, args)["x"]
+    assert len(caught) == 1  # not once per batch input (x and y): it was twice
     assert spec.dims[0] == (axes or ())
     loss = net(*args)[2]
     np.testing.assert_allclose(loss, jax.jit(step)(*args)[2], rtol=1e-5)
@@ -301,6 +302,25 @@ def test_optimizer_parallel_threshold_keeps_small_tensors(mlp_problem):
     net.hsdp(threshold=10_000, optimizer_level="level1")  # 10 MB: nothing is that big here
     plain = AutoParallel(step)
     assert net.plan(*args).flat_in_specs == plain.plan(*args).flat_in_specs
+
+
+def test_a_setting_changed_after_a_call_plans_again():
+    # Before: the program planned first kept running (8 devices, dynamic_programming's plan).
+    def step(w, x):
+        return w, jnp.tanh(x @ w).sum()
+
+    net = AutoParallel(step, parallel_mode="dynamic_programming")
+    w, x = jnp.ones((8, 8)), jnp.ones((16, 8))
+    assert net(w, x)[0].sharding.mesh.size == 8
+    net.mesh = jaxpar.make_mesh(2)
+    net.parallel_mode = "semi_auto"
+    assert net(w, x)[0].sharding.mesh.size == 2
+    assert net.plan(w, x).search_mode == "sharding_propagation"
+    with pytest.raises(ValueError, match=r"parallel_mode='exact'\): must be one of"):
+        net.parallel_mode = "exact"
+    with pytest.raises(TypeError, match=r"AutoParallel\(mesh=8\): pass a jax.sharding.Mesh"):
+        net.mesh = 8
+    assert net.parallel_mode == "semi_auto" and net.mesh.size == 2  # refused: unchanged
 
 
 def test_the_mode_comes_from_the_context_unless_given():
