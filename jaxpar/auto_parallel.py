@@ -126,6 +126,9 @@ class AutoParallel:
       context: the ParallelContext to read defaults from; default the current one
         (`set_auto_parallel_context`).
 
+    The arguments but `context` are attributes of the same names; one set later
+    (`net.mesh = jaxpar.make_mesh(4)`) is checked as here, and the next call plans again.
+
     Example:
       >>> net = jaxpar.AutoParallel(train_step, parallel_mode="recursive_programming")
       >>> net.hsdp(optimizer_level="level1")
