@@ -86,11 +86,11 @@ def _plan(args: argparse.Namespace) -> int:
     from jaxpar.plan import check_writable
     from jaxpar.run_config import load_run_config, plan_run
 
-    if args.out:
+    if args.out is not None:  # "" too: check_writable names it
         check_writable(args.out, "--out")  # before planning, which may take a while
     run = load_run_config(args.config)
     planned = plan_run(run, mode=args.mode, devices=args.devices, hardware=args.hardware)
-    if args.out:
+    if args.out is not None:
         planned.plan.save(args.out)
     if args.json:
         print(json.dumps(plan_summary(planned, args.config), indent=1))

@@ -294,25 +294,33 @@ def _fusion_entry(kind: str, entry: Any) -> dict[str, Any]:
     return {"mode": mode, "config": config}
 
 
+def is_finite(value) -> bool:
+    """math.isfinite, where an int too large for a float (10**400) is not finite."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _mem_coeff(value: Any) -> float:
-    rule = "must be a number >= 0 (larger favours model parallel, smaller data parallel)."
+    rule = "must be a finite number >= 0 (larger favours model parallel, smaller data parallel)."
     if not _is_real(value):
         raise _bad(TypeError, "mem_coeff", value, rule + _yaml_hint(value))
-    if not math.isfinite(value) or value < 0:
+    if not is_finite(value) or value < 0:
         raise _bad(ValueError, "mem_coeff", value, rule)
     return float(value)
 
 
 def _memory_budget(value: Any) -> int | float | str | None:
-    rule = ("must be a positive number of bytes per device, 'hardware' (the hardware profile's "
-            "memory) or None (no budget).")
+    rule = ("must be a finite positive number of bytes per device, 'hardware' (the hardware "
+            "profile's memory) or None (no budget).")
     if value is None or value == "hardware":
         return value
     if isinstance(value, str):
         raise _bad(ValueError, "memory_budget", value, rule + _yaml_hint(value))
     if not _is_real(value):
         raise _bad(TypeError, "memory_budget", value, rule)
-    if not math.isfinite(value) or value <= 0:
+    if not is_finite(value) or value <= 0:
         raise _bad(ValueError, "memory_budget", value, rule)
     return int(value) if _is_int(value) else float(value)
 
@@ -487,6 +495,9 @@ def read_yaml(path: Path, who: str, example: str) -> Any:
         return yaml.safe_load(path.read_text())
     except UnicodeDecodeError as err:
         raise ValueError(f"{path}: not a YAML text file ({err}).") from None
+    except RecursionError:
+        raise ValueError(f"{path}: nested too deeply to read; a config is a few levels of "
+                         "mappings.") from None
     except yaml.YAMLError as err:
         mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
         where = " ".join(str(err).split()) if mark is None or problem is None else \
@@ -600,6 +611,8 @@ def _from_parallel_block(block: Any) -> dict[str, Any]:
     for key, value in block.items():
         if key not in FIELD_NAMES:
             _unknown("parallel.", key, FIELD_NAMES + ("auto_pipeline",))
+        if key == "parallel_config" and isinstance(value, Mapping) and key in out:
+            value = {**value, **out[key]}  # beside auto_pipeline, not instead of it
         out[key] = _mindformers_mode(value) if key == "parallel_mode" else value
     return out
 

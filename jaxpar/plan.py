@@ -384,7 +384,7 @@ def load_plans(path: str | Path) -> list[Plan]:
     plans = data.get("plans")
     if not isinstance(plans, list) or not plans:
         raise ValueError(f"load_plans({str(path)!r}): corrupt plan file (no list of plans).")
-    return [_from_json(d, path, "load_plans") for d in plans]
+    return [_one_plan(d, path, "load_plans") for d in plans]  # each checked as a plan file
 
 
 def _read_plan_file(path, where: str):
@@ -392,9 +392,12 @@ def _read_plan_file(path, where: str):
     _check_path(path, where)
     try:
         return json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{where}({str(path)!r}): cannot read a plan ({err}); pass a file "
-                         "Plan.save or save_plans wrote.") from None
+    except RecursionError:  # JSON nested deeper than Python's stack: no plan is
+        why = "nested too deeply"
+    except (OSError, UnicodeDecodeError, ValueError) as err:  # ValueError: JSONDecodeError,
+        why = str(err)[:200]  # and ints of more digits than Python converts
+    raise ValueError(f"{where}({str(path)!r}): cannot read a plan ({why}); pass a file "
+                     "Plan.save or save_plans wrote.")
 
 
 def _one_plan(data, path, where: str) -> Plan:

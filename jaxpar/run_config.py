@@ -39,11 +39,18 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from jaxpar.context import ParallelContext, context_from_mapping, read_yaml
+from jaxpar.context import (
+    MAX_DEVICES,
+    ParallelContext,
+    context_from_mapping,
+    is_finite,
+    read_yaml,
+)
 
 MODELS = ("gpt", "mlp", "nnx_gpt")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 ACTIVATIONS = ("relu", "gelu", "tanh", "none")
+MODEL_DTYPES = ("float32", "bfloat16", "float16", "float64")
 PLAN_MODES = ("semi_auto", "data_parallel", "sharding_propagation", "recursive_programming",
               "dynamic_programming")
 AUTOMATIC_MODES = ("recursive_programming", "dynamic_programming")
@@ -133,7 +140,9 @@ class RunConfig:
 
     def hardware_name(self, hardware: str | None = None) -> str:
         """The profile to plan for: `hardware`, else the config's, else the context's, else cpu."""
-        return hardware or self.hardware or self.context.hardware or "cpu"
+        if hardware is not None:  # "" too: load_profile names it
+            return hardware
+        return self.hardware or self.context.hardware or "cpu"
 
     def mesh_axes(self, devices: int | None = None, mode: str | None = None
                   ) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -150,7 +159,7 @@ class RunConfig:
           The sizes and names, outermost first.
         """
         mode = self.plan_mode(mode)
-        n = self.device_count() if devices is None else _positive_int("devices", devices)
+        n = self.device_count() if devices is None else _device_count("devices", devices)
         mp = self.tensor_parallel(mode)
         if mp > 1:
             return self._dp_mp_axes(n, mp, devices is None)
@@ -241,6 +250,11 @@ def run_config_from_mapping(data: Any, where: str = "<run config>") -> RunConfig
                     hardware=_hardware(data.get("hardware"), where), context=context,
                     source=where)
     _check_counts(run)
+    if context.pipeline_stages > 1:  # before tracing: AutoParallel would refuse it there
+        raise ValueError(f"{where}: pipeline_stages={context.pipeline_stages} "
+                         "(parallel_config.pipeline_stage): pipeline parallelism is not in this "
+                         "version of jaxpar; use 1, and data/tensor/optimizer parallel over the "
+                         "whole mesh.")
     return run
 
 
@@ -271,6 +285,9 @@ def _gpt_config(name: str, block: dict, where: str):
         except TypeError:
             raise ValueError(f"{where}: model.dtype={block['dtype']!r}: not a dtype; use e.g. "
                              "float32 or bfloat16.") from None
+        if block["dtype"].name not in MODEL_DTYPES:  # a training step differentiates it
+            raise ValueError(f"{where}: model.dtype={block['dtype'].name!r}: the model's "
+                             f"parameters and activations need one of {list(MODEL_DTYPES)}.")
     try:
         return GPTConfig(**block)
     except (ValueError, TypeError) as err:
@@ -301,9 +318,10 @@ def _train(block: Any, where: str) -> TrainConfig:
         raise ValueError(f"{where}: train.optimizer={out.optimizer!r}: must be one of "
                          f"{list(OPTIMIZERS)}.{_close(out.optimizer, OPTIMIZERS)}")
     lr = out.learning_rate
-    if not _is_real(lr) or not lr > 0:
+    if not _is_real(lr) or not lr > 0 or not is_finite(lr):
         hint = " (YAML reads 1e-3 as text; write 1.0e-3.)" if _numeric_text(lr) else ""
-        raise ValueError(f"{where}: train.learning_rate={lr!r}: must be a number > 0.{hint}")
+        raise ValueError(f"{where}: train.learning_rate={lr!r}: must be a finite number > 0."
+                         f"{hint}")
     return out
 
 
@@ -311,7 +329,7 @@ def _mesh(value: Any, where: str) -> MeshConfig:
     if value is None:
         return MeshConfig()
     if _is_int(value):
-        return MeshConfig(devices=_positive_int(f"{where}: mesh", value))
+        return MeshConfig(devices=_device_count(f"{where}: mesh", value))
     if isinstance(value, list | tuple):
         return MeshConfig(shape=_shape(value, "mesh", where))
     block = _block(value, "mesh", where)
@@ -320,7 +338,7 @@ def _mesh(value: Any, where: str) -> MeshConfig:
     shape = _shape(block["shape"], "mesh.shape", where) if "shape" in block else None
     names = _names(block.get("names"), shape, where)
     if devices is not None:
-        _positive_int(f"{where}: mesh.devices", devices)
+        _device_count(f"{where}: mesh.devices", devices)
         if shape and math.prod(shape) != devices:
             raise ValueError(f"{where}: mesh.shape {list(shape)} holds {math.prod(shape)} "
                              f"devices, not mesh.devices={devices}.")
@@ -332,6 +350,7 @@ def _shape(value: Any, key: str, where: str) -> tuple[int, ...]:
             _is_int(n) and n >= 1 for n in value):
         raise ValueError(f"{where}: {key}={value!r}: give a list of positive axis sizes, e.g. "
                          "[4, 2].")
+    _device_count(f"{where}: {key}'s device count", math.prod(value))
     return tuple(int(n) for n in value)
 
 
@@ -416,6 +435,15 @@ def _positive_int(key: str, value: Any) -> int:
     if not _is_int(value) or value < 1:
         raise ValueError(f"{key}={value!r}: must be a positive int.")
     return int(value)
+
+
+def _device_count(key: str, value: Any) -> int:
+    """A device count: a positive int of at most MAX_DEVICES (MindSpore's device_num range)."""
+    n = _positive_int(key, value)
+    if n > MAX_DEVICES:
+        raise ValueError(f"{key}={value!r}: at most {MAX_DEVICES} devices (MindSpore's "
+                         "device_num range).")
+    return n
 
 
 def _bool(value: Any, key: str, where: str) -> bool:

@@ -848,6 +848,23 @@ def test_a_plan_file_of_another_format_version_shows_the_value_as_written(tmp_pa
         jaxpar.Plan.load(path)
 
 
+def test_plan_files_that_python_cannot_read_or_that_hide_a_plan_are_refused(tmp_path):
+    import json
+
+    path = tmp_path / "plan.json"
+    path.write_text("[" * 100000 + "]" * 100000)  # was a RecursionError traceback
+    with pytest.raises(ValueError, match=r"cannot read a plan \(nested too deeply\)"):
+        jaxpar.Plan.load(path)
+    path.write_text('{"format": "jaxpar-plan", "version": ' + "9" * 5000 + "}")
+    with pytest.raises(ValueError, match=r"plan.json'\): cannot read a plan \(Exceeds"):
+        jaxpar.Plan.load(path)  # the message named no file
+    inner = jaxpar.shard(dense_relu).plan(X, W, B).to_json()
+    path.write_text(json.dumps({"format": "jaxpar-plans", "version": 1,
+                                "plans": [inner | {"version": 99}, inner]}))
+    with pytest.raises(ValueError, match=r"format version 99 is not 1"):
+        jaxpar.plan.load_plans(path)  # each plan's own version went unchecked
+
+
 @pytest.mark.parametrize("in_strategy", [None, ((1, 8),)])
 def test_results_with_no_elements_come_back_readable(in_strategy):
     """XLA returns an empty result whole on every device whatever its out_sharding says; cut,

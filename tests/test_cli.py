@@ -126,6 +126,14 @@ def test_plan_refuses_an_out_path_it_cannot_write_before_planning(capsys, tmp_pa
     assert err.startswith("jaxpar plan: error: --out") and "does not exist" in err
 
 
+def test_plan_names_an_empty_hardware_or_out(capsys):
+    # Both were ignored: the plan ran on cpu, and saved nothing.
+    status, out, err = _main(capsys, "plan", str(CONFIGS[0]), "--hardware", "")
+    assert status == 2 and "hardware='': no such profile" in err
+    status, out, err = _main(capsys, "plan", str(CONFIGS[0]), "--out", "")
+    assert status == 2 and err.startswith("jaxpar plan: error: --out ''") and out == ""
+
+
 def test_demo_quick_trains_like_one_device(capsys):
     status, out, err = _main(capsys, "demo", "--quick", "--steps", "3")
     assert status == 0, out + err

@@ -87,6 +87,16 @@ def test_stand_alone_plans_nothing():
     ({"model": TINY_MLP, "parallel": {"search": "x"}}, r"unknown key parallel.search"),
     ({"model": TINY_MLP, "parallel_config": {"mem_coeff": -1}}, r"mem_coeff=-1"),
     ([1, 2], r"a run config is a mapping"),
+    # Each of these was a traceback (OverflowError, NotImplementedError), a hang, or an error
+    # inside JAX after tracing that named neither file nor key.
+    ({"model": TINY_MLP, "parallel_config": {"mem_coeff": 10 ** 400}}, r"finite number >= 0"),
+    ({"model": TINY_MLP, "parallel": {"memory_budget": 10 ** 400}}, r"finite positive"),
+    ({"model": TINY_MLP, "train": {"learning_rate": 10 ** 400}}, r"finite number > 0"),
+    ({"model": TINY_MLP, "train": {"learning_rate": float("inf")}}, r"finite number > 0"),
+    ({"model": TINY_MLP, "parallel_config": {"pipeline_stage": 2}}, r"pipeline_stages=2.*not in"),
+    ({"model": TINY_MLP, "mesh": 2 ** 61 - 1}, r"at most 4096 devices"),
+    ({"model": TINY_MLP, "mesh": [2 ** 40, 2]}, r"mesh's device count=.*at most 4096"),
+    ({"model": {"name": "gpt", "dtype": "int8"}}, r"model.dtype='int8'.*need one of"),
 ])
 def test_bad_configs_name_the_file_and_the_key(data, match):
     with pytest.raises(ValueError, match="run.yaml: ") as err:
@@ -101,6 +111,24 @@ def test_a_missing_or_broken_file_is_a_value_error(tmp_path):
     bad.write_text("model: [unclosed\n")
     with pytest.raises(ValueError, match="not valid YAML"):
         load_run_config(bad)
+    bad.write_text("[" * 20000 + "]" * 20000)  # was a RecursionError traceback
+    with pytest.raises(ValueError, match="bad.yaml: nested too deeply"):
+        load_run_config(bad)
+
+
+def test_devices_beyond_mindspores_range_are_refused_before_factoring():
+    # 2**61 - 1 is prime: factoring it hung; 2**36 devices allocated 512 GiB.
+    for n in (2 ** 61 - 1, 2 ** 36, 4097):
+        with pytest.raises(ValueError, match=f"devices={n}: at most 4096"):
+            _run().mesh_axes(devices=n, mode="data_parallel")
+    assert _run().mesh_axes(devices=4096, mode="data_parallel")[0] == (16, 16, 16)
+
+
+def test_auto_pipeline_is_kept_beside_a_parallel_config_in_the_parallel_block():
+    # The parallel block's parallel_config replaced the auto_pipeline read before it.
+    ctx = context_from_mapping({"parallel": {"auto_pipeline": True,
+                                             "parallel_config": {"model_parallel": 2}}}, "x")
+    assert ctx.parallel_config == {"model_parallel": 2, "auto_pipeline": True}
 
 
 def test_context_blocks_read_as_load_config_reads_them():
