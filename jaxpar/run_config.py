@@ -163,6 +163,8 @@ class RunConfig:
         mp = self.tensor_parallel(mode)
         if mp > 1:
             return self._dp_mp_axes(n, mp, devices is None)
+        if mode == "semi_auto" and devices is None:
+            self._check_degrees(n, 1)
         if self.mesh.shape and math.prod(self.mesh.shape) == n:
             return self.mesh.shape, self.mesh.names or _default_names(len(self.mesh.shape))
         sizes = _factor(n)
@@ -181,16 +183,21 @@ class RunConfig:
         import jax
         return len(jax.devices())
 
+    def _check_degrees(self, n: int, mp: int) -> None:
+        """semi_auto's parallel_config degrees must multiply to the mesh's device count."""
+        dp = self.context.parallel_config.get("data_parallel")
+        if dp is not None and dp * mp != n:
+            raise ValueError(f"{self.source}: parallel_config data_parallel={dp} x "
+                             f"model_parallel={mp} is {dp * mp} devices, but the mesh has {n}; "
+                             "make them agree.")
+
     def _dp_mp_axes(self, n: int, mp: int, from_config: bool
                     ) -> tuple[tuple[int, ...], tuple[str, ...]]:
         if n % mp:
             raise ValueError(f"{self.source}: parallel_config.model_parallel={mp} does not divide "
                              f"{n} devices; use a device count that is a multiple of {mp}.")
-        dp = self.context.parallel_config.get("data_parallel")
-        if from_config and dp is not None and dp * mp != n:
-            raise ValueError(f"{self.source}: parallel_config data_parallel={dp} x "
-                             f"model_parallel={mp} is {dp * mp} devices, but the mesh has {n}; "
-                             "make them agree.")
+        if from_config:
+            self._check_degrees(n, mp)
         if self.mesh.shape and self.mesh.shape != (n // mp, mp) and from_config:
             raise ValueError(f"{self.source}: mesh shape {list(self.mesh.shape)} is not "
                              f"(data_parallel, model_parallel) = [{n // mp}, {mp}]; semi_auto "

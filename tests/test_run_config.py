@@ -170,6 +170,11 @@ def test_semi_auto_degrees_must_match_the_mesh():
                parallel_config={"data_parallel": 4, "model_parallel": 2})
     with pytest.raises(ValueError, match="data_parallel=4 x model_parallel=2 is 8 devices"):
         run.mesh_axes()
+    # Without model_parallel the same mismatch planned 8 devices silently.
+    run = _run(parallel={"parallel_mode": 1}, mesh=8, parallel_config={"data_parallel": 2})
+    with pytest.raises(ValueError, match="data_parallel=2 x model_parallel=1 is 2 devices"):
+        run.mesh_axes()
+    assert run.mesh_axes(devices=2)[0] == (2,)  # --devices wins, as with model_parallel
 
 
 def test_tensor_parallel_specs_follow_megatron():
