@@ -52,11 +52,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import progress
-from jaxpar.cost.hardware import HardwareProfile, Link, save_profile
-from jaxpar.mesh import make_mesh
+from jaxpar.cost.hardware import COLLECTIVE_KINDS, HardwareProfile, Link, save_profile
+from jaxpar.mesh import make_mesh, mesh_devices
 from jaxpar.plan import check_writable
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+KINDS = COLLECTIVE_KINDS
 
 
 @dataclass(frozen=True)
@@ -132,9 +132,10 @@ def calibrate(mesh: Mesh | None = None, *, name: str | None = None, quick: bool 
     if not isinstance(mesh, Mesh):
         raise TypeError(f"calibrate(mesh={mesh!r}): pass a jax.sharding.Mesh, e.g. "
                         "jaxpar.make_mesh((2, 4)), or None for all devices.")
-    if memory_bytes is not None and not memory_bytes > 0:
+    if memory_bytes is not None and not _positive(memory_bytes):
         raise ValueError(f"calibrate(memory_bytes={memory_bytes!r}): give the memory per device "
-                         "in bytes (> 0), or None to read it from the device or the host.")
+                         "in bytes (a finite number > 0), or None to read it from the device or "
+                         "the host.")
     s = settings or (QUICK if quick else Settings())
     if matmul_dtype is not None:
         if matmul_dtype not in ("float32", "bfloat16", "float16"):
@@ -427,8 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        if args.memory_gb is not None and not args.memory_gb > 0:
-            raise ValueError(f"--memory-gb {args.memory_gb}: give the memory per device in GB.")
+        if args.memory_gb is not None and not _positive(args.memory_gb * 1e9):
+            raise ValueError(f"--memory-gb {args.memory_gb}: give the memory per device in GB, "
+                             "a finite number > 0 (e.g. --memory-gb 16).")
         shape, names = _parse_mesh(args.mesh, args.names, args.devices)
         check_writable(args.out, "--out")  # before measuring, which takes a while
         # --mesh alone: as many (simulated CPU) devices as it holds
@@ -443,8 +445,22 @@ def main(argv: list[str] | None = None) -> int:
     if jax.process_index() == 0:
         _report(cal, mesh)
         save_profile(cal.profile, args.out, _comment(cal, mesh))
-        print(f"wrote {args.out}: use it with jaxpar.shard(..., hardware={str(args.out)!r})")
+        hint = _as_hardware(args.out)
+        print(f"wrote {args.out}: use it with jaxpar.shard(..., hardware={hint!r})")
     return 0
+
+
+def _positive(x) -> bool:
+    """A finite number above 0 (not a bool)."""
+    return isinstance(x, int | float | np.number) and not isinstance(x, bool | np.bool_) \
+        and bool(np.isfinite(x)) and x > 0
+
+
+def _as_hardware(out: Path) -> str:
+    """`out` as `hardware=` reads it back: a bare name without a suffix reads as a profile
+    name (hardware.load_profile), so it gets a "./" to make it a path."""
+    text = str(out)
+    return text if out.suffix or os.sep in text or "/" in text else f"./{text}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -507,7 +523,7 @@ def _cli_mesh(shape: tuple[int, ...] | None, names: tuple[str, ...] | None,
     if shape is None and devices is None and names is None and device is None:
         return default_mesh()
     if shape is None:
-        count = devices or len(jax.devices(device.lower()) if device else jax.devices())
+        count = devices or len(mesh_devices(device))  # a missing platform: a clear error
         shape = (count,) if names is None or len(names) == 1 else None
     if shape is None:
         raise ValueError(f"--names {','.join(names)}: give --mesh with one size per name.")

@@ -1,6 +1,8 @@
 """jaxpar calibrate: the alpha-beta fit inverts comm.py's model, a run on 8 CPU devices writes a
 profile that loads and drives jaxpar.shard, and profiles round-trip through YAML."""
 
+import ast
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,7 @@ from jaxpar.cost.hardware import (
     profile_to_dict,
     save_profile,
 )
-from jaxpar.mesh import make_mesh
+from jaxpar.mesh import available_platforms, make_mesh
 from jaxpar.spec import MeshInfo
 
 
@@ -94,6 +96,8 @@ def test_calibrated_profile_drives_shard(calibrated):
     (["--names", "a,b"], "give --mesh with one size per name"),
     (["--devices", "0"], "positive device count"),
     (["--memory-gb", "-1"], "--memory-gb -1.0"),
+    (["--memory-gb", "inf"], "--memory-gb inf: give the memory per device in GB, a finite"),
+    (["--memory-gb", "nan"], "--memory-gb nan"),
 ])
 def test_bad_arguments_exit_2_with_a_message(argv, match, capsys, tmp_path):
     assert main(argv + ["--out", str(tmp_path / "never-written.yaml")]) == 2
@@ -141,7 +145,7 @@ def test_profiles_round_trip_through_yaml(name, tmp_path):
     ({"intra": {"name": "l", "bandwidth": "fast", "latency": 1e-6}}, "bandwidth='fast'"),
     ({"devices_per_node": -8}, "devices_per_node=-8"),
     ({"nodes": 1.5}, "nodes=1.5"),
-    ({"axes": {"gpu": {"name": "l", "bandwidth": 1e9}}}, "malformed"),
+    ({"axes": {"gpu": {"name": "l", "bandwidth": 1e9}}}, r"axes.gpu: missing keys \['latency'\]"),
 ])
 def test_bad_profile_fields_are_named(change, match):
     base = {"name": "t", "peak_flops": 1e12, "memory_bytes": 1e9, "memory_bandwidth": 1e11,
@@ -158,3 +162,29 @@ def test_yaml_numbers_without_a_dot_still_load(tmp_path):
     assert p.peak_flops == 1e12 and p.intra.bandwidth == 9e10
     assert Link("l", 1e9, 1e-6, collectives={"all-to-all": {"bandwidth": 5e8}}).figures(
         "all-to-all") == (5e8, 1e-6)
+
+
+def test_a_missing_platform_gets_jaxpars_message(tmp_path, capsys):
+    # `--device GPU` alone printed JAX's raw "Unknown backend: 'gpu' requested"; with
+    # --devices it already went through make_mesh's message.
+    if "GPU" in available_platforms():
+        pytest.skip("this machine has a GPU")
+    for argv in (["--device", "GPU"], ["--device", "GPU", "--devices", "2"]):
+        assert main(argv + ["--out", str(tmp_path / "p.yaml")]) == 2
+        err = capsys.readouterr().err
+        assert "device='GPU': no GPU devices are visible to JAX" in err
+        assert "Unknown backend" not in err
+
+
+def test_an_out_path_without_a_suffix_loads_as_printed(tmp_path, monkeypatch, capsys):
+    # The printed hardware='calprof' read as a profile name (configs/hardware/calprof.yaml).
+    monkeypatch.chdir(tmp_path)
+    one = ["--devices", "1", "--quick", "--memory-gb", "1", "--name", "bare"]
+    assert main(one + ["--out", "calprof"]) == 0
+    hint = capsys.readouterr().out.rsplit("hardware=", 1)[1].strip().rstrip(")")
+    assert hint == "'./calprof'" and load_profile(ast.literal_eval(hint)).name == "bare"
+    assert load_profile("calprof").name == "bare"  # no such profile name: the file
+    assert load_profile(tmp_path / "calprof").name == "bare"
+    (tmp_path / "cpu").write_text((tmp_path / "calprof").read_text())
+    assert load_profile("cpu").name == "cpu"  # a profile name wins over a file of that name
+    assert load_profile("./cpu").name == "bare"

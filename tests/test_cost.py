@@ -6,12 +6,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jaxpar
 from jaxpar.analysis import collective_stats
 from jaxpar.cost import Collective, CostModel, collective_time, load_profile, reshard
-from jaxpar.cost.hardware import available_profiles, profile_from_dict, profile_to_dict
+from jaxpar.cost.hardware import (
+    COLLECTIVE_KINDS,
+    available_profiles,
+    profile_from_dict,
+    profile_to_dict,
+)
 from jaxpar.mesh import make_mesh
 from jaxpar.rules.registry import OpInfo
 from jaxpar.spec import MeshInfo, OpStrategy, Spec
@@ -504,3 +511,52 @@ def test_a_reduction_over_dims_cut_on_different_axes_is_priced_as_compiled(what,
     measured = {k: (v["count"], v["bytes"])
                 for k, v in collective_stats(f.lower(x, y).compile()).items()}
     assert predicted == measured
+
+
+def test_profile_numbers_beyond_float_are_named(tmp_path):
+    # An int of 401 digits crashed float() with OverflowError, through load_profile and shard.
+    path = tmp_path / "big.yaml"
+    good = profile_to_dict(load_profile("cpu"))
+    path.write_text(yaml.safe_dump(good | {"peak_flops": 10 ** 400}))
+    message = rf"{path}: peak_flops=<an int of 401 digits> must be a finite positive number"
+    with pytest.raises(ValueError, match=message):
+        load_profile(path)
+    with pytest.raises(ValueError, match=message):
+        jaxpar.shard(lambda x: x, hardware=str(path))(jnp.ones(8))
+    path.write_text(yaml.safe_dump(good) + "memory_bytes: 1" + "0" * 5000 + "\n")
+    with pytest.raises(ValueError, match=rf"cannot read {path} as a YAML profile"):
+        load_profile(path)  # beyond Python's int-to-str limit: yaml itself refuses it
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"peak_flops": True}, r"peak_flops=True must be a finite positive number"),
+    ({"intra": {"name": "l", "bandwidth": 1e9, "latency": False}}, r"intra: latency=False"),
+    ({"intra": {"name": "l", "bandwidth": 1e9, "latency": 0,
+                "collectives": {"all-gather": {"speed": 5.0}}}},
+     r"intra: collectives.all-gather=\{'speed': 5.0\} must be a mapping of "
+     r"\['bandwidth', 'latency'\]"),
+    ({"intra": {"name": "l", "bandwidth": 1e9, "latency": 0,
+                "collectives": {"bogus-kind": {"bandwidth": 5.0}}}},
+     r"unknown collective 'bogus-kind'; use one of \['all-reduce', 'all-gather', "
+     r"'reduce-scatter', 'all-to-all', 'collective-permute'\]"),
+    ({"intra": {"name": "l", "bandwidth": 1e9, "latency": 0, "collectives": [1]}},
+     r"intra: collectives=\[1\] must be a mapping"),
+    ({"inter": 0}, r"inter=0 must be a link, a mapping of \['name', 'bandwidth'"),
+    ({"inter": {}}, r"inter: missing keys \['bandwidth', 'latency', 'name'\]"),
+    ({"intra": "fast"}, r"intra='fast' must be a link"),
+    ({"axes": ["a"]}, r"axes=\['a'\] must be a mapping of mesh axis names to links"),
+    ({"name": ["t"]}, r"name=\['t'\] must be a non-empty string"),
+    ({"intra": {"name": 7, "bandwidth": 1e9, "latency": 0}}, r"intra: name=7 must be"),
+])
+def test_loose_profile_fields_are_refused(change, match):
+    good = profile_to_dict(load_profile("cpu"))
+    with pytest.raises(ValueError, match=match):
+        profile_from_dict(good | change, "p.yaml")
+
+
+def test_measured_collectives_and_a_null_inter_still_load():
+    good = profile_to_dict(load_profile("cpu"))
+    link = {"name": "l", "bandwidth": 1e9, "latency": 0,
+            "collectives": {k: {"bandwidth": "5e8"} for k in COLLECTIVE_KINDS}}
+    p = profile_from_dict(good | {"intra": link, "inter": None})
+    assert p.inter is None and p.intra.figures("all-to-all") == (5e8, 0.0)

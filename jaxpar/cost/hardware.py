@@ -35,6 +35,7 @@ bytes per device over n devices takes (n-1)/n * b / bandwidth, an all-reduce twi
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -46,6 +47,10 @@ from jaxpar.spec import MeshInfo
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
 TOPOLOGIES = ("switch", "ring")
 COMPUTE_TIMES = ("flops", "roofline")
+# What a link's `collectives` may hold: {kind: {field: number}} (jaxpar.analysis.KINDS).
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                    "collective-permute")
+COLLECTIVE_FIELDS = ("bandwidth", "latency")
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,9 @@ def available_profiles() -> list[str]:
 def load_profile(profile: str | Path | HardwareProfile | None) -> HardwareProfile:
     """A profile by name (`h100-nvlink`), by YAML path, or the default `cpu` for None.
 
+    A bare word without a suffix is a shipped profile's name, else a file of that name; a
+    suffix (`my.yaml`) or a directory part (`./calprof`, `/tmp/calprof`) makes it a path.
+
     Example:
       >>> load_profile("tpu-v5e").intra.topology
       'ring'
@@ -152,20 +160,28 @@ def load_profile(profile: str | Path | HardwareProfile | None) -> HardwareProfil
     if not isinstance(profile, str | Path):
         raise TypeError(f"hardware={profile!r} must be a profile name, a YAML path or a "
                         f"HardwareProfile; profiles: {available_profiles()}.")
-    path = Path(profile)
-    if not path.suffix:
-        path = PROFILE_DIR / f"{profile}.yaml"
+    path = _profile_path(profile)
     if not path.is_file():
         raise ValueError(f"hardware={str(profile)!r}: no such profile or file. Known profiles: "
                          f"{available_profiles()}, or pass the path of a YAML profile.")
     try:
         data = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+    except (OSError, ValueError, yaml.YAMLError) as err:  # ValueError: an int of 4300+ digits
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ValueError(f"hardware={str(profile)!r}: cannot read {path} as a YAML profile "
                          f"({first}). Fix the file, or pass a profile name: "
                          f"{available_profiles()}.") from None
     return profile_from_dict(data, str(path))
+
+
+def _profile_path(profile: str | Path) -> Path:
+    """The file a profile argument names: a bare word without a suffix ("h100-nvlink") is a
+    profile of PROFILE_DIR, else a file of that name; a suffix or a directory part makes a path."""
+    text = str(profile)
+    if Path(text).suffix or "/" in text or os.sep in text:
+        return Path(profile)
+    named = PROFILE_DIR / f"{text}.yaml"
+    return named if named.is_file() or not Path(text).is_file() else Path(text)
 
 
 def profile_from_dict(data: dict, where: str = "profile") -> HardwareProfile:
@@ -179,11 +195,16 @@ def profile_from_dict(data: dict, where: str = "profile") -> HardwareProfile:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)}; expected {sorted(known)}.")
     try:
         data = dict(data)
+        data["name"] = _name(data["name"], f"{where}: name")
         data["intra"] = _link(data["intra"], f"{where}: intra")
-        if data.get("inter"):
+        if data.get("inter") is not None:
             data["inter"] = _link(data["inter"], f"{where}: inter")
-        data["axes"] = {str(k): _link(v, f"{where}: axes.{k}")
-                        for k, v in (data.get("axes") or {}).items()}
+        axes = data.get("axes") or {}
+        if not isinstance(axes, dict):
+            raise ValueError(f"{where}: axes={_show(axes)} must be a mapping of mesh axis "
+                             "names to links, e.g. {data: {name: ib, bandwidth: 5.0e+10, "
+                             "latency: 1.0e-5}}.")
+        data["axes"] = {str(k): _link(v, f"{where}: axes.{k}") for k, v in axes.items()}
         for key in ("peak_flops", "memory_bytes", "memory_bandwidth"):
             data[key] = _number(data[key], f"{where}: {key}")
         data["nodes"] = _count(data.get("nodes", 1), f"{where}: nodes", least=1)
@@ -202,35 +223,79 @@ def profile_from_dict(data: dict, where: str = "profile") -> HardwareProfile:
         raise ValueError(f"{where}: malformed hardware profile ({err}).") from None
 
 
-def _link(data: dict, where: str) -> Link:
-    link = Link(**data)
-    if link.topology not in TOPOLOGIES:
-        raise ValueError(f"{where}: topology={link.topology!r}; use one of {list(TOPOLOGIES)}.")
-    bandwidth = _number(link.bandwidth, f"{where}: bandwidth")
-    latency = _number(link.latency, f"{where}: latency", zero=True)
-    kinds = {str(k): {str(f): _number(x, f"{where}: collectives.{k}.{f}", zero=f == "latency")
-                      for f, x in v.items()}
-             for k, v in (link.collectives or {}).items()}
-    return Link(str(link.name), bandwidth, latency, link.topology, kinds)
+def _name(value, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{where}={_show(value)} must be a non-empty string (quote it in "
+                         "YAML if it reads as a number, e.g. name: \"v5e\").")
+    return value
+
+
+def _link(data, where: str) -> Link:
+    """A Link from YAML: a mapping of {name, bandwidth, latency[, topology, collectives]}."""
+    known = [f.name for f in fields(Link)]
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}={_show(data)} must be a link, a mapping of {known}, e.g. "
+                         "{name: nvlink4, bandwidth: 3.7e+11, latency: 5.0e-6}.")
+    unknown = set(data) - set(known)
+    missing = {"name", "bandwidth", "latency"} - set(data)
+    if unknown or missing:
+        raise ValueError(f"{where}: " + (f"unknown keys {sorted(map(str, unknown))}"
+                                         if unknown else f"missing keys {sorted(missing)}")
+                         + f"; a link has {known}.")
+    topology = data.get("topology", "switch")
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"{where}: topology={topology!r}; use one of {list(TOPOLOGIES)}.")
+    return Link(_name(data["name"], f"{where}: name"),
+                _number(data["bandwidth"], f"{where}: bandwidth"),
+                _number(data["latency"], f"{where}: latency", zero=True), topology,
+                _collectives(data.get("collectives") or {}, f"{where}: collectives"))
+
+
+def _collectives(data, where: str) -> dict[str, dict[str, float]]:
+    """A link's per-collective figures: {kind: {bandwidth: ..., latency: ...}}."""
+    example = "e.g. {all-gather: {bandwidth: 3.0e+11, latency: 6.0e-6}}"
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}={_show(data)} must be a mapping of collective kinds "
+                         f"{list(COLLECTIVE_KINDS)} to figures, {example}.")
+    out = {}
+    for kind, figures in data.items():
+        if kind not in COLLECTIVE_KINDS:
+            raise ValueError(f"{where}: unknown collective {kind!r}; use one of "
+                             f"{list(COLLECTIVE_KINDS)}, {example}.")
+        if not isinstance(figures, dict) or not set(figures) <= set(COLLECTIVE_FIELDS):
+            raise ValueError(f"{where}.{kind}={_show(figures)} must be a mapping of "
+                             f"{list(COLLECTIVE_FIELDS)} (either may be left out), {example}.")
+        out[kind] = {f: _number(x, f"{where}.{kind}.{f}", zero=f == "latency")
+                     for f, x in figures.items()}
+    return out
 
 
 def _number(value, where: str, zero: bool = False) -> float:
     """A positive float (non-negative with zero=True) from YAML, where 5e9 reads as a string."""
     try:
-        x = float(value)
-    except (TypeError, ValueError):
+        x = float("nan") if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond 1.8e308
         x = float("nan")
     if not (x >= 0 if zero else x > 0) or not math.isfinite(x):
-        raise ValueError(f"{where}={value!r} must be a finite "
+        raise ValueError(f"{where}={_show(value)} must be a finite "
                          f"{'non-negative' if zero else 'positive'} number (bytes, bytes/s, "
-                         "flop/s or seconds).")
+                         "flop/s or seconds) below 1.8e+308, e.g. 5.0e+9.")
     return x
 
 
 def _count(value, where: str, least: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{where}={value!r} must be an int of {least} or more.")
+        raise ValueError(f"{where}={_show(value)} must be an int of {least} or more.")
     return value
+
+
+def _show(value) -> str:
+    """repr(value), an int of hundreds of digits or a long list cut short."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** 30:
+        return f"<an int of {len(str(abs(value)))} digits>" if abs(value) < 10 ** 4000 \
+            else "<an int of over 4000 digits>"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def profile_to_dict(profile: HardwareProfile) -> dict:
