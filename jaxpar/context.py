@@ -486,13 +486,37 @@ def load_config(path: str | os.PathLike) -> ParallelContext:
     return context_from_mapping(data, str(path))
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """yaml.safe_load's loader, but a key given twice in one mapping is an error: PyYAML keeps
+    the last, so a config with two `parallel:` blocks would drop the first unsaid."""
+
+
+def _unique_mapping(loader: _UniqueKeys, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: set = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            twice = key in seen
+        except TypeError:  # an unhashable key: construct_mapping names it
+            continue
+        if twice:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} is given twice (YAML would keep the last)",
+                key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep)
+
+
+_UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def read_yaml(path: Path, who: str, example: str) -> Any:
     """The YAML document in `path`, or a ValueError starting with `who` (no such file) or the
     path (not valid YAML: what and where, on one line)."""
     if not path.is_file():
         raise ValueError(f"{who}: no such file; pass a YAML file such as {example}.")
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.load(path.read_text(), Loader=_UniqueKeys)  # noqa: S506 -- a SafeLoader
     except UnicodeDecodeError as err:
         raise ValueError(f"{path}: not a YAML text file ({err}).") from None
     except RecursionError:

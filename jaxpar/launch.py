@@ -40,6 +40,10 @@ RANK_MAIN = ("import importlib.util as u, sys; "
              "m._rank_main()")
 
 
+# As context.MAX_DEVICES (MindSpore's device_num range), without importing JAX here: -n 100000
+# started processes until the machine gave out.
+MAX_PROCESSES = 4096
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """One launch; `program` is what follows the interpreter: [script, args...] or
@@ -91,9 +95,9 @@ def launch(num_processes: int, program: list[str] | tuple[str, ...], *,
 
 def validate(cfg: LaunchConfig) -> None:
     """Raise ValueError/TypeError for a launch that cannot start; nothing is started."""
-    _check_int("-n/num_processes", cfg.num_processes, 1, None)
+    _check_int("-n/num_processes", cfg.num_processes, 1, MAX_PROCESSES)
     if cfg.devices_per_process is not None:
-        _check_int("--devices-per-process", cfg.devices_per_process, 1, None)
+        _check_int("--devices-per-process", cfg.devices_per_process, 1, MAX_PROCESSES)
     if cfg.port is not None:
         _check_int("--port", cfg.port, 1, 65535)
     if isinstance(cfg.grace_s, bool) or not isinstance(cfg.grace_s, int | float):

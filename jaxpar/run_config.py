@@ -379,6 +379,9 @@ def _hardware(value: Any, where: str) -> str | None:
     if not isinstance(value, str):
         raise ValueError(f"{where}: hardware={value!r}: give a profile name such as "
                          "h100-nvlink or a YAML path.")
+    beside = Path(where).parent / value  # a relative path: from the config's folder, where
+    if not Path(value).is_absolute() and Path(where).is_file() and beside.is_file():
+        value = str(beside)  # it is (it was read from the working directory only)
     try:
         load_profile(value)
     except (ValueError, TypeError, OSError) as err:

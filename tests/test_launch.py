@@ -242,6 +242,9 @@ def test_launch_rejects_bad_types():
         launch(1, [str(SCRIPTS / "echo.py")], log_dir=str(SCRIPTS / "echo.py"))
     with pytest.raises(TypeError, match="grace_s=True must be a number of seconds"):
         launch(1, [str(SCRIPTS / "echo.py")], grace_s=True)
+    # No bound: -n 100000 started processes until the machine gave out.
+    with pytest.raises(ValueError, match="num_processes=100000 must be between 1 and 4096"):
+        launch(100000, [str(SCRIPTS / "echo.py")])
 
 
 # --- jaxpar.init() ----------------------------------------------------------------------------

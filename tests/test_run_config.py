@@ -116,6 +116,27 @@ def test_a_missing_or_broken_file_is_a_value_error(tmp_path):
         load_run_config(bad)
 
 
+def test_a_key_given_twice_is_refused(tmp_path):
+    # PyYAML keeps the last: the mlp below was dropped for a gpt, unsaid.
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {name: mlp, sizes: [4, 2]}\nmodel: {name: gpt}\n")
+    with pytest.raises(ValueError, match=r"run.yaml: not valid YAML \(key 'model' is given "
+                                         r"twice .* at line 2, column 1\)"):
+        load_run_config(path)
+
+
+def test_a_relative_hardware_path_is_read_from_the_configs_folder(tmp_path, monkeypatch):
+    # It was read from the working directory only: the config worked from its own folder.
+    (tmp_path / "hw").mkdir()
+    shipped = Path(__file__).parent.parent / "configs" / "hardware" / "h100-nvlink.yaml"
+    (tmp_path / "hw" / "mine.yaml").write_text(shipped.read_text())
+    (tmp_path / "cfg").mkdir()
+    config = tmp_path / "cfg" / "run.yaml"
+    config.write_text("model: {name: mlp, sizes: [4, 2]}\nhardware: ../hw/mine.yaml\n")
+    monkeypatch.chdir(tmp_path.parent)
+    assert Path(load_run_config(config).hardware).resolve() == tmp_path / "hw" / "mine.yaml"
+
+
 def test_devices_beyond_mindspores_range_are_refused_before_factoring():
     # 2**61 - 1 is prime: factoring it hung; 2**36 devices allocated 512 GiB.
     for n in (2 ** 61 - 1, 2 ** 36, 4097):
