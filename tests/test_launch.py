@@ -215,8 +215,9 @@ def test_log_dir_gets_one_file_per_rank(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["-n", "0", "S"], "-n/num_processes=0 must be >= 1"),
-    (["-n", "2", "--devices-per-process", "0", "S"], "--devices-per-process=0 must be >= 1"),
+    (["-n", "0", "S"], "-n/num_processes=0 must be between 1 and 4096"),
+    (["-n", "2", "--devices-per-process", "0", "S"],
+     "--devices-per-process=0 must be between 1 and 4096"),
     (["-n", "2", "--port", "70000", "S"], "--port=70000 must be between 1 and 65535"),
     (["-n", "2", "--grace", "nan", "S"], "--grace/grace_s=nan must be a number of seconds >= 0"),
     (["-n", "2", "--grace", "-1", "S"], "--grace/grace_s=-1.0 must be a number of seconds >= 0"),
