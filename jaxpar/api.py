@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import hashlib
 import inspect
 import math
 import numbers
@@ -29,10 +28,11 @@ from jax._src.interpreters.batching import BatchTracer
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import progress
+from jaxpar.analysis import compiled_bytes
 from jaxpar.cost.hardware import load_profile
 from jaxpar.cost.manual import off_mesh
 from jaxpar.cost.model import CostModel
-from jaxpar.distributed import check_joined
+from jaxpar.distributed import check_joined, digest, gather_rows
 from jaxpar.ir import arg_paths, build_graph, trace
 from jaxpar.lower.jit import build_callable
 from jaxpar.mesh import make_mesh, mesh_devices
@@ -473,10 +473,7 @@ def _check_processes_agree(plan: Plan, name: str) -> None:
     before the first run: a small all-gather). Each process plans on its own, and a search
     stopped by its time limit may stop elsewhere on a busier machine; programs compiled from
     different plans would then fail inside their first collective, or hang."""
-    from jax.experimental import multihost_utils
-
-    digest = np.frombuffer(hashlib.sha256(_plan_text(plan).encode()).digest()[:8], np.int32)
-    every = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1, digest.size)
+    every = gather_rows(digest(_plan_text(plan).encode()))
     if not (every == every[0]).all():
         apart = [i for i in range(len(every)) if not (every[i] == every[0]).all()]
         raise ValueError(
@@ -864,15 +861,13 @@ def _check_compiled_memory(c: _Compiled, shapes: list, budget: float, name: str)
     partial sum before its reduction. The first call compiled the program, so this lowering
     and compilation are cache hits."""
     try:
-        m = c.jitted.lower(*shapes).compile().memory_analysis()
+        compiled = c.jitted.lower(*shapes).compile()
+        held = compiled_bytes(compiled)
     except Exception:  # noqa: BLE001 -- a backend without the analysis: nothing to compare
         return
-    if m is None:
+    if held is None or held <= budget:
         return
-    held = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            - m.alias_size_in_bytes)
-    if held <= budget:
-        return
+    m = compiled.memory_analysis()
     warnings.warn(
         f"{name}: the compiled program holds {held:.0f} bytes per device (XLA's memory "
         f"analysis: arguments {m.argument_size_in_bytes}, results "

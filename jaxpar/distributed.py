@@ -10,11 +10,13 @@ all. Without that environment (and `auto=False`) nothing changes: one process, a
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import jax
+import numpy as np
 
 ENV_COORDINATOR = "JAXPAR_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXPAR_NUM_PROCESSES"
@@ -111,6 +113,21 @@ def check_joined(who: str) -> None:
             f"{who}: this process is rank {rank} of {count} started by `jaxpar launch`, but it "
             "has not joined the others, so it would run alone on its own devices. Call "
             "jaxpar.init() at the top of the script, before any other JAX call.")
+
+
+def digest(payload: bytes) -> np.ndarray:
+    """Two int32s from the sha256 of `payload`: what processes all-gather to compare a
+    larger thing (a plan, a batch's shapes) without sending it."""
+    return np.frombuffer(hashlib.sha256(payload).digest()[:8], np.int32)
+
+
+def gather_rows(row: np.ndarray) -> np.ndarray:
+    """Every process's int32 `row` (the same length in each), one row per process, in process
+    order: a small all-gather, which every process must call."""
+    from jax.experimental import multihost_utils
+
+    row = np.asarray(row, np.int32)
+    return np.asarray(multihost_utils.process_allgather(row)).reshape(-1, row.size)
 
 
 def launch_environment(coordinator_address: str, num_processes: int, process_id: int,

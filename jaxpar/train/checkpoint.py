@@ -28,6 +28,8 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
+from jaxpar.distributed import gather_rows
+
 PathLike = str | os.PathLike[str]
 KeyPath = tuple[Any, ...]
 
@@ -342,8 +344,7 @@ def _verify_checksums(directory: Path) -> None:
                if found[name] != saved[name]]
     counts = [len(damaged)]
     if jax.process_count() > 1:
-        counts = np.asarray(multihost_utils.process_allgather(
-            np.array([len(damaged)], np.int32))).reshape(-1).tolist()
+        counts = gather_rows(np.array([len(damaged)])).reshape(-1).tolist()
     if not any(counts):
         return
     again = ("restore an earlier step, or copy the checkpoint again from where it was "

@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.distributed import digest, gather_rows
 from jaxpar.mesh import make_mesh
 from jaxpar.strategy import Layout, parse_in_strategy
 
@@ -331,18 +332,14 @@ def _check_local_shapes_agree(shapes: list[Shape], dtypes: list[np.dtype]) -> No
     local parts match (a last batch of an epoch split unevenly does not, and the step compiled
     for it would otherwise fail inside its first collective, or hang). One small all-gather per
     call (a digest); a second only when they differ, to name the shapes."""
-    from jax.experimental import multihost_utils
-
     code = _shape_code(shapes, dtypes)
-    digest = np.frombuffer(hashlib.sha256(code.tobytes()).digest()[:8], np.int32)
-    head = np.concatenate([digest, np.array([code.size], np.int32)])
-    every = np.asarray(multihost_utils.process_allgather(head)).reshape(-1, head.size)
+    every = gather_rows(np.concatenate([digest(code.tobytes()), [code.size]]))
     if (every == every[0]).all():
         return
     width = int(every[:, -1].max())
     padded = np.full(width, -1, np.int32)
     padded[:code.size] = code
-    codes = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, width)
+    codes = gather_rows(padded)
     mine = jax.process_index()
     other = next(p for p in range(len(every)) if (every[p] != every[mine]).any())
     theirs = _described(codes[other][:every[other, -1]])
