@@ -44,6 +44,7 @@ def plan_budgets(name: str, preset: str, modes, fractions, hardware: str) -> lis
     from search_gap import plan_objective
 
     import jaxpar
+    from jaxpar.analysis import compiled_bytes
     from jaxpar.ir import build_graph, trace
 
     model = models.build(name, preset)
@@ -88,14 +89,6 @@ def plan_budgets(name: str, preset: str, modes, fractions, hardware: str) -> lis
                 f"{row['objective']:.3f}, {row['plan_s']:.1f} s"
                 if "peak" in row else "refused"), flush=True)
     return rows
-
-
-def compiled_bytes(compiled) -> float:
-    """Per-device bytes the compiled program holds at once, by XLA's own account: arguments,
-    results and temporaries, less the results that reuse (alias) donated arguments."""
-    m = compiled.memory_analysis()
-    return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                 - m.alias_size_in_bytes)
 
 
 def summary(rows: list[dict]) -> dict:

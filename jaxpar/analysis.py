@@ -120,6 +120,21 @@ def collective_stats(compiled: Any) -> Stats:
     return stats_by_kind(collective_ops(compiled))
 
 
+def compiled_bytes(compiled: Any) -> float | None:
+    """Per-device bytes a compiled program holds at once, by XLA's own memory analysis:
+    arguments, results and temporaries, less the results that reuse (alias) donated
+    arguments. None where the backend gives no analysis.
+
+    Example:
+      >>> compiled_bytes(jax.jit(f).lower(x).compile())
+    """
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                 - m.alias_size_in_bytes)
+
+
 @dataclass(frozen=True)
 class CollectiveOp:
     """One collective instruction of a compiled program and how often one run executes it."""
