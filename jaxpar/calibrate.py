@@ -52,7 +52,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import progress
-from jaxpar.cost.hardware import COLLECTIVE_KINDS, HardwareProfile, Link, save_profile
+from jaxpar.cost.hardware import (
+    COLLECTIVE_KINDS,
+    HardwareProfile,
+    Link,
+    is_path,
+    save_profile,
+)
 from jaxpar.mesh import make_mesh, mesh_devices
 from jaxpar.plan import check_writable
 
@@ -459,8 +465,7 @@ def _positive(x) -> bool:
 def _as_hardware(out: Path) -> str:
     """`out` as `hardware=` reads it back: a bare name without a suffix reads as a profile
     name (hardware.load_profile), so it gets a "./" to make it a path."""
-    text = str(out)
-    return text if out.suffix or os.sep in text or "/" in text else f"./{text}"
+    return str(out) if is_path(str(out)) else f"./{out}"
 
 
 def _parser() -> argparse.ArgumentParser:

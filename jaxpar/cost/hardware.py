@@ -174,11 +174,17 @@ def load_profile(profile: str | Path | HardwareProfile | None) -> HardwareProfil
     return profile_from_dict(data, str(path))
 
 
+def is_path(text: str) -> bool:
+    """Whether a profile argument is a path whatever files exist: it has a suffix (`my.yaml`)
+    or a directory part (`./calprof`); a bare word may be a profile's name."""
+    return bool(Path(text).suffix) or "/" in text or os.sep in text
+
+
 def _profile_path(profile: str | Path) -> Path:
     """The file a profile argument names: a bare word without a suffix ("h100-nvlink") is a
     profile of PROFILE_DIR, else a file of that name; a suffix or a directory part makes a path."""
     text = str(profile)
-    if Path(text).suffix or "/" in text or os.sep in text:
+    if is_path(text):
         return Path(profile)
     named = PROFILE_DIR / f"{text}.yaml"
     return named if named.is_file() or not Path(text).is_file() else Path(text)
