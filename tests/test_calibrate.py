@@ -167,12 +167,14 @@ def test_yaml_numbers_without_a_dot_still_load(tmp_path):
 def test_a_missing_platform_gets_jaxpars_message(tmp_path, capsys):
     # `--device GPU` alone printed JAX's raw "Unknown backend: 'gpu' requested"; with
     # --devices it already went through make_mesh's message.
-    if "GPU" in available_platforms():
-        pytest.skip("this machine has a GPU")
-    for argv in (["--device", "GPU"], ["--device", "GPU", "--devices", "2"]):
+    missing = [kind for kind in ("GPU", "TPU") if kind not in available_platforms()]
+    if not missing:
+        pytest.skip("a GPU and a TPU are both present: no platform is missing to ask for")
+    kind = missing[0]  # GPU here (CI is CPU only); on a GPU machine, TPU
+    for argv in (["--device", kind], ["--device", kind, "--devices", "2"]):
         assert main(argv + ["--out", str(tmp_path / "p.yaml")]) == 2
         err = capsys.readouterr().err
-        assert "device='GPU': no GPU devices are visible to JAX" in err
+        assert f"device='{kind}': no {kind} devices are visible to JAX" in err
         assert "Unknown backend" not in err
 
 
