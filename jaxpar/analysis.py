@@ -64,13 +64,13 @@ from jaxpar._hlo import (
     tuple_elements,
 )
 from jaxpar.cost.comm import Collective, collective_time
-from jaxpar.cost.hardware import HardwareProfile, Link, load_profile
+from jaxpar.cost.hardware import COLLECTIVE_KINDS, HardwareProfile, Link, load_profile
 from jaxpar.spec import MeshInfo
 
 __all__ = ["KINDS", "CollectiveOp", "collective_ops", "collective_stats", "estimate_time",
            "flops", "library_gemm_flops", "memory_stats", "shape_bytes", "stats_by_kind"]
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+KINDS = COLLECTIVE_KINDS  # the kinds jaxpar predicts and counts
 
 Stats = dict[str, dict[str, int]]
 Ops = tuple["CollectiveOp", ...]

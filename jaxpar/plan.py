@@ -21,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from jaxpar.cost.comm import Collective
+from jaxpar.cost.hardware import COLLECTIVE_KINDS
 from jaxpar.cost.model import OpCost
 from jaxpar.rules.registry import OpInfo, candidates, is_local
 from jaxpar.search.propagation import Choice, GraphPlan
@@ -265,14 +266,15 @@ class Plan:
                              "expected")
         cost = d["cost"]
         if not isinstance(cost, dict) or set(cost) != set(PlanCost.__dataclass_fields__) or \
-                not all(map(_number, cost.values())):
-            raise ValueError(f"field cost: a number for each of "
+                not all(_number(x) and x >= 0 for x in cost.values()):
+            raise ValueError(f"field cost: a number of 0 or more for each of "
                              f"{', '.join(PlanCost.__dataclass_fields__)} expected")
         rows = d["rows"]
         if not isinstance(rows, list) or not all(
                 isinstance(r, dict) and set(r) == set(Row.__dataclass_fields__) and
-                _number(r["cost_s"], False) and (r["runner_cost_s"] is None or
-                                                 _number(r["runner_cost_s"], False)) and
+                _number(r["cost_s"], False) and r["cost_s"] >= 0 and
+                (r["runner_cost_s"] is None or
+                 _number(r["runner_cost_s"], False) and r["runner_cost_s"] >= 0) and
                 all(isinstance(r[k], str) for k in ("path", "op", "shapes", "chosen",
                                                     "runner_up", "note")) for r in rows):
             raise ValueError("field rows: a list of explain() rows expected")
@@ -485,7 +487,7 @@ def _graph_from_json(d: dict) -> GraphPlan:
             not isinstance(d.get("choices"), dict):
         raise ValueError("{specs: {value: spec}, choices: {op: choice}} expected")
     return GraphPlan({int(v): Spec.from_json(s) for v, s in d["specs"].items()},
-                     {int(i): _choice_from(c) for i, c in d["choices"].items()})
+                     {int(i): _choice_from(i, c) for i, c in d["choices"].items()})
 
 
 def _graph_axes(gp: GraphPlan) -> set[str]:
@@ -496,19 +498,55 @@ def _graph_axes(gp: GraphPlan) -> set[str]:
             if s is not None:
                 found.update(a for sp in s.ins + s.outs for a in sp.axes())
                 found.update(a for p in s.partial for a in p)
+        found.update(a for col in c.cost.collectives for a in col.axes)
         for body in c.regions:
             found |= _graph_axes(body)
     return found
 
 
-def _choice_from(d: dict) -> Choice:
+def _choice_from(op: str, d: dict) -> Choice:
     if d["strategy"] is None:  # (a runner-up may be missing: no other candidate)
-        raise ValueError("a choice's strategy is missing")
+        raise ValueError(f"op {op}'s strategy is missing")
+    _check_choice(op, d)
     cost = dict(d["cost"])
     cols = tuple(Collective(k, tuple(a), b, n) for k, a, b, n in cost.pop("collectives"))
     return Choice(_strategy_from(d["strategy"]), OpCost(**cost, collectives=cols), d["score"],
                   _strategy_from(d["runner_up"]), d["runner_score"], d["n"], d["has_rule"],
                   tuple(_graph_from_json(r) for r in d["regions"]), d["trips"])
+
+
+def _check_choice(op: str, d: dict) -> None:
+    """What op `op`'s choice must hold for explain() and verify() to read it: seconds, bytes
+    and counts as numbers of 0 or more (a runner-up's score may be inf), collectives of a kind
+    jaxpar predicts, whole candidate and trip counts, has_rule a bool."""
+    def amount(x, finite: bool = True) -> bool:
+        return _number(x, finite) and x >= 0
+
+    def check(ok: bool, key: str, value, expected: str) -> None:
+        if not ok:
+            raise ValueError(f"op {op}'s {key}: {expected} expected, not {value!r}")
+    check(amount(d["score"]), "score", d["score"], "a number of 0 or more")
+    runner = d["runner_score"]
+    check(runner is None or amount(runner, False), "runner_score", runner,
+          "a number of 0 or more (or null)")
+    for key, least in (("n", 1), ("trips", 0)):
+        check(type(d[key]) is int and d[key] >= least, key, d[key],
+              f"a whole number of {least} or more")
+    check(isinstance(d["has_rule"], bool), "has_rule", d["has_rule"], "true or false")
+    cost = d["cost"]
+    fields = ("compute_s", "comm_s", "comm_bytes", "memory_bytes", "collectives")
+    check(isinstance(cost, dict) and set(cost) == set(fields), "cost", cost,
+          f"{{{', '.join(fields)}}}")
+    for key in fields[:-1]:
+        check(amount(cost[key]), f"cost.{key}", cost[key], "a number of 0 or more")
+    check(isinstance(cost["collectives"], list) and all(
+        isinstance(c, list) and len(c) == 4 and c[0] in COLLECTIVE_KINDS and
+        isinstance(c[1], list) and all(isinstance(a, str) for a in c[1]) and
+        amount(c[2]) and amount(c[3]) for c in cost["collectives"]),
+          "cost.collectives", cost["collectives"],
+          f"[kind, [axis names], bytes, count] (kind one of {list(COLLECTIVE_KINDS)}, bytes and "
+          "count numbers of 0 or more)")
+    check(isinstance(d["regions"], list), "regions", d["regions"], "a list of loop bodies' plans")
 
 
 def tail_latency(graph, gp: GraphPlan, model) -> float:

@@ -822,6 +822,55 @@ def test_a_plan_file_with_a_corrupt_field_is_refused_when_loaded(tmp_path, field
         jaxpar.Plan.load(path)
 
 
+@pytest.mark.parametrize("key, value, said", [
+    ("score", -1.0, "score: a number of 0 or more"), ("score", "abc", "score"),
+    ("runner_score", float("nan"), "runner_score"), ("n", "x", "n: a whole number"),
+    ("trips", -3, "trips"), ("has_rule", "yes", "has_rule: true or false"),
+    ("cost.compute_s", -5, "cost.compute_s"), ("cost.comm_bytes", "x", "cost.comm_bytes"),
+    ("cost.collectives", [["all-gather", ["d0"], -1, 1]], "cost.collectives"),
+    ("cost.collectives", [["bogus", ["d0"], 8, 1]], "cost.collectives"),
+    ("cost.collectives", [["all-gather", ["zz"], 8, 1]], "axes .'zz'. outside the mesh"),
+    ("regions", {}, "regions")])
+def test_a_hand_edited_choice_in_a_plan_file_is_refused_with_its_op(tmp_path, key, value, said):
+    """A choice's costs were loaded unchecked: a negative or NaN score, a string for bytes or
+    an unknown collective kind was explained or verified as written."""
+    import json
+
+    plan = jaxpar.shard(dense_relu).plan(X, W, B)
+    data = json.loads(json.dumps(plan.to_json()))
+    op, choice = next(iter(data["graph"]["choices"].items()))
+    where, _, field = key.partition(".")
+    if field:
+        choice[where][field] = value
+    else:
+        choice[where] = value
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=f"corrupt plan file .*field graph: .*{said}"):
+        jaxpar.Plan.load(path)
+    if "zz" not in said:
+        with pytest.raises(ValueError, match=f"op {op}'s"):
+            jaxpar.Plan.load(path)
+
+
+def test_negative_totals_in_a_plan_file_are_refused(tmp_path):
+    import json
+
+    plan = jaxpar.shard(dense_relu).plan(X, W, B)
+    for field in ("cost", "rows"):
+        data = json.loads(json.dumps(plan.to_json()))
+        if field == "cost":
+            data["cost"]["comm_s"] = -1.0
+        else:
+            data["rows"][0]["cost_s"] = -1.0
+        path = tmp_path / "plan.json"
+        path.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=f"corrupt plan file .*field {field}"):
+            jaxpar.Plan.load(path)
+    plan.save(tmp_path / "fine.json")
+    assert jaxpar.Plan.load(tmp_path / "fine.json").cost == plan.cost
+
+
 def test_a_file_that_is_not_text_is_named_with_its_reader(tmp_path):
     """Bytes that are not UTF-8 raised a bare UnicodeDecodeError naming neither the file nor
     the call."""
