@@ -799,7 +799,9 @@ def _onto(x, sharding: NamedSharding, foreign: bool = False):
     concrete array committed elsewhere (one device, another mesh) is moved as a direct call
     moves it, and so is a tracer typed with another mesh's sharding (its Explicit axes) or,
     under jvp and grad, carrying an array on other devices (committed to one): jit and the
-    sharding constraints on the plan's mesh refused both. `foreign`: traced under a caller's
+    sharding constraints on the plan's mesh refused both (an uncommitted one jit moves itself;
+    moved here inside a loop under grad, its cotangent went back to one device inside the
+    loop's transpose, beside operands on the mesh). `foreign`: traced under a caller's
     jax.set_mesh over another mesh, every tracer is moved, so that its cotangent goes back to
     the caller's mesh (it came back typed on the plan's, which the caller's next op refused)."""
     if not isinstance(x, jax.core.Tracer):
@@ -810,7 +812,7 @@ def _onto(x, sharding: NamedSharding, foreign: bool = False):
     primal = getattr(x, "primal", None)  # jvp and grad carry the concrete array
     if foreign or (mesh is not None and not mesh.empty and mesh != _abstract(sharding.mesh)) or (
             isinstance(primal, jax.Array) and not isinstance(primal, jax.core.Tracer)
-            and primal.sharding.device_set != sharding.device_set):
+            and primal.committed and primal.sharding.device_set != sharding.device_set):
         return jax.device_put(x, sharding)
     return x
 

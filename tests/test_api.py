@@ -551,6 +551,28 @@ def test_arguments_from_elsewhere_compose_with_jit_and_grad():
     np.testing.assert_allclose(jax.jit(f)(x_elsewhere, W, B), loss(X, W, B), rtol=1e-5)
 
 
+@pytest.mark.parametrize("loop", ["scan", "cond", "fori_loop"])
+def test_eager_grad_through_a_loop_calling_a_sharded_function(loop):
+    """Eager jax.grad of a scan, cond or fori_loop whose body calls a sharded function, with
+    ordinary (uncommitted) arrays: the argument was device_put onto the mesh inside the body,
+    and its transpose put the cotangent back on one device inside the loop, beside operands on
+    eight ("Received incompatible devices")."""
+    f = jaxpar.shard(dense_relu)
+
+    def loss(fn, w):
+        if loop == "scan":
+            return jax.lax.scan(lambda c, _: (c + jnp.sum(fn(X, w, B)), None), 0.0, None,
+                                length=2)[0]
+        if loop == "cond":
+            return jnp.sum(jax.lax.cond(True, lambda: fn(X, w, B), lambda: X @ w))
+        return jax.lax.fori_loop(0, 2, lambda i, c: c + jnp.sum(fn(X, w, B)), 0.0)
+
+    assert not W.committed
+    got = jax.grad(lambda w: loss(f, w))(W)
+    np.testing.assert_allclose(got, jax.grad(lambda w: loss(dense_relu, w))(W), rtol=1e-5,
+                               atol=1e-6)
+
+
 @pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
 def test_a_sharded_function_runs_under_a_callers_set_mesh(axis_type):
     # Under jax.set_mesh over another mesh the program was traced against that mesh: on
