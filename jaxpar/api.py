@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import inspect
 import math
 import numbers
+import types
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any
@@ -217,7 +219,12 @@ class ShardedFunction:
         # checks the file so.
         self._strict = strict
         self._cache: dict[Any, _Compiled] = {}
-        self.__wrapped__ = fn
+        functools.update_wrapper(self, fn, updated=())  # fn's name and doc, as jax.jit keeps
+
+    def __get__(self, instance, owner=None):
+        """As a method, `instance` is the first argument (as jax.jit does): `self` is then one
+        more argument, a pytree of arrays, or the error names it."""
+        return self if instance is None else types.MethodType(self, instance)
 
     @property
     def mesh(self) -> Mesh | AbstractMesh:

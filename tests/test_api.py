@@ -551,6 +551,34 @@ def test_arguments_from_elsewhere_compose_with_jit_and_grad():
     np.testing.assert_allclose(jax.jit(f)(x_elsewhere, W, B), loss(X, W, B), rtol=1e-5)
 
 
+def test_a_sharded_method_takes_its_instance_as_the_first_argument():
+    """Used as a method, the sharded function was not bound: `model.apply(x)` put x in `self`
+    and raised "missing 1 required positional argument: 'x'". It also had neither the
+    function's name nor its docstring."""
+    import dataclasses
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class Dense:
+        w: jax.Array
+
+        @jaxpar.shard
+        def apply(self, x):
+            """x times the weights."""
+            return x @ self.w
+
+    class Settings:
+        @jaxpar.shard
+        def apply(self, x):
+            return 2 * x
+
+    np.testing.assert_allclose(Dense(W).apply(X), X @ W, rtol=1e-5)
+    assert Dense.apply.__name__ == "apply" and Dense.apply.__doc__ == "x times the weights."
+    assert Dense.apply.plan(Dense(W), X).in_paths[0] == "self/w"
+    with pytest.raises(TypeError, match=r"argument self=.*\(a Settings\).*functools.partial"):
+        Settings().apply(X)
+
+
 @pytest.mark.parametrize("loop", ["scan", "cond", "fori_loop"])
 def test_eager_grad_through_a_loop_calling_a_sharded_function(loop):
     """Eager jax.grad of a scan, cond or fori_loop whose body calls a sharded function, with
