@@ -377,7 +377,8 @@ def _check_count_types(counts: tuple, bad, example: tuple) -> None:
             kind = "a bool" if isinstance(c, bool) else f"a {type(c).__name__}"
             named = all(x is None or isinstance(x, str) or
                         (isinstance(x, tuple) and all(isinstance(a, str) for a in x))
-                        for x in counts)
+                        for x in counts) and any(isinstance(x, str) or (
+                            isinstance(x, tuple) and x) for x in counts)  # an axis named
             hint = (f"to name mesh axes, write a PartitionSpec: P{tuple(counts)!r}" if named
                     else f"each count is a positive int, e.g. {example}")
             raise bad(f"count {c!r} at position {i} is {kind}, not an int", hint, TypeError)

@@ -263,6 +263,10 @@ MALFORMED = [
     pytest.param(_in((("d0", None), None, None)), TypeError,
                  rx("in_strategy[0]=('d0', None)", "is a str, not an int",
                     "write a PartitionSpec: P('d0', None)"), id="axis-names-as-a-tuple"),
+    # an empty tuple names no axis: P((),) was proposed, itself wrong for a 0-d array
+    pytest.param(_in((((),),), (jax.ShapeDtypeStruct((), np.float32),)), TypeError,
+                 rx("in_strategy[0]=((),)", "is a tuple, not an int",
+                    "each count is a positive int, e.g. ()"), id="empty-tuple-for-a-scalar"),
     pytest.param(_in((None, None, P("d0", "d1"))), ValueError,
                  rx("in_strategy[2]=P('d0', 'd1')", "(10,)", "2 entries", "rank 1",
                     "at most 1"), id="pspec-too-long"),
