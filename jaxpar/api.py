@@ -31,13 +31,14 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from jaxpar import progress
 from jaxpar.analysis import compiled_bytes
+from jaxpar.context import current_context
 from jaxpar.cost.hardware import load_profile
 from jaxpar.cost.manual import off_mesh
 from jaxpar.cost.model import CostModel
 from jaxpar.distributed import check_joined, digest, gather_rows
 from jaxpar.ir import arg_paths, build_graph, trace
 from jaxpar.lower.jit import build_callable
-from jaxpar.mesh import make_mesh, mesh_devices
+from jaxpar.mesh import abstract_mesh, make_mesh, mesh_devices
 from jaxpar.plan import Plan, build_plan
 from jaxpar.search import paused_gc
 from jaxpar.search.exact import dynamic_programming
@@ -93,10 +94,15 @@ class _Compiled:
 
 def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=None, level=0, *,
           mesh: Mesh | None = None, search_mode: str | None = None, hardware=None,
-          memory_budget: float | str | None = None, mem_coeff: float = 0.1,
+          memory_budget: float | str | None = None, mem_coeff: float | None = None,
           donate_argnums: int | tuple[int, ...] = (),
           fp32_communication: bool = False) -> ShardedFunction:
     """Shard `fn` over a device mesh, MindSpore style.
+
+    Settings left None come from the parallel context (`set_auto_parallel_context`), read
+    now, as MindSpore's shard reads it: its search_mode when its parallel_mode is
+    "auto_parallel" (else sharding_propagation), a mesh of its device_num devices (of a
+    larger cluster: plans only), its hardware, mem_coeff and memory_budget.
 
     Args:
       fn: the function to shard; it takes arrays and pytrees of them (keyword arguments are
@@ -108,7 +114,7 @@ def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=N
       parameter_plan: {parameter path: strategy}, e.g. {"params/blocks/0/w": (1, 8)}.
       device: "CPU", "GPU", "TPU" or None (default backend); used when `mesh` is None.
       level: 0 maximise compute/communication ratio, 1 minimise memory, 2 maximise speed.
-      mesh: the mesh to use; default `make_mesh(<all devices>)`.
+      mesh: the mesh to use; default `make_mesh(<the context's device_num or all devices>)`.
       search_mode: "sharding_propagation" (default: from the fixed strategies outward, op by
         op; then refined with the exact objective, a training step's tail, its gradient
         reductions and optimizer, solved again exactly, then each mesh axis solved again
@@ -123,8 +129,8 @@ def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=N
         It bounds the plan's modelled peak of live values; the first call also reads XLA's
         memory analysis of the compiled program and warns when that holds more.
       mem_coeff: weight of per-device memory against time in the objective (MindSpore's,
-        default 0.1): larger favours model parallel plans that cut weights, smaller data
-        parallel, 0 time alone.
+        default the context's, 0.1): larger favours model parallel plans that cut weights,
+        smaller data parallel, 0 time alone.
       donate_argnums: positional arguments whose buffers the call may reuse.
       fp32_communication: reduce bf16/f16 partial sums (a matmul's or a sum's result cut
         along its reduction) in float32, then cast back: the collectives move f32 bytes.
@@ -137,6 +143,28 @@ def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=N
       >>> y = f(x, w, b)
       >>> print(f.plan(x, w, b).explain())
     """
+    ctx = current_context()
+    if search_mode is None and ctx.parallel_mode == "auto_parallel":
+        search_mode = ctx.search_mode
+    if mesh is None and ctx.device_num is not None:
+        mesh = abstract_mesh(ctx.device_num) if ctx.device_num > len(mesh_devices(device)) \
+            else make_mesh(ctx.device_num, device=device)
+    hardware = ctx.hardware if hardware is None else hardware
+    memory_budget = ctx.memory_budget if memory_budget is None else memory_budget
+    mem_coeff = ctx.mem_coeff if mem_coeff is None else mem_coeff
+    return sharded(fn, in_strategy, out_strategy, parameter_plan, device, level, mesh=mesh,
+                   search_mode=search_mode, hardware=hardware, memory_budget=memory_budget,
+                   mem_coeff=mem_coeff, donate_argnums=donate_argnums,
+                   fp32_communication=fp32_communication)
+
+
+def sharded(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=None, level=0,
+            *, mesh: Mesh | AbstractMesh | None = None, search_mode: str | None = None,
+            hardware=None, memory_budget: float | str | None = None, mem_coeff: float = 0.1,
+            donate_argnums: int | tuple[int, ...] = (),
+            fp32_communication: bool = False) -> ShardedFunction:
+    """shard() with every setting as given: None is jaxpar's default, not the parallel
+    context's (AutoParallel resolves its settings from its own context first)."""
     if not callable(fn):
         raise TypeError(f"shard(fn={fn!r}): fn must be callable (a function of arrays).")
     opts = _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, search_mode,

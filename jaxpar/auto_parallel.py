@@ -51,7 +51,7 @@ from jaxpar.api import (
     leaf_owners,
     optimizer_followers,
     positional_arguments,
-    shard,
+    sharded,
     signature,
 )
 from jaxpar.context import ParallelContext, current_context
@@ -345,8 +345,8 @@ class AutoParallel:
     def _check_now(self) -> None:
         _no_pipeline(self.context.pipeline_stages)
         # shard() checks level, mem_coeff, memory_budget and hardware before any tracing.
-        shard(self.network, level=self.level, mesh=self.mesh, hardware=self.hardware,
-              mem_coeff=self.mem_coeff, memory_budget=self.memory_budget)
+        sharded(self.network, level=self.level, mesh=self.mesh, hardware=self.hardware,
+                mem_coeff=self.mem_coeff, memory_budget=self.memory_budget)
 
     def _program(self, args: tuple) -> tuple[_Program, tuple]:
         pure, flat_args, unwrap = _purify(self.network, args)
@@ -426,11 +426,11 @@ class AutoParallel:
                                         MeshInfo.of(self.mesh), o.hsdp[2], o.hsdp[1], o.hsdp[0])
 
     def _shard(self, pure, fixed: dict[str, Any], donate: tuple[int, ...]) -> ShardedFunction:
-        return shard(pure, parameter_plan=fixed or None, level=self.level, mesh=self.mesh,
-                     search_mode=_SEARCH.get(self.parallel_mode, self.parallel_mode),
-                     hardware=self.hardware, memory_budget=self.memory_budget,
-                     mem_coeff=self.mem_coeff, donate_argnums=donate,
-                     fp32_communication=self._opts.fp32_communication)
+        return sharded(pure, parameter_plan=fixed or None, level=self.level, mesh=self.mesh,
+                       search_mode=_SEARCH.get(self.parallel_mode, self.parallel_mode),
+                       hardware=self.hardware, memory_budget=self.memory_budget,
+                       mem_coeff=self.mem_coeff, donate_argnums=donate,
+                       fp32_communication=self._opts.fp32_communication)
 
     def _fixed(self, args: tuple, paths: list[str], shapes: list[tuple],
                batch: set[int]) -> dict[str, Any]:

@@ -347,3 +347,37 @@ def test_the_yaml_hint_is_given_for_numbers_in_e_notation_only():
     assert "YAML" not in str(info.value)
     with pytest.raises(TypeError, match=r"YAML reads 1e9 as text"):
         set_auto_parallel_context(device_num="8e0")
+
+
+def test_shard_reads_the_context_for_the_settings_it_is_not_given():
+    """shard() ignored the context: set_auto_parallel_context(parallel_mode="auto_parallel",
+    search_mode=..., device_num=4, memory_budget=...) planned with sharding propagation on
+    every device and no budget, silently (AutoParallel read it)."""
+    import jax.numpy as jnp
+    from jax.sharding import AbstractMesh
+
+    import jaxpar
+
+    def fn(x):
+        return jnp.tanh(x) * 2
+
+    plain = jaxpar.shard(fn).opts
+    assert (plain.search_mode, plain.mesh.size, plain.mem_coeff, plain.memory_budget) == \
+        ("sharding_propagation", 8, 0.1, None)
+    set_auto_parallel_context(search_mode="dynamic_programming", device_num=4, mem_coeff=2.0,
+                              hardware="h100-nvlink", memory_budget=1e9)
+    semi = jaxpar.shard(fn).opts  # the search mode only under parallel_mode auto_parallel
+    assert (semi.search_mode, semi.mesh.size, semi.mem_coeff, semi.memory_budget,
+            semi.hardware) == ("sharding_propagation", 4, 2.0, 1e9, "h100-nvlink")
+    set_auto_parallel_context(parallel_mode="auto_parallel")
+    auto = jaxpar.shard(fn).opts
+    assert auto.search_mode == "dynamic_programming"
+    given = jaxpar.shard(fn, mesh=jaxpar.make_mesh(8), search_mode="recursive_programming",
+                         mem_coeff=0.0, memory_budget=2e9, hardware="cpu").opts
+    assert (given.search_mode, given.mesh.size, given.mem_coeff, given.memory_budget,
+            given.hardware) == ("recursive_programming", 8, 0.0, 2e9, "cpu")
+    set_auto_parallel_context(memory_budget=10)  # read: the plan cannot fit it
+    with pytest.raises(ValueError, match="memory_budget=10 bytes per device cannot be met"):
+        jaxpar.shard(fn).plan(jnp.ones((8, 8)))
+    set_auto_parallel_context(device_num=64, memory_budget=None)  # a larger cluster: plans
+    assert isinstance(jaxpar.shard(fn).mesh, AbstractMesh)
