@@ -250,17 +250,15 @@ def _split_sliced(mod: Module, comp: str, ins: Instr, op: CollectiveOp,
     whether XLA:CPU may have widened its elements from 16 bits (_widened)."""
     elements = tuple_elements(ins.type)
     users = mod.users(comp, ins.name)
-    ways = len(op.groups[0]) if op.groups else mod.num_devices
     if not ins.type.lstrip().startswith("(") or not all(
             u.opcode == "get-tuple-element" for u in users):
         wide = wide or (_float32(ins.type) and _to_16bit(mod, comp, ins.name))
         op = replace(op, widened=op.bytes // 2 if wide else 0)
-        return [replace(op, kind="reduce-scatter") if _only_sliced(mod, comp, ins.name, ways)
-                else op]
+        return [replace(op, kind="reduce-scatter") if _only_sliced(mod, comp, ins.name) else op]
     uses: dict[int, list[Instr]] = {}
     for u in users:
         uses.setdefault(u.int_attr("index"), []).append(u)
-    sliced = [bool(uses.get(i)) and all(_only_sliced(mod, comp, u.name, ways) for u in uses[i])
+    sliced = [bool(uses.get(i)) and all(_only_sliced(mod, comp, u.name) for u in uses[i])
               for i in range(len(elements))]
     # An element is widened when the reducer is (every one is), or when every use converts
     # it to a 16-bit float: the gradient of a bf16 matmul, which XLA:CPU computes in f32 and
@@ -348,17 +346,10 @@ def _result_type(mod: Module, comp: str, ins: Instr) -> str:
     return ins.type if ins.opcode == "all-reduce-start" or len(elements) < 2 else elements[1]
 
 
-def _only_sliced(mod: Module, comp: str, value: str, ways: int) -> bool:
-    """Every use of `value` in `comp` dynamic-slices it into `ways` pieces, the size of the
-    all-reduce's groups (the CPU reduce-scatter pattern; an all-reduce over four devices of
-    which each keeps a half is an all-reduce)."""
-    elements = math.prod(shape_dims(mod.type_of(comp, value) or ""))
-
-    def does(user: Instr, v: str) -> bool:
-        return user.opcode == "dynamic-slice" and user.operands[0] == v and \
-            v not in user.operands[1:] and \
-            math.prod(shape_dims(user.type)) * ways == elements
-    return _every_use(mod, comp, value, does)
+def _only_sliced(mod: Module, comp: str, value: str) -> bool:
+    """Every use of `value` in `comp` dynamic-slices it (the CPU reduce-scatter pattern)."""
+    return _every_use(mod, comp, value, lambda user, v: user.opcode == "dynamic-slice" and
+                      user.operands[0] == v and v not in user.operands[1:])
 
 
 def _every_use(mod: Module, comp: str, value: str, does) -> bool:
