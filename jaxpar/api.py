@@ -31,7 +31,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from jaxpar import progress
 from jaxpar.analysis import compiled_bytes
-from jaxpar.context import current_context
+from jaxpar.context import ParallelContext, current_context
 from jaxpar.cost.hardware import load_profile
 from jaxpar.cost.manual import off_mesh
 from jaxpar.cost.model import CostModel
@@ -147,8 +147,7 @@ def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=N
     if search_mode is None and ctx.parallel_mode == "auto_parallel":
         search_mode = ctx.search_mode
     if mesh is None and ctx.device_num is not None:
-        mesh = abstract_mesh(ctx.device_num) if ctx.device_num > len(mesh_devices(device)) \
-            else make_mesh(ctx.device_num, device=device)
+        mesh = context_mesh(ctx, device)
     hardware = ctx.hardware if hardware is None else hardware
     memory_budget = ctx.memory_budget if memory_budget is None else memory_budget
     mem_coeff = ctx.mem_coeff if mem_coeff is None else mem_coeff
@@ -156,6 +155,15 @@ def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=N
                    search_mode=search_mode, hardware=hardware, memory_budget=memory_budget,
                    mem_coeff=mem_coeff, donate_argnums=donate_argnums,
                    fp32_communication=fp32_communication)
+
+
+def context_mesh(ctx: ParallelContext, device: str | None = None) -> Mesh | AbstractMesh:
+    """The mesh of the context's device_num devices of `device`'s platform (all of them when
+    it gives none); more than there are here: an AbstractMesh of that size (a larger
+    cluster's, to plan for; it runs nothing)."""
+    here = len(mesh_devices(device))
+    n = ctx.device_num or here
+    return abstract_mesh(n) if n > here else make_mesh(n, device=device)
 
 
 def sharded(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=None, level=0,

@@ -48,6 +48,7 @@ from jaxpar.api import (
     array_arguments,
     carried_pairs,
     check_auto_axes,
+    context_mesh,
     leaf_owners,
     optimizer_followers,
     positional_arguments,
@@ -57,7 +58,6 @@ from jaxpar.api import (
 from jaxpar.context import ParallelContext, current_context
 from jaxpar.ir import arg_paths
 from jaxpar.ir.trace import arg_names
-from jaxpar.mesh import abstract_mesh, make_mesh
 from jaxpar.plan import Plan, check_writable, load_plans, save_plans
 from jaxpar.spec import MeshInfo, Spec
 from jaxpar.train.data import batch_spec
@@ -153,10 +153,7 @@ class AutoParallel:
             parallel_mode = ctx.search_mode if ctx.parallel_mode == "auto_parallel" else \
                 "semi_auto"
         self.network, self.parallel_mode, self.context = network, parallel_mode, ctx
-        if mesh is None and (ctx.device_num or 0) > len(jax.devices()):
-            mesh = abstract_mesh(ctx.device_num)  # a larger cluster's: it plans, runs nothing
-        self.mesh = _checked_mesh(mesh if mesh is not None else
-                                  make_mesh(ctx.device_num or len(jax.devices())))
+        self.mesh = _checked_mesh(mesh if mesh is not None else context_mesh(ctx))
         self.parameter_plan = _checked_parameter_plan(parameter_plan)
         self.hardware = hardware if hardware is not None else (ctx.hardware or "cpu")
         self.level = level
