@@ -266,15 +266,14 @@ class Plan:
                              "expected")
         cost = d["cost"]
         if not isinstance(cost, dict) or set(cost) != set(PlanCost.__dataclass_fields__) or \
-                not all(_number(x) and x >= 0 for x in cost.values()):
+                not all(map(_amount, cost.values())):
             raise ValueError(f"field cost: a number of 0 or more for each of "
                              f"{', '.join(PlanCost.__dataclass_fields__)} expected")
         rows = d["rows"]
         if not isinstance(rows, list) or not all(
                 isinstance(r, dict) and set(r) == set(Row.__dataclass_fields__) and
-                _number(r["cost_s"], False) and r["cost_s"] >= 0 and
-                (r["runner_cost_s"] is None or
-                 _number(r["runner_cost_s"], False) and r["runner_cost_s"] >= 0) and
+                _amount(r["cost_s"], False) and
+                (r["runner_cost_s"] is None or _amount(r["runner_cost_s"], False)) and
                 all(isinstance(r[k], str) for k in ("path", "op", "shapes", "chosen",
                                                     "runner_up", "note")) for r in rows):
             raise ValueError("field rows: a list of explain() rows expected")
@@ -305,6 +304,11 @@ def _number(x, finite: bool = True) -> bool:
     take costs inf)."""
     return isinstance(x, int | float) and not isinstance(x, bool) and \
         (math.isfinite(x) or not finite)
+
+
+def _amount(x, finite: bool = True) -> bool:
+    """A _number of 0 or more: seconds, bytes, counts."""
+    return _number(x, finite) and x >= 0
 
 
 def _a_candidate(op, graph, s: OpStrategy, mesh: MeshInfo) -> bool:
@@ -519,15 +523,12 @@ def _check_choice(op: str, d: dict) -> None:
     """What op `op`'s choice must hold for explain() and verify() to read it: seconds, bytes
     and counts as numbers of 0 or more (a runner-up's score may be inf), collectives of a kind
     jaxpar predicts, whole candidate and trip counts, has_rule a bool."""
-    def amount(x, finite: bool = True) -> bool:
-        return _number(x, finite) and x >= 0
-
     def check(ok: bool, key: str, value, expected: str) -> None:
         if not ok:
             raise ValueError(f"op {op}'s {key}: {expected} expected, not {value!r}")
-    check(amount(d["score"]), "score", d["score"], "a number of 0 or more")
+    check(_amount(d["score"]), "score", d["score"], "a number of 0 or more")
     runner = d["runner_score"]
-    check(runner is None or amount(runner, False), "runner_score", runner,
+    check(runner is None or _amount(runner, False), "runner_score", runner,
           "a number of 0 or more (or null)")
     for key, least in (("n", 1), ("trips", 0)):
         check(type(d[key]) is int and d[key] >= least, key, d[key],
@@ -538,11 +539,11 @@ def _check_choice(op: str, d: dict) -> None:
     check(isinstance(cost, dict) and set(cost) == set(fields), "cost", cost,
           f"{{{', '.join(fields)}}}")
     for key in fields[:-1]:
-        check(amount(cost[key]), f"cost.{key}", cost[key], "a number of 0 or more")
+        check(_amount(cost[key]), f"cost.{key}", cost[key], "a number of 0 or more")
     check(isinstance(cost["collectives"], list) and all(
         isinstance(c, list) and len(c) == 4 and c[0] in COLLECTIVE_KINDS and
         isinstance(c[1], list) and all(isinstance(a, str) for a in c[1]) and
-        amount(c[2]) and amount(c[3]) for c in cost["collectives"]),
+        _amount(c[2]) and _amount(c[3]) for c in cost["collectives"]),
           "cost.collectives", cost["collectives"],
           f"[kind, [axis names], bytes, count] (kind one of {list(COLLECTIVE_KINDS)}, bytes and "
           "count numbers of 0 or more)")
