@@ -477,8 +477,11 @@ def _graph_to_json(gp: GraphPlan) -> dict:
             "choices": {str(i): _choice_json(c) for i, c in gp.choices.items()}}
 
 
+_CHOICE_COSTS = ("compute_s", "comm_s", "comm_bytes", "memory_bytes")  # a plan file's op costs
+
+
 def _choice_json(c: Choice) -> dict:
-    cost = {k: getattr(c.cost, k) for k in ("compute_s", "comm_s", "comm_bytes", "memory_bytes")}
+    cost = {k: getattr(c.cost, k) for k in _CHOICE_COSTS}
     cost["collectives"] = [[x.kind, list(x.axes), x.bytes, x.count] for x in c.cost.collectives]
     return {"strategy": _strategy_json(c.strategy), "runner_up": _strategy_json(c.runner_up),
             "score": c.score, "runner_score": c.runner_score, "n": c.n_candidates,
@@ -535,10 +538,10 @@ def _check_choice(op: str, d: dict) -> None:
               f"a whole number of {least} or more")
     check(isinstance(d["has_rule"], bool), "has_rule", d["has_rule"], "true or false")
     cost = d["cost"]
-    fields = ("compute_s", "comm_s", "comm_bytes", "memory_bytes", "collectives")
+    fields = (*_CHOICE_COSTS, "collectives")
     check(isinstance(cost, dict) and set(cost) == set(fields), "cost", cost,
           f"{{{', '.join(fields)}}}")
-    for key in fields[:-1]:
+    for key in _CHOICE_COSTS:
         check(_amount(cost[key]), f"cost.{key}", cost[key], "a number of 0 or more")
     check(isinstance(cost["collectives"], list) and all(
         isinstance(c, list) and len(c) == 4 and c[0] in COLLECTIVE_KINDS and
