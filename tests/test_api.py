@@ -551,6 +551,38 @@ def test_arguments_from_elsewhere_compose_with_jit_and_grad():
     np.testing.assert_allclose(jax.jit(f)(x_elsewhere, W, B), loss(X, W, B), rtol=1e-5)
 
 
+def test_a_captured_array_on_explicit_axes_is_refused_in_words():
+    """A function closing over an array placed on jax.make_mesh's Explicit axes failed inside
+    JAX: "Resource axis: a ... not found in mesh" when the plan was replayed, or, under the
+    caller's jax.set_mesh over that mesh, "context mesh ... should match the aval mesh" while
+    tracing. Its sharding is part of its type there, so jaxpar names it and the fix; captured
+    arrays elsewhere (another Auto mesh, one device) still run, and so does the same array
+    passed as an argument."""
+    from jax.sharding import AxisType
+
+    def closing_over(w):
+        return lambda x: dense_relu(x, w, B)
+
+    theirs = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+    w_theirs = jax.device_put(W, NamedSharding(theirs, P("b")))
+    said = (r"could not trace <lambda>: it captures w \(float32\[128, 10\] on a mesh with "
+            r"Explicit axes: a=2, b=4\).*Pass it as an argument")
+    with pytest.raises(ValueError, match=said):
+        jaxpar.shard(closing_over(w_theirs))(X)
+    with jax.set_mesh(theirs), pytest.raises(ValueError, match=said + r".*JAX said: "):
+        jaxpar.shard(closing_over(w_theirs))(X)
+    with pytest.raises(ValueError, match=r"captures the partial's argument b= \(float32\[10\]"):
+        jaxpar.shard(functools.partial(dense_relu, b=jax.device_put(B, NamedSharding(theirs, P()))
+                                       ))(X, W)
+    np.testing.assert_allclose(jaxpar.shard(dense_relu)(X, w_theirs, B), dense_relu(X, W, B),
+                               rtol=1e-5)
+    auto = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+    for elsewhere in (jax.device_put(W, jax.devices()[3]),
+                      jax.device_put(W, NamedSharding(auto, P("b")))):
+        np.testing.assert_allclose(jaxpar.shard(closing_over(elsewhere))(X),
+                                   dense_relu(X, W, B), rtol=1e-5)
+
+
 def test_a_sharded_method_takes_its_instance_as_the_first_argument():
     """Used as a method, the sharded function was not bound: `model.apply(x)` put x in `self`
     and raised "missing 1 required positional argument: 'x'". It also had neither the

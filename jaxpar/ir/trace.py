@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+from jax.sharding import AxisType
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 
@@ -83,7 +84,22 @@ def trace(fn, args: tuple) -> Traced:
     # sharding into the program's types, which the plan's own mesh cannot replay.
     shapes = jax.tree_util.tree_map(_shape_only, args)
     try:
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*shapes)
+        closed, out_shape = _jaxpr(fn, shapes)
+    except Exception as err:  # noqa: BLE001 - re-raised unless a capture explains it
+        _refuse_explicit(fn, (), err)
+        raise
+    _refuse_explicit(fn, closed.consts)
+    in_tree = jax.tree_util.tree_structure(args)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    out_paths = leaf_paths(out_shape, "out")
+    return Traced(closed, in_tree, out_tree, tuple(in_paths), tuple(out_paths))
+
+
+def _jaxpr(fn, shapes: tuple):
+    """jax.make_jaxpr(fn)(*shapes) and its output shapes; a TypeError in jaxpar's words where
+    fn uses an argument's value in Python."""
+    try:
+        return jax.make_jaxpr(fn, return_shape=True)(*shapes)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError,
             jax.errors.TracerBoolConversionError) as err:
         raise TypeError(_needs_a_value(fn, err)) from None
@@ -95,10 +111,73 @@ def trace(fn, args: tuple) -> Traced:
         if "Non-hashable static arguments" not in str(err):
             raise
         raise TypeError(_needs_a_value(fn, err)) from None
-    in_tree = jax.tree_util.tree_structure(args)
-    out_tree = jax.tree_util.tree_structure(out_shape)
-    out_paths = leaf_paths(out_shape, "out")
-    return Traced(closed, in_tree, out_tree, tuple(in_paths), tuple(out_paths))
+
+
+def _refuse_explicit(fn, consts, err: Exception | None = None) -> None:
+    """A ValueError where fn captures an array laid out on a mesh with Explicit axes (among
+    `consts`, the traced program's constants; or, when tracing failed with `err`, among what fn
+    reads from outside its arguments): its sharding is part of its type, which neither the
+    trace under the plan's mesh nor the program replayed there can take. Arguments so placed
+    are moved (only the value is traced); a captured array keeps its type."""
+    found = [c for c in consts if _on_explicit_axes(c)]
+    named = [(name, x) for name, x in _captures(fn) if _on_explicit_axes(x)]
+    if err is not None:
+        found = [x for _, x in named]
+    if not found:
+        return
+    names = {id(x): name for name, x in named}
+    shown = "; ".join(f"{names.get(id(x), 'an array')} ({x.dtype}{list(x.shape)} on a mesh "
+                      f"with Explicit axes: {_axes(x)})" for x in found[:3])
+    said = f" JAX said: {str(err).splitlines()[0]}" if err is not None and str(err) else ""
+    raise ValueError(
+        f"jaxpar could not trace {getattr(fn, '__name__', 'fn')}: it captures {shown}"
+        f"{' ...' if len(found) > 3 else ''}. There an array's sharding is part of its type, "
+        "which the plan's mesh cannot take. Pass it as an argument (jaxpar moves an argument "
+        "placed so onto the plan's mesh), or jax.device_put it onto one device or an Auto "
+        f"mesh (jaxpar.make_mesh) before sharding the function.{said}") from err
+
+
+def _on_explicit_axes(x) -> bool:
+    mesh = getattr(getattr(x, "sharding", None), "mesh", None)
+    return isinstance(x, jax.Array) and any(
+        t != AxisType.Auto for t in getattr(mesh, "axis_types", ()))
+
+
+def _axes(x) -> str:
+    mesh = x.sharding.mesh
+    return ", ".join(f"{n}={s}" + ("" if t == AxisType.Explicit else f" {t.name}") for n, s, t
+                     in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types, strict=True))
+
+
+def _captures(fn, depth: int = 0) -> list[tuple[str, Any]]:
+    """(name, leaf) for every pytree leaf fn reads from outside its arguments, as far as Python
+    shows it: a function's closure cells and the globals it names, a functools.partial's bound
+    arguments, a bound method's instance (nested partials and methods, a few levels)."""
+    if depth > 4:
+        return []
+    if isinstance(fn, functools.partial):
+        bound = [(f"the partial's argument {i}", a) for i, a in enumerate(fn.args)]
+        bound += [(f"the partial's argument {k}=", a) for k, a in fn.keywords.items()]
+        return _leaves(bound) + _captures(fn.func, depth + 1)
+    if inspect.ismethod(fn):
+        return _leaves([("self", fn.__self__)]) + _captures(fn.__func__, depth + 1)
+    fn = inspect.unwrap(fn) if callable(fn) else fn
+    if not inspect.isfunction(fn):
+        return []
+    try:
+        found = inspect.getclosurevars(fn)
+    except (TypeError, ValueError):
+        return []
+    return _leaves([*found.nonlocals.items(), *found.globals.items()])
+
+
+def _leaves(named: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    out = []
+    for name, value in named:
+        leaves = jax.tree_util.tree_leaves_with_path(value)
+        out += [(f"{name}/{path_str(p)}" if p else name, x) for p, x in leaves
+                if isinstance(x, jax.Array)]
+    return out
 
 
 def _shape_only(x):
