@@ -64,6 +64,29 @@ def test_special_functions_are_elementwise(name, fn, arity):
     assert all(x.dims == s.outs[0].dims for s in checked for x in s.ins if x.rank)
 
 
+@pytest.mark.parametrize("mode", ["sharding_propagation", "dynamic_programming"])
+def test_a_per_shard_op_with_a_scalar_operand(mode):
+    # gammainc(2.0, b) traces to `igamma 2.0 b`: bound per shard (registry.LOCAL), the literal
+    # did not vary over the axes b is cut on and JAX refused the mix ("requires varying manual
+    # axes to match"). A traced scalar too; its gradient sums over every block.
+    import jaxpar
+
+    b = jnp.abs(arr(16, 8)) + 0.5
+    f = jaxpar.shard(lambda b: jax.scipy.special.gammainc(2.0, b), search_mode=mode,
+                     in_strategy=((8, 1),))
+    np.testing.assert_allclose(f(b), jax.scipy.special.gammainc(2.0, b), rtol=1e-5)
+
+    def loss(s, b):
+        return jnp.sum(jax.scipy.special.gammaincc(s, b) * b)
+
+    g = jaxpar.shard(loss, search_mode=mode, in_strategy=((), (4, 2)))
+    s = jnp.float32(1.5)
+    np.testing.assert_allclose(g(s, b), loss(s, b), rtol=1e-5)
+    for got, want in zip(jax.grad(g, argnums=(0, 1))(s, b), jax.grad(loss, argnums=(0, 1))(s, b),
+                         strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
 def test_searchsorted_runs_cut():
     import jaxpar
 

@@ -100,6 +100,11 @@ def bind_local(op: Op, ins: list, strategy, mesh: Mesh) -> list:
     for ops the partitioner would run whole (registry.LOCAL). Their rules cut only dims the op
     maps, so a block's results are the results' block, with no communication."""
     def local(*xs):
+        # An operand whole on every device (a literal, a replicated one) does not vary over
+        # the axes the others are cut on; the op's binary rules (igamma's) refuse the mix.
+        varying = frozenset().union(*map(_varying, xs))
+        xs = [jax.lax.pcast(x, tuple(sorted(varying - _varying(x))), to="varying")
+              if varying - _varying(x) else x for x in xs]
         # Not under the op's eqn context: its abstract mesh (the traced program's, no axes)
         # would hide the shard_map's manual axes from the op's transpose under jax.grad.
         out = op.primitive.bind(*xs, **op.primitive.get_bind_params(op.params))
@@ -108,6 +113,11 @@ def bind_local(op: Op, ins: list, strategy, mesh: Mesh) -> list:
     run = jax.shard_map(local, mesh=mesh, in_specs=tuple(s.to_pspec() for s in strategy.ins),
                         out_specs=tuple(s.to_pspec() for s in strategy.outs))
     return list(run(*ins))
+
+
+def _varying(x) -> frozenset:
+    """The manual axes a value inside a shard_map varies over (its type says)."""
+    return getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", frozenset())
 
 
 def _region(op: Op, plans: tuple[GraphPlan, ...], ins: list, mesh: Mesh, fp32: bool,
