@@ -15,7 +15,6 @@ import contextlib
 import difflib
 import functools
 import inspect
-import math
 import numbers
 import types
 import warnings
@@ -31,7 +30,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from jaxpar import progress
 from jaxpar.analysis import compiled_bytes
-from jaxpar.context import ParallelContext, current_context
+from jaxpar.context import ParallelContext, current_context, is_finite
 from jaxpar.cost.hardware import load_profile
 from jaxpar.cost.manual import off_mesh
 from jaxpar.cost.model import CostModel
@@ -203,12 +202,12 @@ def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, sea
         memory_budget = load_profile(hardware).memory_bytes
     if memory_budget is not None and (not isinstance(memory_budget, numbers.Real)
                                       or isinstance(memory_budget, bool)
-                                      or not math.isfinite(memory_budget) or memory_budget <= 0):
+                                      or not is_finite(memory_budget) or memory_budget <= 0):
         raise ValueError(f"shard(memory_budget={memory_budget!r}): give a positive number of "
                          "bytes per device, 'hardware' for the hardware profile's memory, or "
                          "None for no budget.")
     if not isinstance(mem_coeff, numbers.Real) or isinstance(mem_coeff, bool) or \
-            not math.isfinite(mem_coeff) or mem_coeff < 0:
+            not is_finite(mem_coeff) or mem_coeff < 0:
         raise ValueError(f"shard(mem_coeff={mem_coeff!r}): must be a finite number >= 0.")
     if parameter_plan is not None and not isinstance(parameter_plan, dict):
         raise TypeError(f"shard(parameter_plan={parameter_plan!r}): must be a dict mapping "

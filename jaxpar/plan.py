@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import numbers
 import os
 from dataclasses import asdict, dataclass, field
@@ -20,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from jaxpar.context import is_finite
 from jaxpar.cost.comm import Collective
 from jaxpar.cost.hardware import COLLECTIVE_KINDS
 from jaxpar.cost.model import OpCost
@@ -164,7 +164,7 @@ class Plan:
     def verify(self, compiled, rtol: float = 0.10):
         """Predicted vs measured collectives and output shardings of a compiled program."""
         if isinstance(rtol, bool) or not isinstance(rtol, numbers.Real) or \
-                not math.isfinite(rtol) or rtol < 0:
+                not is_finite(rtol) or rtol < 0:
             raise ValueError(f"Plan.verify: rtol={rtol!r} must be a finite number >= 0, the "
                              "relative tolerance on collective bytes (default 0.1).")
         from jaxpar.verify import verify_plan
@@ -303,7 +303,7 @@ def _number(x, finite: bool = True) -> bool:
     """A JSON number (not a bool), finite unless `finite` is False (a runner-up no plan may
     take costs inf)."""
     return isinstance(x, int | float) and not isinstance(x, bool) and \
-        (math.isfinite(x) or not finite)
+        (is_finite(x) or not finite)
 
 
 def _amount(x, finite: bool = True) -> bool:

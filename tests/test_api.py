@@ -332,6 +332,11 @@ BAD_OPTIONS = [
     ({"mem_coeff": -0.5}, ValueError, r"mem_coeff=-0.5"),
     ({"mem_coeff": float("nan")}, ValueError, r"mem_coeff=nan.*finite"),
     ({"memory_budget": float("nan")}, ValueError, r"memory_budget=nan"),
+    # an int past float's range: OverflowError from math.isfinite, naming nothing
+    pytest.param({"memory_budget": 10 ** 400}, ValueError,
+                 r"memory_budget=1000.*positive number of bytes", id="memory_budget=10**400"),
+    pytest.param({"mem_coeff": 10 ** 400}, ValueError, r"mem_coeff=1000.*finite number",
+                 id="mem_coeff=10**400"),
     ({"parameter_plan": [("w", (1, 8))]}, TypeError, r"parameter_plan.*dict"),
     ({"donate_argnums": "x"}, TypeError, r"donate_argnums='x'.*int"),
     ({"donate_argnums": (0, 1.0)}, TypeError, r"donate_argnums=\(0, 1.0\)"),
@@ -786,7 +791,7 @@ def test_plan_methods_and_estimate_time_refuse_bad_arguments(tmp_path):
             plan.explain(width=width)
     with pytest.raises(TypeError, match="decisions='yes'"):
         plan.explain(decisions="yes")
-    for rtol in ("x", -1, float("nan"), float("inf")):
+    for rtol in ("x", -1, float("nan"), float("inf"), 10 ** 400):
         with pytest.raises(ValueError, match="rtol="):
             plan.verify(compiled, rtol=rtol)
     assert plan.verify(compiled, rtol=0.2).ok
@@ -906,6 +911,7 @@ def test_a_plan_file_with_a_corrupt_field_is_refused_when_loaded(tmp_path, field
 
 @pytest.mark.parametrize("key, value, said", [
     ("score", -1.0, "score: a number of 0 or more"), ("score", "abc", "score"),
+    pytest.param("score", 10 ** 400, "score", id="score-10**400"),  # OverflowError before
     ("runner_score", float("nan"), "runner_score"), ("n", "x", "n: a whole number"),
     ("trips", -3, "trips"), ("has_rule", "yes", "has_rule: true or false"),
     ("cost.compute_s", -5, "cost.compute_s"), ("cost.comm_bytes", "x", "cost.comm_bytes"),
