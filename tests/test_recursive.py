@@ -4,6 +4,7 @@ log; mem_coeff and memory budgets; how close it comes to the exact search."""
 import copy
 import dataclasses
 import logging
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -744,9 +745,41 @@ def test_under_a_budget_the_mem_coeffs_between_the_last_two_are_tried():
     assert any(f"kept the plan with mem_coeff={kept:g}" in line for line in plan.decisions)
 
 
+def test_a_budget_no_plan_of_the_walk_meets_is_planned_by_the_exact_search():
+    """A larger mem_coeff weighs the bytes a plan holds, not their peak: the walk's peaks
+    need not fall as it grows, and a budget one of its plans met (193,796 bytes at mem_coeff
+    9.05, kept for a budget of 200,000) was refused at 195,000 ("its leanest plan peaks at
+    197188"). Where none of the walk's plans fits, the exact search under the budget plans it:
+    here half as much again as the least peak any plan can have (the walk's leanest: 1.8x)."""
+    import re
+
+    from jaxpar.models import mlp
+
+    params = mlp.init_mlp(jax.random.key(0), [32, 64, 16])
+    args = (params, jnp.ones((32, 32)), jnp.ones((32, 16)))
+    step = mlp.make_sgd_step(0.1)
+    with pytest.raises(ValueError, match="smallest possible peak is") as err:
+        jaxpar.shard(step, search_mode="dynamic_programming", memory_budget=1).plan(*args)
+    least = float(re.search(r"smallest possible peak is ([\d.e+]+)", str(err.value))[1])
+    f = jaxpar.shard(step, search_mode="recursive_programming", memory_budget=1.5 * least)
+    plan = f.plan(*args)
+    assert plan.cost.peak_memory_bytes <= 1.5 * least
+    assert any("no plan of the walk fits; its leanest plan peaks at" in line
+               and "The exact search under the budget (dynamic_programming" in line
+               for line in plan.decisions)
+    with warnings.catch_warnings():  # XLA's temporaries may hold more than a budget this tight
+        warnings.simplefilter("ignore", UserWarning)
+        got = f(*args)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(
+            jax.jit(step)(*args)), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("budget,in_strategy,match", [
     (20_000, None, r"memory_budget=20000 bytes per device cannot be met by "
-                   r"recursive_programming: its leanest plan peaks at \d+ bytes per device"),
+                   r"recursive_programming: its leanest plan peaks at \d+ bytes per device "
+                   r".*the exact search under the budget found none either: no strategy "
+                   r"assignment fits"),
     (10_000, ([((1, 1), (1,))] * 2, (1, 1), (1, 1)),
      r"memory_budget=10000 bytes per device: the inputs whose strategy is fixed already "
      r"take \d+ bytes"),

@@ -75,11 +75,13 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    for what they chose (a scanned GPT step scored 2.5x the exact search's objective; solved
    again so, 1.00x). Each kept where that objective drops.
 6. A plan over the memory budget is searched again with mem_coeff four times larger (more model
-   parallel, less memory) a few times, then fails with a ValueError saying what it needs. Once
-   one fits, mem_coeffs between the last two are tried (bisected twice) and the fitting plan
-   of least objective is kept: four times the mem_coeff may give up more time than the budget
-   asks for (benchmarks/memory_budget.py, budgets of 0.8 x the optimum's peak: 1.4 to 2.3x
-   less modelled time for its four steps).
+   parallel, less memory) a few times. Once one fits, mem_coeffs between the last two are
+   tried (bisected twice) and the fitting plan of least objective is kept: four times the
+   mem_coeff may give up more time than the budget asks for (benchmarks/memory_budget.py,
+   budgets of 0.8 x the optimum's peak: 1.4 to 2.3x less modelled time for its four steps).
+   When none fits, the exact search under the budget (dynamic_programming, for at most
+   _EXACT_S seconds) plans it, or the ValueError says what each found: the peak need not fall
+   as mem_coeff grows.
 The work is linear in the number of ops but for step 5: every op is walked, propagated and
 refined a bounded number of times, and the units of repeated layers are decided once per
 class; step 5 solves repeated layers once too (build_tables folds them), and its region solve
@@ -90,6 +92,7 @@ remains are not bounded so.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -115,6 +118,7 @@ _ALWAYS_MAIN = frozenset({"dot_general", "conv_general_dilated", "gather", "scat
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
 _RETRIES = 6          # memory budget: searches again with mem_coeff x4, x16, ...
 _BISECT = 2           # then between the last two mem_coeffs this many times
+_EXACT_S = 10.0       # seconds for the exact search under a budget no plan of the walk meets
 _TIE = 1e-9           # relative: costs this close count as equal (the first one wins)
 _NEAR = 2e-2          # relative: a class's cuts this close count as equal, the first listed
                       # (the lower dim) wins, so that classes agree (batch, not sequence)
@@ -183,13 +187,7 @@ def _search(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
         if run(_bigger(model.mem_coeff, attempt)):
             break
     else:
-        raise ValueError(
-            f"memory_budget={memory_budget:.0f} bytes per device cannot be met by "
-            f"recursive_programming: its leanest plan peaks at "
-            f"{min(r[2] for r in runs):.0f} bytes per device (mem_coeff up to "
-            f"{_bigger(model.mem_coeff, _RETRIES):g}). Cut more dimensions in "
-            "in_strategy/parameter_plan, use a larger mesh, try "
-            "search_mode='dynamic_programming' (it bounds memory exactly), or raise the budget.")
+        return _exact_within(graph, model, fixed_in, fixed_out, memory_budget, ties, runs)
     # Four times the mem_coeff may overshoot: between the last that broke the budget and the
     # first that met it, a plan may meet it for less time. Bisected (geometrically) _BISECT
     # times; the fitting plan that scores least under the model's own objective is kept.
@@ -213,6 +211,40 @@ def _search(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     for line in lines:
         log.debug(line)
     return best[1], lines + best[3]
+
+
+def _exact_within(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
+                  fixed_out: dict[int, Spec], memory_budget: float,
+                  ties: tuple[tuple[int, int], ...], runs: list
+                  ) -> tuple[GraphPlan, list[str]]:
+    """No plan of the walk's fits the budget (`runs`: (mem_coeff, plan, peak, log) of each
+    tried): the exact search under the budget (dynamic_programming), which bounds the peak
+    itself. A larger mem_coeff weighs the bytes a plan holds, not their peak, so the peaks of
+    the walk's plans need not fall as it grows (an MLP step: 193,796 bytes at 9.05, 198,148 at
+    25.6, 197,188 at 409.6), and a budget between them was refused that one of them met. A
+    ValueError saying what each found when neither fits."""
+    from jaxpar.search.exact import dynamic_programming
+
+    leanest = min(r[2] for r in runs)
+    tried = (f"its leanest plan peaks at {leanest:.0f} bytes per device (mem_coeff up to "
+             f"{_bigger(model.mem_coeff, _RETRIES):g})")
+    try:
+        gp, found = dynamic_programming(graph, model, fixed_in, fixed_out, memory_budget,
+                                        time_limit=_EXACT_S, ties=ties)
+    except ValueError as err:
+        said = re.sub(r"^memory_budget=\S+ bytes per device cannot be met: ", "", str(err))
+        raise ValueError(
+            f"memory_budget={memory_budget:.0f} bytes per device cannot be met by "
+            f"recursive_programming: {tried}, and the exact search under the budget found "
+            f"none either: {said} Cut more dimensions in in_strategy/parameter_plan, use a "
+            "larger mesh, or raise the budget.") from None
+    lines = [f"memory_budget={memory_budget:.0f} bytes per device: no plan of the walk fits; "
+             f"{tried}. The exact search under the budget (dynamic_programming, "
+             f"{'optimal' if found.optimal else f'stopped at {_EXACT_S:g} s, gap {found.gap:.1%}'}"
+             ") planned it."]
+    for line in lines:
+        log.debug(line)
+    return gp, lines
 
 
 def _bigger(mem_coeff: float, attempt: int) -> float:
