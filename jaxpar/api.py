@@ -399,6 +399,7 @@ class ShardedFunction:
         out_fixed = strat.parse_out_strategy(o.out_strategy, out_shapes, mesh)
         with progress.stage("building the op graph"):
             graph = build_graph(traced.closed_jaxpr, traced.in_paths)
+        _check_devices(self.fn, graph, mesh)
         profile = load_profile(o.hardware)
         model = CostModel(MeshInfo.of(mesh), profile, o.level, o.mem_coeff,
                           recompute_heavy=o.search_mode not in AUTOMATIC_MODES,
@@ -775,6 +776,34 @@ def optimizer_followers(paths: list[str], shapes: list[tuple]) -> dict[int, int]
                 follows[i] = found[0]
                 break
     return follows
+
+
+def _check_devices(fn, graph, mesh: Mesh | AbstractMesh) -> None:
+    """A ValueError where fn places values on devices other than the plan's mesh's, or on
+    them in another order: a shard_map, with_sharding_constraint or device_put over such a
+    mesh. JAX runs one program over one list of devices, and jaxpar's runs over its mesh's
+    (it failed inside JAX: "Received incompatible devices for jitted computation"). The same
+    devices in the same order under other axis names or another shape run (replicated)."""
+    if not isinstance(mesh, Mesh):
+        return  # an AbstractMesh only plans
+    own = tuple(int(d.id) for d in mesh.devices.flat)
+    for _, op in graph.walk():
+        meshes = [op.params.get("mesh"), getattr(op.params.get("sharding"), "mesh", None)]
+        meshes += [getattr(d, "mesh", None) for d in op.params.get("devices", ()) or ()]
+        for other in meshes:
+            if not isinstance(other, Mesh):
+                continue
+            ids = tuple(int(d.id) for d in other.devices.flat)
+            if ids != own:
+                what = {"shard_map": "jax.shard_map", "sharding_constraint":
+                        "with_sharding_constraint"}.get(op.name, op.name)
+                raise ValueError(
+                    f"{_name(fn)}: its {what} is over a mesh of devices {list(ids)}, in that "
+                    f"order; the plan's mesh runs on devices {list(own)}, in that order, and "
+                    "JAX runs one program over one list of devices. Build that mesh from the "
+                    "plan's devices in the plan's order (jax.sharding.Mesh("
+                    "f.mesh.devices.reshape(...), names)), or give jaxpar.shard(mesh=...) a "
+                    "mesh of its devices in its order.")
 
 
 def _same_structure(arg, out) -> bool:

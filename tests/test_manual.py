@@ -101,6 +101,34 @@ def test_a_shard_map_over_other_axes_stays_replicated():
     assert "batch=8" in note and "not in the predicted collectives" in note
 
 
+@pytest.mark.parametrize("devices", ["reversed", "half"])
+def test_a_mesh_of_other_devices_or_another_order_inside_is_refused_in_words(devices):
+    """A shard_map or with_sharding_constraint over the same devices in another order, or over
+    some of them, failed inside JAX ("Received incompatible devices for jitted computation",
+    naming jaxpar's internals): one program runs over one list of devices, the plan's."""
+    from jax.sharding import AxisType, Mesh, NamedSharding
+
+    ids = np.array(jax.devices())[::-1] if devices == "reversed" else np.array(jax.devices()[:4])
+    other = Mesh(ids, ("x",), axis_types=(AxisType.Auto,))
+    shown = r"\[7, 6, 5, 4, 3, 2, 1, 0\]" if devices == "reversed" else r"\[0, 1, 2, 3\]"
+
+    def mapped(x):
+        return jax.shard_map(lambda b: b * 2, mesh=other, in_specs=P("x"), out_specs=P("x"))(x)
+
+    def constrained(x):
+        return jnp.tanh(jax.lax.with_sharding_constraint(x, NamedSharding(other, P("x"))))
+
+    x, _ = _data()
+    for f, what in ((mapped, "jax.shard_map"), (constrained, "with_sharding_constraint")):
+        with pytest.raises(ValueError, match=f"{f.__name__}: its {what} is over a mesh of "
+                           f"devices {shown}, in that order; the plan's mesh runs on devices "
+                           r"\[0, 1, 2, 3, 4, 5, 6, 7\]"):
+            jaxpar.shard(f)(x)
+    same = Mesh(np.array(jax.devices()), ("x",), axis_types=(AxisType.Auto,))
+    np.testing.assert_allclose(jaxpar.shard(lambda x: jax.shard_map(
+        lambda b: b * 2, mesh=same, in_specs=P("x"), out_specs=P("x"))(x))(x), 2 * x)
+
+
 def test_body_work_counts_flops_collectives_and_scan_trips():
     mesh = jaxpar.make_mesh(8)
 
