@@ -126,14 +126,22 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
         try:
             solution = solved(t, problem)
         except ValueError as err:  # no assignment fits: say it in the user's terms
-            bodies = (" Each loop's body (each cond's branches) is one of a few plans "
-                      "(propagated, solved for time, solved for the least memory), so that "
-                      "peak is over those: "
-                      "search_mode='recursive_programming' plans bodies anew for a larger "
-                      "mem_coeff and may find a leaner one.") if loops else ""
+            said = str(err)
+            bodies = ""
+            if loops:  # the bound holds over the loops' few body plans, not over every plan
+                said = said.replace("no strategy assignment fits",
+                                    "no plan among those searched fits", 1).replace(
+                    "the smallest possible peak is", "the smallest peak of those is", 1)
+                bodies = (". Each loop's body (each cond's branches) is one of a few plans "
+                          "(propagated, solved for time, solved for the least memory), so "
+                          "that peak is over those: a leaner layout of the loops' operands may "
+                          "exist (give it in in_strategy, e.g. the parameters cut FSDP-style, "
+                          "with search_mode='sharding_propagation'), and "
+                          "search_mode='recursive_programming' plans bodies anew for a larger "
+                          "mem_coeff.")
             placed = " once the fixed inputs are placed" if fixed_in else ""
             raise ValueError(f"memory_budget={memory_budget:.0f} bytes per device cannot be "
-                             f"met{placed}: {err}{bodies}") from None
+                             f"met{placed}: {said}{bodies}") from None
         plan = _to_plan(graph, t, solution.choice, fixed_in, region)
         # Each loop's body was solved for free operands; solved again for the operand specs
         # this plan gives it (a region's: and those its held plan gives it), the loops of a
