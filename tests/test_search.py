@@ -334,25 +334,29 @@ def test_the_automatic_searches_solve_cond_branches(monkeypatch):
             np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
 
 
-def test_recursive_programming_solves_the_loops_neighbourhood_again():
+def test_recursive_programming_solves_the_loops_neighbourhood_again(monkeypatch):
     """recursive_programming's walk decides the ops around a loop without the loop's costs, and
     the loop's body is then planned for what they chose: on a scanned GPT step that was 2.5x
     dynamic_programming's objective. The ops between the loops and the main ops around them,
     solved again exactly (each body also for the operand specs the plan gives it), bring it
-    within 5%."""
+    within 5%. (The exact searches now keep free inputs at their leanest spec of equal cost,
+    exact._leanest; without that, as here, the region solve is what brings it there.)"""
+    from jaxpar.search import exact
     from jaxpar.search.exact import dynamic_programming
     from jaxpar.search.recursive import recursive_programming
 
     graph, ties = _scanned_gpt_step()
     model = _models(True)
-    dp, _ = dynamic_programming(graph, model, {}, {}, ties=ties)
-    rp, lines = recursive_programming(graph, model, {}, {}, ties=ties)
-    back = [{pos: p.specs[v] for v, pos in ties} for p in (dp, rp)]
-    exact, fast = (model.score(graph_cost(graph, p, model, b)) for p, b in zip((dp, rp), back,
-                                                                                strict=True))
-    assert fast <= 1.05 * exact  # measured: 1.000 (2.540 before)
+    with monkeypatch.context() as m:  # first: the model caches the bodies' plans
+        m.setattr(exact, "_leanest", lambda t, choice, node, touching: int(choice[node]))
+        taken, lines = recursive_programming(graph, model, {}, {}, ties=ties)
     assert any("between the 2 loops and the main ops around them solved again exactly" in line
                and "taken instead" in line for line in lines)
+    dp, _ = dynamic_programming(graph, model, {}, {}, ties=ties)
+    rp, _ = recursive_programming(graph, model, {}, {}, ties=ties)
+    scores = [model.score(graph_cost(graph, p, model, {pos: p.specs[v] for v, pos in ties}))
+              for p in (dp, taken, rp)]
+    assert max(scores[1:]) <= 1.05 * scores[0]  # measured: 1.000 (2.540 before the region solve)
 
 
 def test_dynamic_programming_solves_loop_bodies_again_until_their_operands_repeat(monkeypatch):
@@ -367,6 +371,9 @@ def test_dynamic_programming_solves_loop_bodies_again_until_their_operands_repea
     traced = trace(step, args)
     graph = build_graph(traced.closed_jaxpr, traced.in_paths)
     ties = tuple((graph.inputs[i], i) for i in range(len(jax.tree_util.tree_leaves(args[:2]))))
+    # The free inputs as the solver takes them: with each kept at its leanest spec of equal
+    # cost (exact._leanest) one solve already finds 1.181 ms here, and the passes keep it.
+    monkeypatch.setattr(exact, "_leanest", lambda t, choice, node, touching: int(choice[node]))
     scores = []
     for passes in (1, exact._LOOP_PASSES):
         monkeypatch.setattr(exact, "_LOOP_PASSES", passes)
