@@ -36,6 +36,7 @@ from jaxpar.cost.manual import off_mesh
 from jaxpar.cost.model import CostModel
 from jaxpar.distributed import check_joined, digest, gather_rows
 from jaxpar.ir import arg_paths, build_graph, trace
+from jaxpar.ir.trace import shape_only
 from jaxpar.lower.jit import build_callable
 from jaxpar.mesh import abstract_mesh, make_mesh, mesh_devices
 from jaxpar.plan import Plan, build_plan
@@ -479,7 +480,8 @@ class ShardedFunction:
     def _finish(self, graph, plan: Plan, args, donated: set[int]) -> _Compiled:
         if plan.in_tree is None:  # a loaded plan: take the structure from these arguments
             plan.in_tree = jax.tree_util.tree_structure(args)
-            plan.out_tree = jax.tree_util.tree_structure(jax.eval_shape(self.fn, *args))
+            plan.out_tree = jax.tree_util.tree_structure(jax.eval_shape(
+                self.fn, *jax.tree_util.tree_map(shape_only, args)))
         donate = tuple(i for i, owner in enumerate(leaf_owners(args)) if owner in donated)
         in_tree, out_tree, fn = plan.in_tree, plan.out_tree, self.fn
 

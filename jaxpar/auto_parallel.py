@@ -57,7 +57,7 @@ from jaxpar.api import (
 )
 from jaxpar.context import ParallelContext, current_context
 from jaxpar.ir import arg_paths
-from jaxpar.ir.trace import arg_names
+from jaxpar.ir.trace import arg_names, shape_only
 from jaxpar.plan import Plan, check_writable, load_plans, save_plans
 from jaxpar.spec import MeshInfo, Spec
 from jaxpar.train.data import batch_spec
@@ -365,7 +365,10 @@ class AutoParallel:
         n_state = getattr(pure, "n_state", 0)
         donate = tuple(range(n_state)) + tuple(i + n_state for i in self.donate_argnums)
         owner = leaf_owners(args)
-        carried = {i for i, _ in carried_pairs(args, jax.eval_shape(pure, *args))}
+        # From shapes alone: an array placed on Explicit axes would type the trace with its
+        # sharding (JAX refused the step's ops there; jaxpar.shard moves such arguments).
+        carried = {i for i, _ in carried_pairs(args, jax.eval_shape(
+            pure, *jax.tree_util.tree_map(shape_only, args)))}
         state = set(range(n_state)) | {owner[i] for i in carried}
         fixed = self._fixed(args, paths, shapes, self._batch_positions(args, n_state, state))
         sharded = self._shard(pure, fixed, donate)

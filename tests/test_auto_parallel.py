@@ -154,6 +154,24 @@ def test_nnx_gpt_trains_in_place_like_jit(mode):
         p.startswith("model/") for p in paths)
 
 
+@pytest.mark.parametrize("mode", ["semi_auto", "dynamic_programming"])
+def test_arguments_on_explicit_axes_are_taken(mode):
+    """Arrays placed on jax.make_mesh's Explicit axes failed in AutoParallel (JAX's sharding
+    type rules, from the jax.eval_shape that finds the carried state) where jaxpar.shard takes
+    them and moves them onto the plan's mesh."""
+    from jax.sharding import AxisType, NamedSharding
+
+    def f(x, w, b):
+        return jnp.sum(jax.nn.relu(x @ w + b))
+
+    theirs = jax.make_mesh((4, 2), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+    rng = np.random.default_rng(0)
+    args = [jnp.asarray(rng.standard_normal(shape), jnp.float32)
+            for shape in ((16, 32), (32, 64), (64,))]
+    placed = [jax.device_put(a, NamedSharding(theirs, P("a"))) for a in args]
+    np.testing.assert_allclose(AutoParallel(f, mode)(*placed), f(*args), rtol=1e-5)
+
+
 def test_nnx_module_forward():
     model = nnx_gpt.from_params(CFG, gpt.init_params(CFG, jax.random.key(2)))
     tokens, _ = gpt.batch(CFG, 8)

@@ -82,7 +82,7 @@ def trace(fn, args: tuple) -> Traced:
     in_paths = arg_paths(fn, args)
     # Traced from shapes alone: an array placed on a mesh with Explicit axes would write its
     # sharding into the program's types, which the plan's own mesh cannot replay.
-    shapes = jax.tree_util.tree_map(_shape_only, args)
+    shapes = jax.tree_util.tree_map(shape_only, args)
     try:
         closed, out_shape = _jaxpr(fn, shapes)
     except Exception as err:  # noqa: BLE001 - re-raised unless a capture explains it
@@ -180,7 +180,7 @@ def _leaves(named: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     return out
 
 
-def _shape_only(x):
+def shape_only(x):
     """A jax.Array or ShapeDtypeStruct as a ShapeDtypeStruct with no sharding (weak type
     kept); anything else as it is."""
     if isinstance(x, jax.Array | jax.ShapeDtypeStruct):
