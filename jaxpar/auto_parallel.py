@@ -245,6 +245,8 @@ class AutoParallel:
         rewritten with all of them as each is made. `load_operator_strategy_file` reproduces
         the same programs."""
         path = _strategy_path("save_operator_strategy_file", file_path)
+        # now, not at the first call: a call that plans raised, the next ran without a file
+        check_writable(path, "save_operator_strategy_file: file_path")
         self._opts.save_operator_file = path
         self._save_operator_plans()
 

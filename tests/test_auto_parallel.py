@@ -460,6 +460,10 @@ def test_bad_operator_strategy_files_are_refused(mlp_problem, tmp_path):
         net.save_operator_strategy_file(str(tmp_path / "strategy.txt"))
     with pytest.raises(TypeError, match="str"):
         net.save_operator_strategy_file(3)
+    # refused when given: it was refused by the first call, and the next ran without a file
+    with pytest.raises(ValueError, match="save_operator_strategy_file: file_path .*missing.*"
+                       "does not exist"):
+        net.save_operator_strategy_file(str(tmp_path / "missing" / "strategy.json"))
     corrupt = tmp_path / "corrupt.json"
     corrupt.write_text("{ not json")
     net.load_operator_strategy_file(str(corrupt))
