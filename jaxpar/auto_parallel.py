@@ -185,7 +185,7 @@ class AutoParallel:
         elif name == "mesh":
             value = _checked_mesh(value)
             if self._opts.hsdp is not None:
-                check_shard_size(self._opts.hsdp[0], MeshInfo.of(value), "hsdp(shard_size)")
+                check_shard_size(self._opts.hsdp[0], MeshInfo.of(value))  # names hsdp's
         elif name == "parameter_plan":
             value = _checked_parameter_plan(value)
         elif name in ("batch_argnums", "donate_argnums"):

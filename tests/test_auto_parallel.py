@@ -341,6 +341,16 @@ def test_a_setting_changed_after_a_call_plans_again():
     assert net.parallel_mode == "semi_auto" and net.mesh.size == 2  # refused: unchanged
 
 
+def test_a_mesh_hsdps_shard_size_does_not_fit_is_refused_naming_hsdp(mlp_problem):
+    # The message began "set_auto_parallel_context: hsdp(shard_size)=4", never called.
+    step, _, _, _ = mlp_problem
+    net = AutoParallel(step)
+    net.hsdp(shard_size=4)
+    with pytest.raises(ValueError, match=r"^hsdp\(shard_size=4\): no group of axes of mesh "
+                                         r"d0=8 has that size"):
+        net.mesh = jaxpar.make_mesh((8,), ("d0",))
+
+
 def test_the_mode_comes_from_the_context_unless_given():
     # The context's parallel_mode and search_mode were ignored: AutoParallel stayed semi_auto.
     assert AutoParallel(_step).parallel_mode == "semi_auto"
