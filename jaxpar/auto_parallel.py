@@ -35,6 +35,7 @@ import inspect
 import json
 import numbers
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxpar import strategy as strat
 from jaxpar.api import (
     ShardedFunction,
+    _name,
     array_arguments,
     carried_pairs,
     check_auto_axes,
@@ -167,6 +169,13 @@ class AutoParallel:
                              "parallel_optimizer_config['optimizer_weight_shard_size']")
         self._functions: dict[Any, _Program] = {}
         self._check_now()
+        k = ctx.grad_accumulation_step
+        if k > 1 and getattr(network, "grad_accumulation_step", None) is None:
+            warnings.warn(
+                f"set_auto_parallel_context(grad_accumulation_step={k}) does not change "
+                f"AutoParallel({_name(network)}): it runs the step as written. Build the step "
+                "with jaxpar.make_train_step(loss_fn, optimizer), which reads the key and "
+                f"accumulates the gradients of {k} microbatches.", stacklevel=2)
 
     def __setattr__(self, name: str, value) -> None:
         """A setting changed after construction (`net.mesh = jaxpar.make_mesh(4)`) is checked

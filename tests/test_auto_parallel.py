@@ -351,6 +351,35 @@ def test_a_mesh_hsdps_shard_size_does_not_fit_is_refused_naming_hsdp(mlp_problem
         net.mesh = jaxpar.make_mesh((8,), ("d0",))
 
 
+def test_the_contexts_grad_accumulation_step_warns_where_autoparallel_cannot_take_it():
+    """AutoParallel runs the step it is given: the context's grad_accumulation_step changed
+    nothing there, silently. It warns and names make_train_step, which reads the key; a step
+    built so (it accumulates itself) does not warn."""
+    import warnings
+
+    tx = optax.sgd(0.1)
+
+    def loss_fn(p, x, y):
+        return jnp.mean((x @ p["w"] - y) ** 2)
+
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    jaxpar.set_auto_parallel_context(grad_accumulation_step=4)
+    with pytest.warns(UserWarning, match=r"grad_accumulation_step=4\) does not change "
+                                         r"AutoParallel\(step\).*make_train_step"):
+        AutoParallel(step)
+    built = jaxpar.make_train_step(loss_fn, tx)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        net = AutoParallel(built)
+    params = {"w": jnp.ones((16, 8)) * 0.1}
+    x, y = jnp.ones((32, 16)), jnp.zeros((32, 8))
+    assert "while" in net.lower(params, tx.init(params), x, y).as_text()  # the microbatches
+
+
 def test_the_mode_comes_from_the_context_unless_given():
     # The context's parallel_mode and search_mode were ignored: AutoParallel stayed semi_auto.
     assert AutoParallel(_step).parallel_mode == "semi_auto"

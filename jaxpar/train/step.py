@@ -90,6 +90,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
         params = optax.apply_updates(params, updates)
         return (params, opt_state, *out) if has_aux else (params, opt_state, out)
 
+    step.grad_accumulation_step = k  # AutoParallel reads it: the step accumulates itself
     return step
 
 
