@@ -120,7 +120,12 @@ def _refuse_explicit(fn, consts, err: Exception | None = None) -> None:
     trace under the plan's mesh nor the program replayed there can take. Arguments so placed
     are moved (only the value is traced); a captured array keeps its type."""
     found = [c for c in consts if _on_explicit_axes(c)]
-    named = [(name, x) for name, x in _captures(fn) if _on_explicit_axes(x)]
+    if not found and err is None:
+        return  # the common case: nothing more to look at
+    try:
+        named = [(name, x) for name, x in _captures(fn) if _on_explicit_axes(x)]
+    except Exception:  # noqa: BLE001 - naming them is a courtesy; JAX's error stands
+        named = []
     if err is not None:
         found = [x for _, x in named]
     if not found:

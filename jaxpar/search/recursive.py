@@ -233,6 +233,7 @@ def _exact_within(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
                                         time_limit=_EXACT_S, ties=ties)
     except ValueError as err:
         said = re.sub(r"^memory_budget=\S+ bytes per device cannot be met: ", "", str(err))
+        said = said.rstrip(".") + "."
         raise ValueError(
             f"memory_budget={memory_budget:.0f} bytes per device cannot be met by "
             f"recursive_programming: {tried}, and the exact search under the budget found "
