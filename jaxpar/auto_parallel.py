@@ -396,15 +396,15 @@ class AutoParallel:
                     f"{o.load_operator_file!r}): the plan was saved under other hsdp settings "
                     f"({made[0][len(_HSDP_NOTE):]}), and a loaded plan is used as it is. "
                     "Set hsdp as it was when the plan was saved, or drop one of the two.")
-            if o.hsdp is not None and not made and self._optimizer_parallel(loaded, paths,
-                                                                            shapes, args):
+            if o.hsdp is not None and not made and self._optimizer_parallel(
+                    loaded, paths, shapes, args, carried):
                 raise ValueError(
                     f"hsdp(optimizer_level={o.hsdp[2]!r}) and load_operator_strategy_file("
                     f"{o.load_operator_file!r}): the loaded plan does not cut the optimizer "
                     "state as hsdp asks, and a loaded plan is used as it is. Save the plan "
                     "with hsdp set, or drop one of the two.")
         elif o.hsdp is not None:
-            more = self._optimizer_parallel(sharded.plan(*args), paths, shapes, args)
+            more = self._optimizer_parallel(sharded.plan(*args), paths, shapes, args, carried)
             if more:
                 fixed = {**fixed, **{paths[i]: s.to_pspec() for i, s in more.items()}}
                 sharded = self._shard(pure, fixed, donate)
@@ -428,13 +428,16 @@ class AutoParallel:
             save_plans(plans, path, "save_operator_strategy_file")
 
     def _optimizer_parallel(self, plan: Plan, paths: list[str], shapes: list[tuple],
-                            args: tuple) -> dict[int, Spec]:
-        """{leaf: spec} hsdp adds to `plan` (optimizer_parallel_specs; empty: none)."""
+                            args: tuple, carried: set[int]) -> dict[int, Spec]:
+        """{leaf: spec} hsdp adds to `plan` (optimizer_parallel_specs; empty: none); carried:
+        the leaves the step returns in place (its parameters, at level3, with or without
+        optimizer state)."""
         o = self._opts
         sizes = [x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(args)]
-        return optimizer_parallel_specs(plan.flat_in_specs, shapes, sizes,
-                                        optimizer_followers(paths, shapes),
-                                        MeshInfo.of(self.mesh), o.hsdp[2], o.hsdp[1], o.hsdp[0])
+        follows = optimizer_followers(paths, shapes)
+        return optimizer_parallel_specs(plan.flat_in_specs, shapes, sizes, follows,
+                                        MeshInfo.of(self.mesh), o.hsdp[2], o.hsdp[1], o.hsdp[0],
+                                        params=carried - set(follows))
 
     def _shard(self, pure, fixed: dict[str, Any], donate: tuple[int, ...]) -> ShardedFunction:
         return sharded(pure, parameter_plan=fixed or None, level=self.level, mesh=self.mesh,

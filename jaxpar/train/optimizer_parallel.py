@@ -13,7 +13,9 @@ for some leaves, to be fixed in a second planning round:
           so in jaxpar's global-view programs level2 is what level1 compiles to (checked in
           tests/test_auto_parallel.py against the compiled HLO).
   level3  parameters are cut the same way too (FSDP / ZeRO-3): XLA all-gathers each one
-          before use, and the step returns it cut, so the loop keeps it cut.
+          before use, and the step returns it cut, so the loop keeps it cut. Every leaf the
+          step returns in place is cut so, whether optimizer state follows it or not (plain
+          SGD keeps none).
 
 Leaves smaller than `threshold` KB stay as planned, and so does a leaf the plan already cuts
 into at least as many pieces (hsdp never adds bytes per device). `shard_size` (-1: every unused
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from jaxpar.spec import MeshInfo, Spec
 
@@ -63,7 +65,8 @@ def check_shard_size(shard_size: int, mesh: MeshInfo, key: str | None = None) ->
 def optimizer_parallel_specs(specs: Sequence[Spec], shapes: Sequence[tuple[int, ...]],
                              nbytes: Sequence[int], followers: dict[int, int], mesh: MeshInfo,
                              level: str = "level1", threshold_kb: int = 64,
-                             shard_size: int = -1) -> dict[int, Spec]:
+                             shard_size: int = -1, params: Collection[int] = ()
+                             ) -> dict[int, Spec]:
     """New specs for the leaves optimizer parallel cuts (see the module docstring).
 
     Args:
@@ -74,6 +77,9 @@ def optimizer_parallel_specs(specs: Sequence[Spec], shapes: Sequence[tuple[int, 
       level: "level1", "level2" or "level3".
       threshold_kb: leaves under this many KB are left alone.
       shard_size: group size to cut over, or -1 for every axis the parameter leaves unused.
+      params: more parameter leaves level3 cuts: those the step returns in place that no
+        optimizer state follows (plain SGD keeps none, and a parameter that is one bare
+        array pairs with none by path); level3 cut only parameters with followers before.
 
     Returns:
       {leaf index: Spec} for every leaf whose spec changes.
@@ -85,7 +91,8 @@ def optimizer_parallel_specs(specs: Sequence[Spec], shapes: Sequence[tuple[int, 
     """
     check_hsdp_args(shard_size, threshold_kb, level)
     check_shard_size(shard_size, mesh)
-    leaves = set(followers) | (set(followers.values()) if level == "level3" else set())
+    leaves = set(followers) | (set(followers.values()) | set(params) if level == "level3"
+                               else set())
     out = {}
     for i in sorted(leaves):
         if nbytes[i] < threshold_kb * 1024:
