@@ -100,18 +100,24 @@ class Plan:
     notes: list[str] = field(default_factory=list)  # what the search reports (optimality, ...)
     layout: str = ""  # the logical mesh the plan uses, e.g. "dp4 x tp2" (see describe_layout)
     decisions: list[str] = field(default_factory=list)  # recursive_programming's decision log
+    # A loaded plan's structures as its file holds them (_tree_to_json): shown by in_specs and
+    # out_specs until the plan is bound to arguments, which give in_tree and out_tree.
+    file_trees: tuple = field(default=(None, None), repr=False)
 
     @property
     def in_specs(self):
-        """The arguments' PartitionSpecs, in the structure of the arguments (a plan loaded from
-        a file has no structure until it is bound to arguments, by with_plan and a call or
-        .plan: a flat list until then)."""
-        return _unflatten(self.in_tree, [s.to_pspec() for s in self.flat_in_specs])
+        """The arguments' PartitionSpecs, in the structure of the arguments. A plan loaded from
+        a file has it where the file holds it (tuples, lists, dicts with string keys, None)
+        and once bound to arguments (with_plan and a call or .plan); a flat list otherwise (a
+        NamedTuple's or dataclass's structure is not written)."""
+        return _unflatten(self.in_tree or self.file_trees[0],
+                          [s.to_pspec() for s in self.flat_in_specs])
 
     @property
     def out_specs(self):
         """The outputs' PartitionSpecs, in the structure of the outputs (see in_specs)."""
-        return _unflatten(self.out_tree, [s.to_pspec() for s in self.flat_out_specs])
+        return _unflatten(self.out_tree or self.file_trees[1],
+                          [s.to_pspec() for s in self.flat_out_specs])
 
     def table(self) -> Table:
         """The per-op plan as a rich Table."""
@@ -226,6 +232,8 @@ class Plan:
                 "in_specs": [s.to_json() for s in self.flat_in_specs],
                 "out_specs": [s.to_json() for s in self.flat_out_specs],
                 "in_paths": self.in_paths, "out_paths": self.out_paths,
+                "in_tree": _tree_to_json(self.in_tree or self.file_trees[0]),
+                "out_tree": _tree_to_json(self.out_tree or self.file_trees[1]),
                 "cost": asdict(self.cost), "collectives": self.collectives,
                 "rows": [asdict(r) for r in self.rows], "notes": self.notes,
                 "layout": self.layout, "decisions": self.decisions,
@@ -292,11 +300,18 @@ class Plan:
         if stray:
             raise ValueError(f"field graph: its specs name axes {stray} outside the mesh "
                              f"{mesh.describe()}")
+        trees = []
+        for side in ("in", "out"):
+            try:  # written since this field was added; files without it load flat
+                trees.append(_tree_from_json(d.get(f"{side}_tree"), len(specs[side])))
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"field {side}_tree: {err}") from None
         return Plan(d["fingerprint"], mesh,
                     graph, specs["in"], specs["out"], d["in_paths"],
                     d["out_paths"], PlanCost(**cost), collectives, [Row(**r) for r in rows],
                     d["search_mode"], d["hardware"], notes=list(d.get("notes", [])),
-                    layout=d.get("layout", ""), decisions=list(d.get("decisions", [])))
+                    layout=d.get("layout", ""), decisions=list(d.get("decisions", [])),
+                    file_trees=tuple(trees))
 
 
 def _number(x, finite: bool = True) -> bool:
@@ -431,6 +446,65 @@ def _from_json(d, path, where: str) -> Plan:
         return Plan.from_json(d)
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise ValueError(f"{where}({str(path)!r}): corrupt plan file ({err!r}).") from None
+
+
+def _tree_to_json(tree):
+    """A pytree structure of tuples, lists, dicts with string keys and None as JSON (a leaf is
+    "*"), or None where it holds another node (a NamedTuple, a dataclass, a flax struct)."""
+    import jax
+
+    if tree is None:
+        return None
+
+    def encode(x):
+        if x is _LEAF:
+            return "*"
+        if x is None:
+            return {"none": None}
+        if type(x) in (tuple, list):
+            items = [encode(y) for y in x]
+            return None if None in items else {type(x).__name__: items}
+        if type(x) is dict and all(isinstance(k, str) for k in x):
+            items = [[k, encode(v)] for k, v in x.items()]
+            return None if any(v is None for _, v in items) else {"dict": items}
+        return None
+
+    return encode(jax.tree_util.tree_unflatten(tree, [_LEAF] * tree.num_leaves))
+
+
+def _tree_from_json(obj, leaves: int):
+    """The structure _tree_to_json wrote (None for none), checked to hold `leaves` leaves."""
+    import jax
+
+    if obj is None:
+        return None
+
+    def decode(x):
+        if x == "*":
+            return 0
+        if not isinstance(x, dict) or len(x) != 1:
+            raise ValueError(f"{x!r} is no pytree node")
+        (kind, items), = x.items()
+        if kind == "none" and items is None:
+            return None
+        if kind in ("tuple", "list") and isinstance(items, list):
+            return (tuple if kind == "tuple" else list)(decode(y) for y in items)
+        if kind == "dict" and isinstance(items, list) and all(
+                isinstance(kv, list) and len(kv) == 2 and isinstance(kv[0], str) for kv in items):
+            return {k: decode(v) for k, v in items}
+        raise ValueError(f"{x!r} is no pytree node")
+
+    tree = jax.tree_util.tree_structure(decode(obj))
+    if tree.num_leaves != leaves:
+        raise ValueError(f"{tree.num_leaves} leaves where the file has {leaves} specs")
+    return tree
+
+
+class _Leaf:
+    """The marker of a leaf while a structure is written (never a user's value)."""
+
+
+_LEAF = _Leaf()
 
 
 def _unflatten(tree, leaves):

@@ -177,6 +177,39 @@ def test_a_constraint_on_another_meshs_axes_is_planned_freely(mode):
                for c in f.plan(X, W[:, :8]).graph_plan.choices.values())
 
 
+def test_a_loaded_plan_keeps_the_structure_of_arguments_and_outputs(tmp_path):
+    """Plan.load gave in_specs and out_specs as flat lists (DESIGN: pytrees matching the
+    arguments and outputs). The file holds the structure where it is made of tuples, lists,
+    dicts with string keys and None; a NamedTuple's is not written (flat, as before), and a
+    file whose structure disagrees with its specs is refused."""
+    import collections
+    import json
+
+    def fn(params, x):
+        return {"y": x @ params["w"] + params["b"], "n": (jnp.sum(x), None)}
+
+    f = jaxpar.shard(fn, in_strategy=({"w": (1, 2), "b": (2,)}, (4, 2)))
+    plan = f.plan({"w": W, "b": B}, X)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = jaxpar.Plan.load(path)
+    assert loaded.in_specs == plan.in_specs and isinstance(loaded.in_specs[0], dict)
+    assert loaded.out_specs == plan.out_specs and isinstance(loaded.out_specs["n"], tuple)
+    g = jaxpar.shard(fn).with_plan(loaded)  # bound to arguments as before
+    np.testing.assert_allclose(g({"w": W, "b": B}, X)["y"], f({"w": W, "b": B}, X)["y"],
+                               rtol=1e-6)
+    data = json.loads(path.read_text())
+    data["in_tree"] = {"tuple": ["*"]}
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="field in_tree: 1 leaves where the file has 3 specs"):
+        jaxpar.Plan.load(path)
+    Pair = collections.namedtuple("Pair", "w b")
+    named = jaxpar.shard(lambda p, x: x @ p.w + p.b).plan(Pair(W, B), X)
+    named.save(path)
+    flat = jaxpar.Plan.load(path).in_specs
+    assert isinstance(flat, list) and flat == [s.to_pspec() for s in named.flat_in_specs]
+
+
 def test_save_load_round_trip_and_refusals(tmp_path):
     f = jaxpar.shard(dense_relu, in_strategy=((4, 2), None, None))
     plan = f.plan(X, W, B)
