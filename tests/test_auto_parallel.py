@@ -270,13 +270,8 @@ def test_optimizer_parallel_level3_cuts_parameters_without_optimizer_state():
     state) nothing was cut, silently. The step's carried parameters are cut (FSDP), and it
     trains as jit does."""
     tx = optax.sgd(0.1)
-
-    def step(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(
-            lambda p: jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    step = jaxpar.make_train_step(
+        lambda p, x, y: jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2), tx)
     rng = np.random.default_rng(0)
     params = {"w1": jnp.asarray(rng.standard_normal((64, 64)) * 0.1, jnp.float32),
               "w2": jnp.asarray(rng.standard_normal((64, 64)) * 0.1, jnp.float32)}
