@@ -110,14 +110,16 @@ class Plan:
         a file has it where the file holds it (tuples, lists, dicts with string keys, None)
         and once bound to arguments (with_plan and a call or .plan); a flat list otherwise (a
         NamedTuple's or dataclass's structure is not written)."""
-        return _unflatten(self.in_tree or self.file_trees[0],
-                          [s.to_pspec() for s in self.flat_in_specs])
+        return _unflatten(self._tree(0), [s.to_pspec() for s in self.flat_in_specs])
 
     @property
     def out_specs(self):
         """The outputs' PartitionSpecs, in the structure of the outputs (see in_specs)."""
-        return _unflatten(self.out_tree or self.file_trees[1],
-                          [s.to_pspec() for s in self.flat_out_specs])
+        return _unflatten(self._tree(1), [s.to_pspec() for s in self.flat_out_specs])
+
+    def _tree(self, side: int):
+        """The structure of the arguments (0) or outputs (1): the one bound, else the file's."""
+        return (self.in_tree, self.out_tree)[side] or self.file_trees[side]
 
     def table(self) -> Table:
         """The per-op plan as a rich Table."""
@@ -232,8 +234,8 @@ class Plan:
                 "in_specs": [s.to_json() for s in self.flat_in_specs],
                 "out_specs": [s.to_json() for s in self.flat_out_specs],
                 "in_paths": self.in_paths, "out_paths": self.out_paths,
-                "in_tree": _tree_to_json(self.in_tree or self.file_trees[0]),
-                "out_tree": _tree_to_json(self.out_tree or self.file_trees[1]),
+                "in_tree": _tree_to_json(self._tree(0)),
+                "out_tree": _tree_to_json(self._tree(1)),
                 "cost": asdict(self.cost), "collectives": self.collectives,
                 "rows": [asdict(r) for r in self.rows], "notes": self.notes,
                 "layout": self.layout, "decisions": self.decisions,

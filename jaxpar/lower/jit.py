@@ -102,9 +102,10 @@ def bind_local(op: Op, ins: list, strategy, mesh: Mesh) -> list:
     def local(*xs):
         # An operand whole on every device (a literal, a replicated one) does not vary over
         # the axes the others are cut on; the op's binary rules (igamma's) refuse the mix.
-        varying = frozenset().union(*map(_varying, xs))
-        xs = [jax.lax.pcast(x, tuple(sorted(varying - _varying(x))), to="varying")
-              if varying - _varying(x) else x for x in xs]
+        have = [_varying(x) for x in xs]
+        varying = frozenset().union(*have)
+        xs = [jax.lax.pcast(x, tuple(sorted(varying - h)), to="varying") if varying - h else x
+              for x, h in zip(xs, have, strict=True)]
         # Not under the op's eqn context: its abstract mesh (the traced program's, no axes)
         # would hide the shard_map's manual axes from the op's transpose under jax.grad.
         out = op.primitive.bind(*xs, **op.primitive.get_bind_params(op.params))

@@ -239,12 +239,11 @@ def _exact_within(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
             f"recursive_programming: {tried}, and the exact search under the budget found "
             f"none either: {said} Cut more dimensions in in_strategy/parameter_plan, use a "
             "larger mesh, or raise the budget.") from None
-    lines = [f"memory_budget={memory_budget:.0f} bytes per device: no plan of the walk fits; "
-             f"{tried}. The exact search under the budget (dynamic_programming, "
-             f"{'optimal' if found.optimal else f'stopped at {_EXACT_S:g} s, gap {found.gap:.1%}'}"
-             ") planned it."]
-    for line in lines:
-        log.debug(line)
+    lines: list[str] = []
+    _note(lines, f"memory_budget={memory_budget:.0f} bytes per device: no plan of the walk "
+          f"fits; {tried}. The exact search under the budget (dynamic_programming, "
+          f"{'optimal' if found.optimal else f'stopped at {_EXACT_S:g} s, gap {found.gap:.1%}'}"
+          ") planned it.")
     return gp, lines
 
 
