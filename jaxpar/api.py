@@ -102,7 +102,8 @@ def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=N
     Settings left None come from the parallel context (`set_auto_parallel_context`), read
     now, as MindSpore's shard reads it: its search_mode when its parallel_mode is
     "auto_parallel" (else sharding_propagation), a mesh of its device_num devices (of a
-    larger cluster: plans only), its hardware, mem_coeff and memory_budget.
+    larger cluster: plans only), its hardware, mem_coeff and memory_budget; its
+    pipeline_stages above 1 is a NotImplementedError (no pipeline parallelism yet).
 
     Args:
       fn: the function to shard; it takes arrays and pytrees of them (keyword arguments are
@@ -144,6 +145,12 @@ def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=N
       >>> print(f.plan(x, w, b).explain())
     """
     ctx = current_context()
+    if ctx.pipeline_stages > 1:  # AutoParallel refuses it too (auto_parallel._no_pipeline)
+        raise NotImplementedError(
+            f"shard: the parallel context has pipeline_stages={ctx.pipeline_stages}; pipeline "
+            "parallelism is not in this version of jaxpar, and shard plans one program over "
+            "the whole mesh. Set set_auto_parallel_context(pipeline_stages=1) and use data/"
+            "tensor/optimizer parallel over all the devices.")
     if search_mode is None and ctx.parallel_mode == "auto_parallel":
         search_mode = ctx.search_mode
     if mesh is None and ctx.device_num is not None:

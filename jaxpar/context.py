@@ -74,11 +74,14 @@ class ParallelContext:
     # How auto_parallel picks strategies: recursive_programming (SAPP, MindSpore >= 2.3's
     # default; older docs say dynamic_programming), dynamic_programming, sharding_propagation.
     search_mode: str = "recursive_programming"
-    # Strategy checkpoint to load: "" (none) or an absolute path ending in .json.
+    # Strategy checkpoint to load: "" (none) or a path ending in .json (a relative one is
+    # made absolute when set, against the working directory then).
     strategy_ckpt_load_file: str = ""
-    # Where to save the strategy checkpoint: "" (don't) or an absolute path ending in .json.
+    # Where to save the strategy checkpoint: "" (don't) or a path ending in .json (likewise).
     strategy_ckpt_save_file: str = ""
-    # Every device loads the whole batch (old form of dataset_strategy="full_batch").
+    # Every device loads the whole batch: MindSpore's older name for
+    # dataset_strategy="full_batch". The two keys are kept in step (setting one sets the
+    # other, as in MindSpore); given together they must agree.
     full_batch: bool = False
     # How inputs are split: "data_parallel", "full_batch", or one tuple of split counts per input.
     dataset_strategy: str | tuple[tuple[int, ...], ...] = "data_parallel"
@@ -113,6 +116,16 @@ class ParallelContext:
     def __post_init__(self) -> None:
         for f in fields(self):
             object.__setattr__(self, f.name, _CHECKS[f.name](getattr(self, f.name)))
+        # full_batch is dataset_strategy="full_batch" by its older name: the one not at its
+        # default says which (a YAML file or a constructor may give either); both set
+        # otherwise is a contradiction.
+        whole = self.dataset_strategy == "full_batch"
+        if self.full_batch and self.dataset_strategy == "data_parallel":
+            object.__setattr__(self, "dataset_strategy", "full_batch")
+        elif whole and not self.full_batch:
+            object.__setattr__(self, "full_batch", True)
+        elif self.full_batch and not whole:
+            raise _disagree(True, self.dataset_strategy)
 
     def to_dict(self) -> dict[str, Any]:
         """Every field by name (deep copies): `set_auto_parallel_context(**ctx.to_dict())`.
@@ -140,7 +153,7 @@ class ParallelContext:
             raise TypeError(f"ParallelContext.from_dict(data={data!r}): data must be a dict of "
                             f"context keys, e.g. {{'device_num': 8}}.")
         _check_keys(data, "ParallelContext.from_dict")
-        return cls(**data)
+        return cls(**_batch_partner(dict(data), cls()))
 
 
 # ---- checks: each takes a value and returns it normalised, or raises naming key and value ----
@@ -212,15 +225,28 @@ def _device_num(value: Any) -> int | None:
     return None if value is None else _int("device_num", value, 1, MAX_DEVICES)
 
 
+def _disagree(full_batch: bool, dataset_strategy: Any) -> ValueError:
+    return ValueError(
+        f"set_auto_parallel_context(full_batch={full_batch}, dataset_strategy="
+        f"{dataset_strategy!r}): they disagree: full_batch=True is MindSpore's older name for "
+        "dataset_strategy='full_batch' (every input whole on every device), False for "
+        "'data_parallel' or split counts. Give one of them.")
+
+
 def _strategy_file(key: str, value: Any) -> str:
-    rule = "must be '' (no file) or an absolute path ending in .json, e.g. '/tmp/strategy.json'."
+    rule = ("must be '' (no file) or a path ending in .json, e.g. './strategy_stage1.json' "
+            "(made absolute when set).")
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if not isinstance(value, str):
         raise _bad(TypeError, key, value, rule)
-    if value and not (os.path.isabs(value) and value.endswith(".json")):
+    if value.endswith(".ckpt"):
+        raise _bad(ValueError, key, value, rule + " MindSpore writes a .ckpt strategy file in "
+                   "protobuf; jaxpar reads and writes its strategy files as JSON: name it "
+                   f"{value[:-len('.ckpt')] + '.json'!r}.")
+    if value and not value.endswith(".json"):
         raise _bad(ValueError, key, value, rule)
-    return value
+    return os.path.abspath(value) if value else value
 
 
 def _dataset_strategy(value: Any) -> str | tuple[tuple[int, ...], ...]:
@@ -404,7 +430,27 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
     """
     global _current
     _check_keys(kwargs, "set_auto_parallel_context")
-    _current = replace(_current, **kwargs)  # replace() re-runs every check before assigning
+    # replace() re-runs every check before assigning
+    _current = replace(_current, **_batch_partner(kwargs, _current))
+
+
+def _batch_partner(kwargs: dict[str, Any], ctx: ParallelContext) -> dict[str, Any]:
+    """`kwargs` with full_batch or dataset_strategy, when one of them is given alone, joined
+    by the other in step with it (MindSpore: full_batch=True is dataset_strategy="full_batch",
+    False is "data_parallel"); full_batch=False leaves split counts as they are."""
+    full, split = kwargs.get("full_batch"), kwargs.get("dataset_strategy")
+    if "full_batch" in kwargs and "dataset_strategy" in kwargs:
+        if full is False and split == "full_batch":  # ParallelContext sees True as given
+            raise _disagree(full, split)
+        return kwargs  # ParallelContext checks full_batch=True against split counts
+    if "full_batch" not in kwargs and "dataset_strategy" not in kwargs:
+        return kwargs
+    if isinstance(full, bool):
+        keep = ctx.dataset_strategy if ctx.dataset_strategy != "full_batch" else "data_parallel"
+        return kwargs | {"dataset_strategy": "full_batch" if full else keep}
+    if "dataset_strategy" in kwargs:
+        return kwargs | {"full_batch": split == "full_batch"}
+    return kwargs  # a bad full_batch: its own check names it
 
 
 def get_auto_parallel_context(name: str) -> Any:
@@ -547,7 +593,7 @@ def context_from_mapping(data: Mapping[str, Any] | None, where: str) -> Parallel
       'auto_parallel'
     """
     try:
-        return ParallelContext(**_fields_from_yaml(data))
+        return ParallelContext(**_batch_partner(_fields_from_yaml(data), ParallelContext()))
     except (ValueError, TypeError) as err:  # a file's bad type is a bad value of the file
         raise ValueError(f"{where}: {err}") from None
 

@@ -50,7 +50,9 @@ NON_DEFAULT = [
     ("hardware", "h100-nvlink"),
     ("parallel_config", {"data_parallel": 2, "model_parallel": 4, "vocab_emb_dp": False}),
 ]
-NON_DEFAULT_CTX = ParallelContext(**dict(NON_DEFAULT))
+# full_batch=True is dataset_strategy="full_batch": with split counts it would contradict them
+NON_DEFAULT_CTX = ParallelContext(**dict(NON_DEFAULT) | {"full_batch": False})
+PARTNERS = {"full_batch": "dataset_strategy", "dataset_strategy": "full_batch"}
 
 # (key, bad value, exception type): each message must name the key.
 BAD = [
@@ -65,7 +67,7 @@ BAD = [
     ("parallel_mode", "auto", ValueError),
     ("parallel_mode", 2, TypeError),
     ("search_mode", "recursive", ValueError),
-    ("strategy_ckpt_load_file", "plans/strategy.json", ValueError),
+    ("strategy_ckpt_load_file", "plans/strategy.yaml", ValueError),
     ("strategy_ckpt_save_file", "/tmp/strategy.ckpt", ValueError),
     ("strategy_ckpt_save_file", 3, TypeError),
     ("full_batch", None, TypeError),
@@ -131,7 +133,7 @@ def test_tables_cover_every_key():
 def test_set_get_round_trip(key, value):
     set_auto_parallel_context(**{key: value})
     assert get_auto_parallel_context(key) == value
-    others = [k for k in FIELD_NAMES if k != key]
+    others = [k for k in FIELD_NAMES if k not in (key, PARTNERS.get(key))]
     assert all(get_auto_parallel_context(k) == getattr(DEFAULTS, k) for k in others)
 
 
@@ -203,6 +205,52 @@ def test_inputs_are_normalised():
                                              "optimizer_weight_shard_size": -1}
     assert ctx.comm_fusion == {"allgather": {"mode": "auto", "config": None}}
     assert ctx.strategy_ckpt_save_file == "/tmp/s.json"
+
+
+def test_full_batch_and_dataset_strategy_move_together(tmp_path):
+    # MindSpore: full_batch=True is dataset_strategy="full_batch", False "data_parallel"
+    set_auto_parallel_context(full_batch=True)
+    assert get_auto_parallel_context("dataset_strategy") == "full_batch"
+    set_auto_parallel_context(dataset_strategy="data_parallel")
+    assert get_auto_parallel_context("full_batch") is False
+    set_auto_parallel_context(dataset_strategy="full_batch")
+    assert get_auto_parallel_context("full_batch") is True
+    set_auto_parallel_context(full_batch=False)
+    assert get_auto_parallel_context("dataset_strategy") == "data_parallel"
+    set_auto_parallel_context(dataset_strategy=((8, 1),))
+    set_auto_parallel_context(full_batch=False)  # split counts are not full batch: kept
+    assert get_auto_parallel_context("dataset_strategy") == ((8, 1),)
+    set_auto_parallel_context(full_batch=True)  # the later setting wins
+    assert get_auto_parallel_context("dataset_strategy") == "full_batch"
+    before = current_context()
+    with pytest.raises(ValueError, match=r"full_batch=True, dataset_strategy=\(\(8, 1\),\)\): "
+                                         "they disagree"):
+        set_auto_parallel_context(full_batch=True, dataset_strategy=((8, 1),))
+    with pytest.raises(ValueError, match="they disagree"):
+        set_auto_parallel_context(full_batch=False, dataset_strategy="full_batch")
+    assert current_context() == before
+    assert ParallelContext(full_batch=True).dataset_strategy == "full_batch"
+    assert ParallelContext(dataset_strategy="full_batch").full_batch is True
+    path = tmp_path / "p.yaml"
+    path.write_text("full_batch: true\n")
+    assert load_config(path).dataset_strategy == "full_batch"
+    path.write_text("full_batch: true\ndataset_strategy: [[8, 1]]\n")
+    with pytest.raises(ValueError, match=r"p\.yaml: .*they disagree"):
+        load_config(path)
+    path.write_text("full_batch: false\ndataset_strategy: full_batch\n")
+    with pytest.raises(ValueError, match=r"p\.yaml: .*they disagree"):
+        load_config(path)
+
+
+def test_strategy_files_relative_paths_become_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    set_auto_parallel_context(strategy_ckpt_save_file="./plans/strategy_stage1.json")
+    monkeypatch.chdir("/")
+    assert get_auto_parallel_context("strategy_ckpt_save_file") == \
+        str(tmp_path / "plans/strategy_stage1.json")
+    # MindSpore's examples name the file .ckpt (protobuf there): the error names the .json
+    with pytest.raises(ValueError, match=r"protobuf.*'\./strategy_stage1\.json'"):
+        set_auto_parallel_context(strategy_ckpt_load_file="./strategy_stage1.ckpt")
 
 
 def test_context_copies_are_detached():
@@ -381,3 +429,15 @@ def test_shard_reads_the_context_for_the_settings_it_is_not_given():
         jaxpar.shard(fn).plan(jnp.ones((8, 8)))
     set_auto_parallel_context(device_num=64, memory_budget=None)  # a larger cluster: plans
     assert isinstance(jaxpar.shard(fn).mesh, AbstractMesh)
+
+
+def test_shard_refuses_the_contexts_pipeline_stages():
+    """shard() planned one program over every device under pipeline_stages=2 without a word
+    (AutoParallel refuses it)."""
+    import jaxpar
+
+    set_auto_parallel_context(pipeline_stages=2)
+    with pytest.raises(NotImplementedError, match=r"pipeline_stages=2.*pipeline_stages=1\)"):
+        jaxpar.shard(lambda x: x * 2)
+    set_auto_parallel_context(pipeline_stages=1)
+    assert jaxpar.shard(lambda x: x * 2).opts.search_mode == "sharding_propagation"
