@@ -209,9 +209,10 @@ class Refiner:
         for w, spec in outputs.items():
             self.out_needs[w] = [spec]
         if start == "needs":  # free inputs are placed for the new plan afterwards
+            unknown = free | values  # each op sees what ops before it make as unknown
             for x in sorted(region, reverse=True):
-                self._take(ops[x], keep,
-                           free | {v for v in values if b.producer.get(v, -1) < x})
+                unknown.difference_update(ops[x].outputs)
+                self._take(ops[x], keep, unknown)
         elif start == "operands":
             for x in sorted(region):
                 self._take(ops[x], keep, (), blind=True)
