@@ -268,6 +268,23 @@ def _budget_left(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     return memory_budget - fixed
 
 
+def least_peak(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
+               fixed_out: dict[int, Spec], ties: tuple[tuple[int, int], ...] = ()) -> float:
+    """The least peak of live bytes per device any plan of `graph` can have, as
+    plan.peak_memory counts it (the fixed inputs in their specs): at every program point the
+    values alive then, each at its leanest candidate. A graph with loops or conds has none
+    (their bodies' plans are not among the tables' candidates): a ValueError."""
+    if any(op.regions for op in graph.ops):
+        raise ValueError("least_peak: a graph with loops or conds has no such bound here")
+    t = build_tables(graph, model, fixed_in, fixed_out, tuple(ties), None, op_classes(graph),
+                     fold=False)
+    problem = Problem(tuple(t.node_cost), (), tuple(t.node_mem), None, 1.0, None,
+                      live_ranges(graph, t))
+    usage = problem.usage([m.min() for m in problem.node_mem])
+    fixed = sum(graph.values[v].nbytes / s.shards(model.mesh) for v, s in fixed_in.items())
+    return fixed + (float(usage.max()) if len(usage) else 0.0)
+
+
 def live_ranges(graph: OpGraph, t: Tables) -> np.ndarray:
     """(first, last) program point at which each node's results are alive: an op's from its
     own index to its last reader (to the end, len(graph.ops), for program outputs); a free

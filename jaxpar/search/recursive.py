@@ -183,6 +183,7 @@ def _search(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
 
     if run(model.mem_coeff):
         return runs[0][1], runs[0][3]
+    _beyond_reach(graph, model, fixed_in, fixed_out, memory_budget, ties, runs[0][2])
     for attempt in range(1, _RETRIES + 1):
         if run(_bigger(model.mem_coeff, attempt)):
             break
@@ -245,6 +246,28 @@ def _exact_within(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
           f"{'optimal' if found.optimal else f'stopped at {_EXACT_S:g} s, gap {found.gap:.1%}'}"
           ") planned it.")
     return gp, lines
+
+
+def _beyond_reach(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
+                  fixed_out: dict[int, Spec], memory_budget: float,
+                  ties: tuple[tuple[int, int], ...], peak: float) -> None:
+    """A ValueError when no plan can fit the budget (exact.least_peak: every value at its
+    leanest spec at the program's fullest point), before the searches again with larger
+    mem_coeffs (up to nine runs, tens of seconds, for a budget none could meet). Not for
+    a graph with loops or conds: recursive_programming plans their bodies anew, which that
+    bound does not cover."""
+    from jaxpar.search.exact import least_peak
+
+    if any(op.regions for op in graph.ops):
+        return
+    floor = least_peak(graph, model, fixed_in, fixed_out, ties)
+    if floor > memory_budget * (1 + 1e-9):
+        raise ValueError(
+            f"memory_budget={memory_budget:.0f} bytes per device cannot be met: no plan holds "
+            f"less than {floor:.0f} bytes per device at its fullest point (every value cut "
+            f"as far as its op's strategies allow); recursive_programming's plan peaks at "
+            f"{peak:.0f}. Cut more dimensions in in_strategy/parameter_plan, use a larger "
+            "mesh, or raise the budget.")
 
 
 def _bigger(mem_coeff: float, attempt: int) -> float:
