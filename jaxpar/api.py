@@ -380,7 +380,7 @@ class ShardedFunction:
     def _compiled(self, args: tuple, leaves: list | None = None, tree=None) -> _Compiled:
         if leaves is None:
             leaves, tree = jax.tree_util.tree_flatten(args)
-        key = (tree, signature(leaves))
+        key = (tree, signature(leaves), trace_settings())
         if key not in self._cache:
             with progress.activity(f"planning {_name(self.fn)}"), paused_gc():
                 self._cache[key] = self._build(args)
@@ -655,7 +655,8 @@ def array_arguments(fn, args: tuple, leaves: list | None = None, tree=None
     if leaves is None:
         leaves, tree = jax.tree_util.tree_flatten(args)
     for k, x in enumerate(leaves):  # numpy arrays JAX cannot hold: named before tracing
-        if isinstance(x, np.ndarray | np.generic) and x.dtype.kind in _NOT_JAX:
+        if isinstance(x, np.ndarray | np.generic) and x.dtype.kind in _NOT_JAX and not \
+                jnp.issubdtype(x.dtype, jnp.number):  # ml_dtypes' (bfloat16, ...) are 'V'
             raise TypeError(f"argument {arg_paths(fn, args)[k]} is a numpy array of dtype "
                             f"{x.dtype}, which JAX cannot hold; convert it to a numeric or "
                             "bool dtype (np.asarray(x, dtype=np.float32), say).")
@@ -679,6 +680,21 @@ def array_arguments(fn, args: tuple, leaves: list | None = None, tree=None
                             "when it is a setting rather than data.")
         out.append(x)
     return jax.tree_util.tree_unflatten(tree, out), out
+
+
+# JAX settings that change what a function traces to (jax.jit keys its cache on them too): a
+# plan made under one is not the program under another (x64 makes int32 int64; the
+# threefry_partitionable switch changes the random bits of one key).
+_TRACE_SETTINGS = ("jax_enable_x64", "jax_threefry_partitionable", "jax_default_prng_impl",
+                   "jax_default_matmul_precision", "jax_numpy_rank_promotion",
+                   "jax_numpy_dtype_promotion", "jax_softmax_custom_jvp",
+                   "jax_random_seed_offset")
+
+
+def trace_settings() -> tuple:
+    """The values of _TRACE_SETTINGS now (a `with jax.default_matmul_precision(...)` block's
+    included): part of the key a sharded function caches its plans under."""
+    return tuple(getattr(jax.config, name, None) for name in _TRACE_SETTINGS)
 
 
 def signature(leaves: list) -> tuple:

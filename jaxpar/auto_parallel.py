@@ -56,6 +56,7 @@ from jaxpar.api import (
     positional_arguments,
     sharded,
     signature,
+    trace_settings,
 )
 from jaxpar.context import ParallelContext, current_context
 from jaxpar.ir import arg_paths
@@ -360,7 +361,7 @@ class AutoParallel:
         pure, flat_args, unwrap = _purify(self.network, args)
         leaves, tree = jax.tree_util.tree_flatten(flat_args)
         flat_args, leaves = array_arguments(pure, flat_args, leaves, tree)
-        key = (tree, signature(leaves), getattr(pure, "graphdefs", None))
+        key = (tree, signature(leaves), trace_settings(), getattr(pure, "graphdefs", None))
         if key not in self._functions:
             self._functions[key] = self._build(pure, flat_args, unwrap)
             self._functions[key].pure = pure  # traced once; it records what its calls change

@@ -1064,3 +1064,37 @@ def test_processes_that_planned_apart_are_refused_before_the_first_run(monkeypat
         jaxpar.shard(dense_relu)(X, W, B)
     np.testing.assert_allclose(jaxpar.shard(dense_relu)(X, W, B), jax.jit(dense_relu)(X, W, B),
                                rtol=1e-5)  # the same digest: it runs
+
+
+def test_numpy_arrays_of_ml_dtypes_are_taken():
+    """A numpy bfloat16 (float8, int4) array, numpy's dtype kind 'V' like a void, was refused
+    as a dtype "JAX cannot hold" (jax.jit takes it)."""
+    for dtype in (jnp.bfloat16, jnp.float8_e4m3fn, jnp.int4):
+        x = np.ones((16, 8), dtype=dtype)
+        got = jaxpar.shard(lambda x: x * 2, in_strategy=((8, 1),))(x)
+        want = jax.jit(lambda x: x * 2)(x)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(TypeError, match=r"numpy array of dtype \|V4, which JAX cannot hold"):
+        jaxpar.shard(lambda x: x)(np.zeros(8, dtype="V4"))
+
+
+@pytest.mark.parametrize("setting,value", [("jax_enable_x64", True),
+                                           ("jax_threefry_partitionable", False)])
+def test_a_changed_jax_setting_plans_again(setting, value):
+    """A sharded function kept the program of its first call after jax.config changed: int32
+    results under x64 (jax.jit's int64), the random bits of the other threefry (1.36 off)."""
+    def g(k, x):
+        return jnp.sum(x.astype(int)), x * jax.random.uniform(k, x.shape)
+
+    k, x = jax.random.key(1), jnp.arange(128.0).reshape(16, 8)
+    f = jaxpar.shard(g, in_strategy=(None, (8, 1)))
+    f(k, x)
+    old = getattr(jax.config, setting)
+    jax.config.update(setting, value)
+    try:
+        for got, want in zip(f(k, x), jax.jit(g)(k, x), strict=True):
+            assert got.dtype == want.dtype
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+    finally:
+        jax.config.update(setting, old)

@@ -837,3 +837,21 @@ def test_batch_statistics_are_all_reduced_not_scattered_and_gathered():
     assert plan.cost.total_s < 60e-6, plan.cost
     got = [float(net(model2, opt2, x, y)) for _ in range(2)]
     np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
+def test_a_changed_jax_setting_plans_the_network_again():
+    """AutoParallel kept the program of its first call after jax.config changed (int32 where
+    jax.jit gives int64 under x64)."""
+    def net(x):
+        return jnp.sum(x.astype(int)), x * 2
+
+    x = jnp.arange(64.0).reshape(8, 8)
+    ap = jaxpar.AutoParallel(net)
+    ap(x)
+    jax.config.update("jax_enable_x64", True)
+    try:
+        for got, want in zip(ap(x), jax.jit(net)(x), strict=True):
+            assert got.dtype == want.dtype
+            np.testing.assert_allclose(got, want)
+    finally:
+        jax.config.update("jax_enable_x64", False)
