@@ -6,8 +6,9 @@ an `optax.GradientTransformation`. After: a plain function `step(params, opt_sta
 
 MindSpore context keys this implements:
   - `grad_accumulation_step` k: the batch is cut into k microbatches; a `lax.scan` sums their
-    losses and gradients in float32 (whatever the parameter dtype, the fp32 accumulation buffer
-    MindSpore keeps for `gradient_fp32_sync`), divides by k, and the optimizer runs once. For a
+    losses and gradients in float32 at least (half precision ones in float32, the fp32
+    accumulation buffer MindSpore keeps for `gradient_fp32_sync`; float64 and complex ones in
+    their own dtype), divides by k, and the optimizer runs once. For a
     mean loss the result equals the full-batch step.
   - `gradients_mean`: True gives the gradient of the global mean loss (as on one device). False is
     MindSpore's data-parallel sum without the mean: each replica's mean-loss gradient summed over
@@ -100,7 +101,8 @@ def accumulate_gradients(loss_fn: Callable, params: Any, batch: tuple, k: int, *
     """The mean loss and its gradients over `batch`, computed in `k` microbatches.
 
     With k > 1 a `lax.scan` runs `loss_fn` on each microbatch and sums losses and gradients in
-    float32, then divides by k; gradients come back in each parameter's dtype. For a loss that
+    float32 (float64 and complex ones in their own dtype), then divides by k; gradients come
+    back in each parameter's dtype. For a loss that
     is a mean over the batch this equals `jax.value_and_grad(loss_fn)(params, *batch)`.
 
     Args:
@@ -109,7 +111,8 @@ def accumulate_gradients(loss_fn: Callable, params: Any, batch: tuple, k: int, *
       batch: a tuple of loss_fn's remaining arguments (arrays or pytrees of arrays).
       k: the number of microbatches (int >= 1).
       has_aux: loss_fn returns `(loss, aux)`. Floating aux leaves are averaged over the
-        microbatches (in float32, cast back); a non-floating leaf with k > 1 is a TypeError.
+        microbatches (as the gradients, cast back); a non-floating leaf with k > 1 is a
+        TypeError.
       batch_argnums: indices into `batch` cut into microbatches; None = all.
       microbatch_layout: "strided" or "contiguous" (see `make_train_step`).
 
@@ -175,16 +178,18 @@ def _scan_microbatches(grad_fn: Callable, params, split: list, batched: frozense
         args = list(split)
         for i, m in zip(order, micro, strict=True):
             args[i] = m
-        return _add_f32(acc, grad_fn(params, *args)), None
+        return _accumulate(acc, grad_fn(params, *args)), None
 
     shapes = jax.eval_shape(grad_fn, params, *_first_microbatch(split, batched))
-    total, _ = jax.lax.scan(body, _f32_zeros(shapes), tuple(split[i] for i in order), length=k)
-    # Back to the dtypes loss_fn produced, except the loss, which stays float32.
+    total, _ = jax.lax.scan(body, _wide_zeros(shapes), tuple(split[i] for i in order),
+                            length=k)
+    # Back to the dtypes loss_fn produced, except the loss, which is float32.
     (out, grads), dtypes = jax.tree.map(lambda t: t / k, total), jax.tree.map(_dtype, shapes)
     grads = jax.tree.map(lambda g, d: g.astype(d), grads, dtypes[1])
     if has_aux:
-        return (out[0], jax.tree.map(lambda a, d: a.astype(d), out[1], dtypes[0][1])), grads
-    return out, grads
+        return (out[0].astype(jnp.float32),
+                jax.tree.map(lambda a, d: a.astype(d), out[1], dtypes[0][1])), grads
+    return out.astype(jnp.float32), grads
 
 
 def _dtype(s: jax.ShapeDtypeStruct) -> jnp.dtype:
@@ -195,21 +200,23 @@ def _first_microbatch(split: list, batched: frozenset[int]) -> list:
     return [jax.tree.map(lambda x: x[0], b) if i in batched else b for i, b in enumerate(split)]
 
 
-def _f32_zeros(shapes) -> Any:
-    """float32 zeros for every (loss, aux, grads) leaf; a non-floating aux leaf is an error."""
+def _wide_zeros(shapes) -> Any:
+    """Zeros to sum each (loss, aux, grads) leaf in: its dtype promoted with float32 (bf16 and
+    f16 in float32; float64 and complex kept: a complex gradient's imaginary part too); a
+    non-floating aux leaf is an error."""
     def zero(path, s):
         if not jnp.issubdtype(s.dtype, jnp.inexact):
             where = "aux" + jax.tree_util.keystr(path[2:])  # path = (out, aux, ...)
             raise TypeError(f"accumulate_gradients: the output {where} has dtype {s.dtype}, "
                             "which cannot be averaged over microbatches; "
                             "return it as a float (e.g. a mean) or use k=1.")
-        return jnp.zeros(s.shape, jnp.float32)
+        return jnp.zeros(s.shape, jnp.promote_types(s.dtype, jnp.float32))
 
     return jax.tree_util.tree_map_with_path(zero, shapes)
 
 
-def _add_f32(acc, new) -> Any:
-    return jax.tree.map(lambda a, n: a + n.astype(jnp.float32), acc, new)
+def _accumulate(acc, new) -> Any:
+    return jax.tree.map(lambda a, n: a + n.astype(a.dtype), acc, new)
 
 
 def _as_f32_loss(out, has_aux: bool):
