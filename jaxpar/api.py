@@ -121,7 +121,9 @@ def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=N
         reductions and optimizer, solved again exactly, then each mesh axis solved again
         exactly with the others held), "recursive_programming" (SAPP: main
         ops cut axis by axis, then propagation; fast) or "dynamic_programming" (the exact
-        optimum of the cost model: chain DP or an ILP). The two automatic modes spread every
+        optimum of the cost model: chain DP or an ILP; stopped at its time limit with no
+        memory_budget, recursive_programming's plan where that scores lower). The two
+        automatic modes spread every
         matmul/conv over all devices the shapes allow.
       hardware: a hardware profile name (`h100-nvlink`, `tpu-v5e`, `cpu`, ...) or YAML path.
       memory_budget: bytes per device the plan must fit in, or "hardware" for the profile's
@@ -474,7 +476,10 @@ class ShardedFunction:
             gp, sol = dynamic_programming(graph, model, fixed_in, fixed_out,
                                           self.opts.memory_budget, ties=ties)
             verdict = "optimal" if sol.optimal else f"stopped at gap {sol.gap:.1%}"
-            return gp, [f"dynamic_programming: {verdict} ({sol.method}, {sol.seconds:.2f} s)"], []
+            notes = [f"dynamic_programming: {verdict} ({sol.method}, {sol.seconds:.2f} s)"]
+            if not sol.optimal and self.opts.memory_budget is None:
+                gp = _or_walk(gp, notes, graph, model, fixed_in, fixed_out, ties, index)
+            return gp, notes, []
         if mode == "recursive_programming":
             from jaxpar.search.recursive import recursive_programming
             gp, decisions = recursive_programming(graph, model, fixed_in, fixed_out,
@@ -518,6 +523,24 @@ class ShardedFunction:
                              f"{self.mesh.size} devices: it only plans (`.plan(...)`). Shard it "
                              "over a Mesh of real devices (jaxpar.make_mesh) to run it.")
 
+
+
+def _or_walk(gp, notes: list[str], graph, model, fixed_in, fixed_out, ties, index):
+    """dynamic_programming stopped at its time limit with a gap: recursive_programming's plan
+    instead where it scores lower (an 8-layer MLP Adam step, d 512, on 8 devices: the exact
+    search's incumbent after 29 s scored 1.27x the walk's, found in 0.9 s). Unbudgeted
+    searches only: the walk under a budget searches again up to nine times."""
+    from jaxpar.search.recursive import recursive_programming
+    from jaxpar.search.resolve import objective
+
+    walk, _ = recursive_programming(graph, model, fixed_in, fixed_out, None, ties, index)
+    exact, other = (objective(graph, model, p, fixed_out, ties) for p in (gp, walk))
+    if other >= exact * (1 - 1e-9):
+        return gp
+    notes.append(f"dynamic_programming: recursive_programming's plan scores {other:.6g}, less "
+                 f"than the {exact:.6g} of the plan the exact search had when it stopped: "
+                 "kept instead")
+    return walk
 
 
 def _check_processes_agree(plan: Plan, name: str) -> None:
