@@ -37,7 +37,7 @@ from jaxpar.cost.model import CostModel
 from jaxpar.distributed import check_joined, digest, gather_rows
 from jaxpar.ir import arg_paths, build_graph, trace
 from jaxpar.ir.trace import shape_only
-from jaxpar.lower.jit import build_callable
+from jaxpar.lower.jit import build_callable, placeable
 from jaxpar.mesh import abstract_mesh, make_mesh, mesh_devices
 from jaxpar.plan import Plan, build_plan
 from jaxpar.search import paused_gc
@@ -403,6 +403,7 @@ class ShardedFunction:
                 fixed[i] = fixed[j]  # optimizer state follows its parameter's fixed strategy
         with progress.stage("tracing"):
             traced = trace(self.fn, args)
+        _refuse_ordered_effects(self.fn, traced.closed_jaxpr, mesh.size)
         out_shapes = jax.tree_util.tree_unflatten(
             traced.out_tree, [jax.ShapeDtypeStruct(tuple(v.aval.shape), v.aval.dtype)
                               for v in traced.closed_jaxpr.jaxpr.outvars])
@@ -449,6 +450,12 @@ class ShardedFunction:
         in_specs = [gp.specs[v] for v in graph.inputs]
         out_specs = [fixed_out.get(j) or out_spec(graph, gp, v)
                      for j, v in enumerate(graph.outputs)]
+        placed = placeable(graph, out_specs)  # results with no elements come back whole
+        if any(a != b for a, b in zip(out_specs, placed, strict=True)):
+            notes.append("outputs with no elements come back replicated (XLA returns them whole "
+                         "on every device; they hold no bytes), whatever out_strategy or the "
+                         "plan cut")
+        out_specs = placed
         # Weights, for the layout report: carried state, else all but the first argument.
         first = len(jax.tree_util.tree_leaves(args[0])) if args else 0
         weights = {graph.inputs[i] for i, _ in ties} if ties else set(graph.inputs[first:])
@@ -523,6 +530,25 @@ class ShardedFunction:
                              f"{self.mesh.size} devices: it only plans (`.plan(...)`). Shard it "
                              "over a Mesh of real devices (jaxpar.make_mesh) to run it.")
 
+
+
+def _refuse_ordered_effects(fn, closed_jaxpr, devices: int) -> None:
+    """A ValueError naming the ordered effects JAX cannot run on more than one device
+    (`jax.debug.print(..., ordered=True)`), before planning; JAX's own error came from inside
+    its lowering, at the first call."""
+    from jax._src import effects  # JAX's registry of ordered effects (as pxla checks them)
+
+    if devices < 2:
+        return
+    found = effects.shardable_ordered_effects.filter_not_in(
+        effects.ordered_effects.filter_in(closed_jaxpr.effects))
+    if found:
+        kinds = sorted({type(e).__name__ for e in found})
+        raise ValueError(
+            f"{_name(fn)}: it has ordered effects ({', '.join(kinds)}), which JAX cannot run "
+            f"on more than one device, and the plan's mesh has {devices}. Drop ordered=True "
+            "(jax.debug.print(..., ordered=True) prints in program order on one device only), "
+            "or run it with jax.jit on one device.")
 
 
 def _or_walk(gp, notes: list[str], graph, model, fixed_in, fixed_out, ties, index):

@@ -1098,3 +1098,39 @@ def test_a_changed_jax_setting_plans_again(setting, value):
             np.testing.assert_allclose(got, want, rtol=1e-6)
     finally:
         jax.config.update(setting, old)
+
+
+@pytest.mark.parametrize("mode", ["sharding_propagation", "recursive_programming"])
+def test_a_plan_with_an_empty_output_says_how_it_comes_back(mode):
+    """An output with no elements comes back replicated whatever its spec (XLA returns it
+    whole): the plan said cut, so verify() failed on jaxpar's own plan."""
+    x = jnp.zeros((0, 8))
+    f = jaxpar.shard(lambda x: x + 1, out_strategy=((1, 8),), search_mode=mode)
+    plan = f.plan(x)
+    assert plan.flat_out_specs[0].axes() == ()
+    assert any("outputs with no elements come back replicated" in n for n in plan.notes)
+    v = plan.verify(f.lower(x).compile())
+    assert v.ok and not v.sharding_mismatches
+    assert f(x).shape == (0, 8)
+
+
+def test_an_ordered_debug_print_is_refused_before_planning():
+    """jax.debug.print(..., ordered=True) failed inside JAX's lowering at the first call (its
+    ordered effects run on one device only); an ordered io_callback, which JAX shards, runs."""
+    from jax.experimental import io_callback
+
+    def printing(x):
+        jax.debug.print("{}", x.sum(), ordered=True)
+        return x * 2
+
+    with pytest.raises(ValueError, match=r"printing: it has ordered effects \(OrderedDebugEffect"
+                                         r"\), which JAX cannot run on more than one device"):
+        jaxpar.shard(printing).plan(X)
+    seen = []
+
+    def calling(x):
+        io_callback(lambda v: seen.append(float(v)), None, x.sum(), ordered=True)
+        return x * 2
+
+    np.testing.assert_allclose(jaxpar.shard(calling)(X), 2 * X)
+    assert seen == [pytest.approx(float(X.sum()), rel=1e-5)]

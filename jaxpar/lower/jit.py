@@ -188,7 +188,7 @@ def _cond(op: Op, plans, ins, mesh, fp32, outs: tuple[Spec, ...]) -> list:
 _REGIONS = {"scan": _scan, "while": _while}
 
 
-def _placeable(graph: OpGraph, out_specs: list[Spec]) -> list[Spec]:
+def placeable(graph: OpGraph, out_specs: list[Spec]) -> list[Spec]:
     """out_specs, a result with no elements replicated: XLA returns such a result whole on
     every device whatever its out_sharding says, and a cut one then labels (0, 16) blocks as
     (0, 2) shards, which jax cannot read back. It holds no bytes, so no layout costs more."""
@@ -217,7 +217,7 @@ def build_callable(graph: OpGraph, plan: GraphPlan, mesh: Mesh, in_specs: list[S
     jax.jvp of it, its inputs and outputs laid out as planned; reverse mode transposes it):
     differentiated from outside, the replay would give the primal's derivative instead
     (jax.nn.relu's at 0, a gradient clip's identity)."""
-    out_specs = _placeable(graph, out_specs)
+    out_specs = placeable(graph, out_specs)
     in_sh = tuple(NamedSharding(mesh, s.to_pspec()) for s in in_specs)
     out_sh = tuple(NamedSharding(mesh, s.to_pspec()) for s in out_specs)
 
