@@ -1134,3 +1134,28 @@ def test_an_ordered_debug_print_is_refused_before_planning():
 
     np.testing.assert_allclose(jaxpar.shard(calling)(X), 2 * X)
     assert seen == [pytest.approx(float(X.sum()), rel=1e-5)]
+
+
+def test_a_host_callbacks_result_broadcast_is_predicted():
+    """A pure_callback or io_callback runs on one device and XLA all-reduces its results to
+    the others: a collective the plan did not predict, so verify() failed."""
+    from jax.experimental import io_callback
+
+    def pure(x):
+        y, z = jax.pure_callback(lambda v: (np.asarray(v) * 2, np.asarray(v)[:2]),
+                                 (jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                  jax.ShapeDtypeStruct((2, 8), x.dtype)), x)
+        return y + 1, z
+
+    def io(x):
+        return io_callback(lambda v: np.asarray(v) * 2, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                           x) + 1
+
+    a = jnp.arange(64.0).reshape(8, 8)
+    for fn, moved in ((pure, (64 + 16) * 4), (io, 64 * 4)):
+        f = jaxpar.shard(fn)
+        plan = f.plan(a)
+        assert plan.collectives == {"all-reduce": {"count": 1, "bytes": moved}}
+        assert plan.verify(f.lower(a).compile()).ok
+        for got, want in zip(jax.tree.leaves(f(a)), jax.tree.leaves(fn(a)), strict=True):
+            np.testing.assert_allclose(got, want)
