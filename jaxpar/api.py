@@ -193,9 +193,11 @@ def sharded(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device
 
 def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, search_mode,
              hardware, memory_budget, mem_coeff, donate_argnums) -> ShardOptions:
-    if isinstance(level, bool) or level not in LEVELS:
-        raise ValueError(f"shard(level={level!r}): level must be 0 (maximise compute/"
+    if isinstance(level, bool) or not isinstance(level, numbers.Integral) or \
+            level not in LEVELS:  # (an array's `in` compares elementwise: typed first)
+        raise ValueError(f"shard(level={level!r}): level must be the int 0 (maximise compute/"
                          "communication ratio), 1 (minimise memory) or 2 (maximise speed).")
+    level = int(level)  # numpy's ints hash as ints, but print and serialise as their own
     mode = "sharding_propagation" if search_mode is None else search_mode
     if not isinstance(mode, str) or mode not in SEARCH_MODES:
         raise ValueError(f"shard(search_mode={search_mode!r}): this version of jaxpar supports "
@@ -208,7 +210,7 @@ def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, sea
                         "jaxpar.make_mesh(8), an AbstractMesh (plans only, any size), or None "
                         "for all devices.")
     check_auto_axes(mesh, "shard(mesh=...)")
-    if memory_budget == "hardware":  # the profile's memory per device
+    if isinstance(memory_budget, str) and memory_budget == "hardware":  # the profile's memory
         memory_budget = load_profile(hardware).memory_bytes
     if memory_budget is not None and (not isinstance(memory_budget, numbers.Real)
                                       or isinstance(memory_budget, bool)

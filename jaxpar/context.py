@@ -340,7 +340,7 @@ def _mem_coeff(value: Any) -> float:
 def _memory_budget(value: Any) -> int | float | str | None:
     rule = ("must be a finite positive number of bytes per device, 'hardware' (the hardware "
             "profile's memory) or None (no budget).")
-    if value is None or value == "hardware":
+    if value is None or (isinstance(value, str) and value == "hardware"):
         return value
     if isinstance(value, str):
         raise _bad(ValueError, "memory_budget", value, rule + _yaml_hint(value))

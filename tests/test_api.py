@@ -356,6 +356,14 @@ def test_malformed_calls_fail_before_tracing(kwargs, args, exc, match):
 BAD_OPTIONS = [
     ({"level": 3}, ValueError, r"level=3.*0.*1.*2"),
     ({"level": True}, ValueError, r"level=True"),
+    # numpy values: `np.array(1) in (0, 1, 2)` is True and crashed in the search (unhashable);
+    # an array of several made numpy's "truth value ... ambiguous" error
+    pytest.param({"level": np.array(1)}, ValueError, r"level=array\(1\).*the int 0",
+                 id="level=np.array(1)"),
+    pytest.param({"level": np.array([0, 1])}, ValueError, r"level=array", id="level=array"),
+    ({"level": 1.0}, ValueError, r"level=1.0.*the int"),
+    pytest.param({"memory_budget": np.array([1e9, 2e9])}, ValueError, r"memory_budget=array",
+                 id="memory_budget=array"),
     ({"search_mode": "magic"}, ValueError, r"search_mode='magic'"),
     ({"device": "Ascend"}, ValueError, r"device='Ascend'"),
     ({"mesh": "8"}, TypeError, r"mesh='8'.*Mesh"),

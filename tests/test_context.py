@@ -5,6 +5,7 @@ import dataclasses
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -102,6 +103,7 @@ BAD = [
     ("memory_budget", 0, ValueError),
     ("memory_budget", "lots", ValueError),
     ("memory_budget", True, TypeError),
+    ("memory_budget", np.array([1, 2]), TypeError),  # numpy's "ambiguous" error before
     ("hardware", "no-such-chip", ValueError),
     ("hardware", 3, TypeError),
     ("parallel_config", {"data_parallel": 0}, ValueError),
