@@ -485,6 +485,8 @@ class ShardedFunction:
             gp, sol = dynamic_programming(graph, model, fixed_in, fixed_out,
                                           self.opts.memory_budget, ties=ties)
             verdict = "optimal" if sol.optimal else f"stopped at gap {sol.gap:.1%}"
+            if sol.repeats_tied:  # exact.repeats: a deep model's layers take one strategy each
+                verdict += " over the plans whose repeated layers agree"
             notes = [f"dynamic_programming: {verdict} ({sol.method}, {sol.seconds:.2f} s)"]
             if not sol.optimal and self.opts.memory_budget is None:
                 gp = _or_walk(gp, notes, graph, model, fixed_in, fixed_out, ties, index)

@@ -274,6 +274,8 @@ class Solution:
         method: "chain-dp", "tree-dp", "dp" (eliminated entirely), "dual" (the dual bound
             met), "ilp" or "brute-force".
         seconds: wall time spent in the solver.
+        repeats_tied: the problem was built with repeated layers tied (exact.repeats):
+            `optimal` is then over the plans in which they agree.
     """
 
     choice: np.ndarray
@@ -282,6 +284,7 @@ class Solution:
     gap: float
     method: str
     seconds: float
+    repeats_tied: bool = False
 
 
 def objective(problem: Problem, choice: np.ndarray) -> float:

@@ -16,7 +16,17 @@ is what a deep model is planned as by hand; the search costs about as much for 4
 and the Solution's `choice` is per node of those; with one, every op is a node and the solver
 ties the nodes that folding would make one (build_tables' fold=False lists them: its live sets
 count the layers apart).
-tie_repeats=False searches every op on its own.
+tie_repeats=False searches every op on its own, and so does tie_repeats where tying would
+leave more than _TIE_SHARE of the ops as nodes (a shallow model, an MLP): tying then saves
+little, and it costs both ways. It is no longer exact over every plan (the two (1024,) bias
+updates of a 256-1024-1024-256 MLP's Adam step, alike within the eight hops op_classes
+looks, were tied to one strategy that suited neither: level 1, 1.425e-4 of objective where
+the untied optimum is 1.327e-4), and a node made of ops with different neighbours makes
+cycles the tree DP and the dual ascent cannot close (that MLP: 26.5 s of ILP, 0.3 s untied).
+The GPT step of benchmarks/search_time.py (d 1024) has the same optimum either way at 1 to 48
+layers; untied it is proven faster up to 8 layers (8: 9.3 s against 11.0 s, op classes 28%
+of the ops), tied from 16 on (16: 9.3 s against 17.8 s; 48: 12.3 s against 55.4 s, 5%).
+When it ties, the Solution says so (`repeats_tied`) and the plan's note names it.
 
 A loop (scan, while; and a cond, see regions.py) is one node whose candidates are plans of its
 bodies (regions.region_candidates): by propagation, and with `CostModel.search_bodies` (the
@@ -56,6 +66,7 @@ from jaxpar.search.tables import Allow, Region, Tables, build_tables
 from jaxpar.spec import Spec
 
 _LOOP_PASSES = 4  # at most this many solves again with loop bodies planned for their neighbours
+_TIE_SHARE = 0.25  # tie_repeats ties only where op classes are at most this share of the ops
 
 
 def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
@@ -105,9 +116,8 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
         def tables(seeds=None) -> tuple[Tables, Problem]:
             # No budget: no live sets to count copies in, so each tied group is one node as
             # built; with one, every op is a node and the solver ties the groups (t.tied).
-            t = build_tables(graph, model, fixed_in, fixed_out, tuple(ties), allow,
-                             op_classes(graph) if tie_repeats else None, region,
-                             fold=budget is None, region_seeds=seeds)
+            t = build_tables(graph, model, fixed_in, fixed_out, tuple(ties), allow, classes,
+                             region, fold=budget is None, region_seeds=seeds)
             return t, Problem(tuple(t.node_cost),
                               tuple((e.u, e.v, e.cost, e.row, e.col) for e in t.edges),
                               tuple(t.node_mem), None, budget, t.tied or None,
@@ -119,6 +129,7 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
                 found = _one_latency_per_group(graph, model, t, problem, found, left)
             return found
 
+        classes = repeats(graph) if tie_repeats else None
         loops = [op for op in graph.ops if op.name in LOOPS
                  and (region is None or op.index in region.ops)]
         t, problem = tables()
@@ -163,7 +174,14 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
             again = solved(t, problem)
             solution = dataclasses.replace(again, seconds=solution.seconds + again.seconds)
             plan = _to_plan(graph, t, solution.choice, fixed_in, region)
-    return plan, solution
+    return plan, dataclasses.replace(solution, repeats_tied=classes is not None)
+
+
+def repeats(graph: OpGraph) -> list[int] | None:
+    """op_classes where tying repeated layers pays (at most _TIE_SHARE of the ops as classes:
+    a deep model), else None (see the module docstring)."""
+    classes = op_classes(graph)
+    return classes if len(set(classes)) <= _TIE_SHARE * len(classes) else None
 
 
 def _seeds(loops: list, plan: GraphPlan, seeds: dict[int, list]) -> dict[int, list]:
