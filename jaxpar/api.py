@@ -38,7 +38,7 @@ from jaxpar.distributed import check_joined, digest, gather_rows
 from jaxpar.ir import arg_paths, build_graph, trace
 from jaxpar.ir.trace import shape_only
 from jaxpar.lower.jit import build_callable, placeable
-from jaxpar.mesh import abstract_mesh, make_mesh, mesh_devices
+from jaxpar.mesh import abstract_mesh, make_mesh, mesh_devices, planning_shape
 from jaxpar.plan import Plan, build_plan
 from jaxpar.search import paused_gc
 from jaxpar.search.exact import dynamic_programming
@@ -169,10 +169,11 @@ def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=N
 def context_mesh(ctx: ParallelContext, device: str | None = None) -> Mesh | AbstractMesh:
     """The mesh of the context's device_num devices of `device`'s platform (all of them when
     it gives none); more than there are here: an AbstractMesh of that size (a larger
-    cluster's, to plan for; it runs nothing)."""
+    cluster's, to plan for; it runs nothing), in at most three axes as `jaxpar plan
+    --devices` lays it out (mesh.planning_shape)."""
     here = len(mesh_devices(device))
     n = ctx.device_num or here
-    return abstract_mesh(n) if n > here else make_mesh(n, device=device)
+    return abstract_mesh(planning_shape(n)) if n > here else make_mesh(n, device=device)
 
 
 def sharded(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=None, level=0,

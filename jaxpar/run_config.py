@@ -58,7 +58,6 @@ TOP_KEYS = ("model", "train", "mesh", "hardware", "use_parallel", "parallel", "p
 _CONTEXT_KEYS = ("use_parallel", "parallel", "parallel_config")
 _FROM_PARALLEL_MODE = {"semi_auto_parallel": "semi_auto", "hybrid_parallel": "semi_auto",
                        "data_parallel": "data_parallel"}
-MAX_AXES = 3  # default meshes factor the device count into at most 3 axes (64 -> 4 x 4 x 4)
 TP_AXIS = "mp"
 
 
@@ -151,7 +150,7 @@ class RunConfig:
         Args:
           devices: plan for this many devices instead of the config's count. The config's mesh
             shape is kept when its size matches; else the count is factored into at most three
-            axes (64 -> (4, 4, 4), 16 -> (2, 2, 4)).
+            axes (mesh.planning_shape: 64 -> (4, 4, 4), 16 -> (2, 2, 4)).
           mode: the planning mode (default `plan_mode()`); semi_auto with model_parallel k > 1
             plans over (devices / k, k) named ("dp", "mp").
 
@@ -167,7 +166,9 @@ class RunConfig:
             self._check_degrees(n, 1)
         if self.mesh.shape and math.prod(self.mesh.shape) == n:
             return self.mesh.shape, self.mesh.names or _default_names(len(self.mesh.shape))
-        sizes = _factor(n)
+        from jaxpar.mesh import planning_shape  # (jax is imported only when needed)
+
+        sizes = planning_shape(n)
         return sizes, _default_names(len(sizes))
 
     def device_count(self) -> int:
@@ -470,17 +471,6 @@ def _check_mode(mode: Any) -> str:
 
 def _default_names(n: int) -> tuple[str, ...]:
     return tuple(f"d{i}" for i in range(n))
-
-
-def _factor(n: int) -> tuple[int, ...]:
-    """n as at most MAX_AXES axis sizes, smallest first: prime factors, the two smallest merged
-    until few enough (more axes make the candidate space explode)."""
-    from jaxpar.mesh import prime_factors
-
-    factors = sorted(prime_factors(n)) or [1]
-    while len(factors) > MAX_AXES:
-        factors = sorted([factors[0] * factors[1], *factors[2:]])
-    return tuple(factors)
 
 
 # ---- the model's training step ------------------------------------------------------------------
