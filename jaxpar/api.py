@@ -486,8 +486,12 @@ class ShardedFunction:
             gp, sol = dynamic_programming(graph, model, fixed_in, fixed_out,
                                           self.opts.memory_budget, ties=ties)
             verdict = "optimal" if sol.optimal else f"stopped at gap {sol.gap:.1%}"
-            if sol.repeats_tied:  # exact.repeats: a deep model's layers take one strategy each
-                verdict += " over the plans whose repeated layers agree"
+            over = [what for what, holds in (
+                ("whose repeated layers agree", sol.repeats_tied),  # exact.repeats: tied
+                ("of its loops' and conds' bodies it tried",  # a few each: regions.py
+                 any(op.regions for op in graph.ops))) if holds]
+            if over:
+                verdict += " over the plans " + " and ".join(over)
             notes = [f"dynamic_programming: {verdict} ({sol.method}, {sol.seconds:.2f} s)"]
             if not sol.optimal and self.opts.memory_budget is None:
                 gp = _or_walk(gp, notes, graph, model, fixed_in, fixed_out, ties, index)

@@ -53,6 +53,8 @@ def test_exact_plan_is_never_costlier_than_propagation_and_runs_right(name):
                          hardware="h100-nvlink")
     p_exact = exact.plan(*args)
     assert any("dynamic_programming: optimal" in n for n in p_exact.notes)
+    bodies = "over the plans of its loops' and conds' bodies it tried"  # not every plan
+    assert any(bodies in n for n in p_exact.notes) == (name in ("scan_layers", "cond_and_fori"))
     assert "dynamic_programming: optimal" in p_exact.explain()
     got, want = exact(*args), jax.jit(fn)(*args)
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
