@@ -185,11 +185,16 @@ class Plan:
         plans likewise). A plan file edited by hand fails here, not inside jax.sharding."""
         problems = []
 
+        order = {a: k for k, a in enumerate(self.mesh.names)}
+
         def check(what: str, spec: Spec, shape) -> None:
             stray = [a for a in spec.axes() if a not in self.mesh.names]
             if stray:
                 problems.append(f"{what} is {spec}, which names axes {stray} outside the "
                                 f"mesh {self.mesh.describe()}")
+            elif any(list(d) != sorted(d, key=order.get) for d in spec.dims):
+                problems.append(f"{what} is {spec}, whose axes of one dim are out of the "
+                                f"mesh's order {self.mesh.describe()}")
             elif spec.rank != len(shape):
                 problems.append(f"{what} is {spec}, of rank {spec.rank}, for an array of "
                                 f"shape {tuple(shape)}")
@@ -204,6 +209,10 @@ class Plan:
                 continue
             for k, (spec, v) in enumerate(zip(specs, values, strict=True)):
                 check(f"{side}[{k}]", spec, graph.shape(v))
+                held = self.graph_plan.specs.get(v) if side == "in_specs" else None
+                if held is not None and held.resolved() != spec.resolved():
+                    problems.append(f"in_specs[{k}] is {spec} where the plan's ops read that "
+                                    f"input as {held}")
         _check_graph_plan(graph, self.graph_plan, check, problems, "graph", self.mesh)
         if problems:
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""

@@ -845,6 +845,12 @@ def test_plan_methods_and_estimate_time_refuse_bad_arguments(tmp_path):
     (lambda d: d["in_specs"].__setitem__(1, [[], ["d0", "d1", "d2"]]),
      r"in_specs\[1\] is \[-, d0\+d1\+d2\], which does not cut shape \(128, 10\)"),
     (lambda d: d["out_specs"].__setitem__(0, [[]]), r"out_specs\[0\] is \[-\], of rank 1"),
+    # These two loaded and ran: the input came in cut as the edit said, and the plan's ops
+    # read it as planned (a collective verify did not predict); JAX reads axes in mesh order.
+    (lambda d: d["in_specs"].__setitem__(0, [["d0"], ["d1"]]),
+     r"in_specs\[0\] is \[d0, d1\] where the plan's ops read that input as \[d0\+d1, d2\]"),
+    (lambda d: d["in_specs"].__setitem__(0, [["d1", "d0"], ["d2"]]),
+     r"in_specs\[0\] is \[d1\+d0, d2\], whose axes of one dim are out of the mesh's order"),
     (lambda d: next(iter(d["graph"]["choices"].values()))["strategy"]["ins"].pop(),
      r"graph.choices\[0\] \(dot_general\) has 1 operand and 1 result specs for an op of 2"),
     # These two failed inside the lowering (KeyError: 0) and in MeshInfo (tuple.index).
