@@ -16,8 +16,8 @@ is what a deep model is planned as by hand; the search costs about as much for 4
 and the Solution's `choice` is per node of those; with one, every op is a node and the solver
 ties the nodes that folding would make one (build_tables' fold=False lists them: its live sets
 count the layers apart).
-tie_repeats=False searches every op on its own, and so does tie_repeats where tying would
-leave more than _TIE_SHARE of the ops as nodes (a shallow model, an MLP): tying then saves
+tie_repeats=False searches every op on its own, and so does the default (None) where tying
+would leave more than _TIE_SHARE of the ops as nodes (a shallow model, an MLP): tying then saves
 little, and it costs both ways. It is no longer exact over every plan (the two (1024,) bias
 updates of a 256-1024-1024-256 MLP's Adam step, alike within the eight hops op_classes
 looks, were tied to one strategy that suited neither: level 1, 1.425e-4 of objective where
@@ -26,7 +26,11 @@ cycles the tree DP and the dual ascent cannot close (that MLP: 26.5 s of ILP, 0.
 The GPT step of benchmarks/search_time.py (d 1024) has the same optimum either way at 1 to 48
 layers; untied it is proven faster up to 8 layers (8: 9.3 s against 11.0 s, op classes 28%
 of the ops), tied from 16 on (16: 9.3 s against 17.8 s; 48: 12.3 s against 55.4 s, 5%).
-When it ties, the Solution says so (`repeats_tied`) and the plan's note names it.
+When it ties, the Solution says so (`repeats_tied`) and the plan's note names it. The
+solves again of parts of a plan inside recursive_programming and sharding_propagation
+(resolve.py) tie wherever op_classes finds repeats in a graph of more than a few hundred
+ops (resolve._tie: tie_repeats=True): untied, those modes planned the 8-layer GPT step in 2
+to 3.5 times the time.
 
 A loop (scan, while; and a cond, see regions.py) is one node whose candidates are plans of its
 bodies (regions.region_candidates): by propagation, and with `CostModel.search_bodies` (the
@@ -72,7 +76,7 @@ _TIE_SHARE = 0.25  # tie_repeats ties only where op classes are at most this sha
 def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
                         fixed_out: dict[int, Spec], memory_budget: float | None = None,
                         time_limit: float = 30.0, ties: tuple[tuple[int, int], ...] = (),
-                        tie_repeats: bool = True, allow: Allow | None = None,
+                        tie_repeats: bool | None = None, allow: Allow | None = None,
                         group_tail: bool = True, region: Region | None = None
                         ) -> tuple[GraphPlan, Solution]:
     """The cheapest plan of `graph` under `model` (see the module docstring).
@@ -85,7 +89,10 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
             best plan found comes with its gap.
         ties: (input value, output position) pairs whose output must come back in the input's
             spec (the caller fixes those outputs to the planned input specs).
-        tie_repeats: give the ops of repeated layers one shared strategy (see above).
+        tie_repeats: give the ops of repeated layers one shared strategy (see above): None
+            where that pays (repeats: a deep model), True wherever op_classes finds them
+            (the solves again inside recursive_programming and sharding_propagation, which
+            trade exactness for speed), False never.
         allow: the candidates each op and free input may take (tables.Allow; None: all):
             the optimum over the plans made of those.
         group_tail: price the tail's reductions one latency per device group as XLA
@@ -129,7 +136,8 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
                 found = _one_latency_per_group(graph, model, t, problem, found, left)
             return found
 
-        classes = repeats(graph) if tie_repeats else None
+        classes = repeats(graph) if tie_repeats is None else \
+            op_classes(graph) if tie_repeats else None
         loops = [op for op in graph.ops if op.name in LOOPS
                  and (region is None or op.index in region.ops)]
         t, problem = tables()

@@ -37,6 +37,17 @@ from jaxpar.search.tables import Region
 from jaxpar.spec import MeshInfo, OpStrategy, Spec
 
 _SMALL_HOPS = 4  # solve_latency_bound: def-use steps through small values around its seeds
+_UNTIED_OPS = 500  # the solves again search a graph of at most this many ops op by op
+
+
+def _tie(graph: OpGraph) -> bool | None:
+    """dynamic_programming's tie_repeats for a solve again: the repeats op_classes finds tied
+    (a solve again trades exactness for speed: the 8-layer GPT step of
+    benchmarks/search_time.py took 2 to 3.5 times as long to plan with them untied), but in
+    a small graph only where exact.repeats ties them (a 128 x 128 MLP's two weights, alike
+    within op_classes' eight hops, tied to one layout kept recursive_programming off the
+    Megatron pair: 1.5x the objective)."""
+    return None if len(graph.ops) <= _UNTIED_OPS else True
 
 
 def solve_axis(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict[int, Spec],
@@ -61,7 +72,8 @@ def solve_axis(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict
       >>> better = solve_axis(graph, model, gp, {}, {}, ties, "d1")
     """
     found, _ = dynamic_programming(graph, model, fixed_in, fixed_out, time_limit=time_limit,
-                                   ties=ties, allow=_OtherAxes(plan, axis, held),
+                                   ties=ties, tie_repeats=_tie(graph),
+                                   allow=_OtherAxes(plan, axis, held),
                                    group_tail=False)
     return found
 
@@ -113,7 +125,8 @@ def solve_lockstep(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
       >>> flat = solve_lockstep(graph, model, {}, {}, ties)
     """
     found, _ = dynamic_programming(graph, model, fixed_in, fixed_out, time_limit=time_limit,
-                                   ties=ties, allow=_Lockstep(model.mesh),
+                                   ties=ties, tie_repeats=_tie(graph),
+                                   allow=_Lockstep(model.mesh),
                                    group_tail=False)
     return found
 
@@ -217,7 +230,8 @@ def solve_region(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: di
       >>> better = solve_region(graph, model, gp, {}, {}, ties, {4, 5, 6}, {27})
     """
     found, _ = dynamic_programming(graph, model, fixed_in, fixed_out, time_limit=time_limit,
-                                   ties=ties, group_tail=False,
+                                   ties=ties, tie_repeats=_tie(graph),
+                                   group_tail=False,
                                    region=Region(plan, frozenset(ops), frozenset(inputs)))
     return found
 
