@@ -24,8 +24,9 @@ looks, were tied to one strategy that suited neither: level 1, 1.425e-4 of objec
 the untied optimum is 1.327e-4), and a node made of ops with different neighbours makes
 cycles the tree DP and the dual ascent cannot close (that MLP: 26.5 s of ILP, 0.3 s untied).
 The GPT step of benchmarks/search_time.py (d 1024) has the same optimum either way at 1 to 48
-layers; untied it is proven faster up to 8 layers (8: 9.3 s against 11.0 s, op classes 28%
-of the ops), tied from 16 on (16: 9.3 s against 17.8 s; 48: 12.3 s against 55.4 s, 5%).
+layers; untied it is proven as fast up to 8 layers (2: 3.3 s against 7.3 s on a busy machine;
+8, op classes 28% of the ops: 9.7 s against 8.7 s on an idle one), tied from 16 on (16: 9.3 s
+against 17.8 s; 48: 12.3 s against 55.4 s, op classes 5% of the ops; busy).
 When it ties, the Solution says so (`repeats_tied`) and the plan's note names it. The
 solves again of parts of a plan inside recursive_programming and sharding_propagation
 (resolve.py) tie wherever op_classes finds repeats in a graph of more than a few hundred
