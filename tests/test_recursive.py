@@ -896,10 +896,7 @@ def test_alike_weights_of_a_small_step_are_solved_again_apart():
     args = (params, opt.init(params), x, x)
     traced = trace(step, args)
     graph = build_graph(traced.closed_jaxpr, traced.in_paths)
-    outs = jax.tree_util.tree_unflatten(traced.out_tree, [
-        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-        for v in traced.closed_jaxpr.jaxpr.outvars])
-    ties = tuple((graph.inputs[i], j) for i, j in carried_pairs(args, outs))
+    ties = tuple((graph.inputs[i], j) for i, j in carried_pairs(args, jax.eval_shape(step, *args)))
     model = CostModel(MeshInfo.of(jaxpar.make_mesh(8)), load_profile("cpu"), 0, 0.1,
                       recompute_heavy=False, search_bodies=True)
     walk, _ = recursive_programming(graph, model, {}, {}, None, ties)
