@@ -6,10 +6,10 @@ method, seconds). The graph becomes cost tables (tables.py), the tables a `Probl
 solver (dynamic.py), and the answer a plan again. The memory budget bounds the bytes live at
 every point of the program (Alpa's peak of live tensors).
 
-Repeated layers are solved once: with tie_repeats (the default), ops that play the same part in
-identical layers (one Weisfeiler-Lehman class, ir/repeat.py, and one candidate list) are tied to
-one strategy, and so are the free inputs they read in the same way (a layer's weights and their
-optimizer state). The answer is then exact over the plans in which repeated layers agree, which
+Repeated layers are solved once: with tie_repeats (by default in a deep model, below), ops that
+play the same part in identical layers (one Weisfeiler-Lehman class, ir/repeat.py, and one
+candidate list) are tied to one strategy, and so are the free inputs they read in the same way
+(a layer's weights and their optimizer state). The answer is then exact over the plans in which repeated layers agree, which
 is what a deep model is planned as by hand; the search costs about as much for 48 layers as for
 2. Without a memory budget each tied group is one node of the tables as they are built
 (build_tables' `classes`: a 48-layer model's tables are built about as fast as a few layers'),
@@ -17,8 +17,9 @@ and the Solution's `choice` is per node of those; with one, every op is a node a
 ties the nodes that folding would make one (build_tables' fold=False lists them: its live sets
 count the layers apart).
 tie_repeats=False searches every op on its own, and so does the default (None) where tying
-would leave more than _TIE_SHARE of the ops as nodes (a shallow model, an MLP): tying then saves
-little, and it costs both ways. It is no longer exact over every plan (the two (1024,) bias
+would leave more than _TIE_SHARE of the ops as nodes (a shallow model, an MLP): tying saves
+little there, and it costs both ways. The answer is exact only over the plans in which tied
+ops agree, and in a shallow step ops of different layers look alike (the two (1024,) bias
 updates of a 256-1024-1024-256 MLP's Adam step, alike within the eight hops op_classes
 looks, were tied to one strategy that suited neither: level 1, 1.425e-4 of objective where
 the untied optimum is 1.327e-4), and a node made of ops with different neighbours makes
