@@ -43,7 +43,7 @@ _UNTIED_OPS = 500  # the solves again search a graph of at most this many ops op
 def _tie(graph: OpGraph) -> bool | None:
     """dynamic_programming's tie_repeats for a solve again: the repeats op_classes finds tied
     (a solve again trades exactness for speed: the 8-layer GPT step of
-    benchmarks/search_time.py took 2 to 3.5 times as long to plan with them untied), but in
+    benchmarks/search_time.py took 1.4 to 3.4 times as long to plan with them untied), but in
     a small graph only where exact.repeats ties them (a 128 x 128 MLP's two weights, alike
     within op_classes' eight hops, tied to one layout kept recursive_programming off the
     Megatron pair: 1.5x the objective)."""
