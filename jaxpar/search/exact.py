@@ -10,8 +10,9 @@ Repeated layers are solved once: with tie_repeats (by default in a deep model, b
 play the same part in identical layers (one Weisfeiler-Lehman class, ir/repeat.py, and one
 candidate list) are tied to one strategy, and so are the free inputs they read in the same way
 (a layer's weights and their optimizer state). The answer is then exact over the plans in which
-repeated layers agree, which is what a deep model is planned as by hand; the search costs about as much for 48 layers as for
-2. Without a memory budget each tied group is one node of the tables as they are built
+repeated layers agree, which is what a deep model is planned as by hand; the search costs
+about as much for 48 layers as for 2. Without a memory budget each tied group is one node of the
+tables as they are built
 (build_tables' `classes`: a 48-layer model's tables are built about as fast as a few layers'),
 and the Solution's `choice` is per node of those; with one, every op is a node and the solver
 ties the nodes that folding would make one (build_tables' fold=False lists them: its live sets
