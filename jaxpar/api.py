@@ -180,55 +180,56 @@ def sharded(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device
             *, mesh: Mesh | AbstractMesh | None = None, search_mode: str | None = None,
             hardware=None, memory_budget: float | str | None = None, mem_coeff: float = 0.1,
             donate_argnums: int | tuple[int, ...] = (),
-            fp32_communication: bool = False) -> ShardedFunction:
+            fp32_communication: bool = False, caller: str = "shard") -> ShardedFunction:
     """shard() with every setting as given: None is jaxpar's default, not the parallel
-    context's (AutoParallel resolves its settings from its own context first)."""
+    context's (AutoParallel resolves its settings from its own context first). `caller`: the
+    call its errors name (AutoParallel checks its settings here too)."""
     if not callable(fn):
-        raise TypeError(f"shard(fn={fn!r}): fn must be callable (a function of arrays).")
+        raise TypeError(f"{caller}(fn={fn!r}): fn must be callable (a function of arrays).")
     opts = _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, search_mode,
-                    hardware, memory_budget, mem_coeff, donate_argnums)
+                    hardware, memory_budget, mem_coeff, donate_argnums, caller)
     if not isinstance(fp32_communication, bool):
-        raise TypeError(f"shard(fp32_communication={fp32_communication!r}): must be a bool.")
+        raise TypeError(f"{caller}(fp32_communication={fp32_communication!r}): must be a bool.")
     return ShardedFunction(fn, replace(opts, fp32_communication=fp32_communication))
 
 
 def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, search_mode,
-             hardware, memory_budget, mem_coeff, donate_argnums) -> ShardOptions:
+             hardware, memory_budget, mem_coeff, donate_argnums, caller: str) -> ShardOptions:
     if isinstance(level, bool) or not isinstance(level, numbers.Integral) or \
             level not in LEVELS:  # (an array's `in` compares elementwise: typed first)
-        raise ValueError(f"shard(level={level!r}): level must be the int 0 (maximise compute/"
+        raise ValueError(f"{caller}(level={level!r}): level must be the int 0 (maximise compute/"
                          "communication ratio), 1 (minimise memory) or 2 (maximise speed).")
     level = int(level)  # numpy's ints hash as ints, but print and serialise as their own
     mode = "sharding_propagation" if search_mode is None else search_mode
     if not isinstance(mode, str) or mode not in SEARCH_MODES:
-        raise ValueError(f"shard(search_mode={search_mode!r}): this version of jaxpar supports "
+        raise ValueError(f"{caller}(search_mode={search_mode!r}): this version of jaxpar supports "
                          f"{list(SEARCH_MODES)}.")
     if device is not None and device not in ("CPU", "GPU", "TPU"):
-        raise ValueError(f"shard(device={device!r}): use 'CPU', 'GPU', 'TPU' or None for JAX's "
+        raise ValueError(f"{caller}(device={device!r}): use 'CPU', 'GPU', 'TPU' or None for JAX's "
                          "default backend (Ascend is MindSpore's; jaxpar runs on JAX backends).")
     if mesh is not None and not isinstance(mesh, Mesh | AbstractMesh):
-        raise TypeError(f"shard(mesh={mesh!r}): pass a jax.sharding.Mesh, e.g. "
+        raise TypeError(f"{caller}(mesh={mesh!r}): pass a jax.sharding.Mesh, e.g. "
                         "jaxpar.make_mesh(8), an AbstractMesh (plans only, any size), or None "
                         "for all devices.")
-    check_auto_axes(mesh, "shard(mesh=...)")
+    check_auto_axes(mesh, f"{caller}(mesh=...)")
     if isinstance(memory_budget, str) and memory_budget == "hardware":  # the profile's memory
         memory_budget = load_profile(hardware).memory_bytes
     if memory_budget is not None and (not isinstance(memory_budget, numbers.Real)
                                       or isinstance(memory_budget, bool)
                                       or not is_finite(memory_budget) or memory_budget <= 0):
-        raise ValueError(f"shard(memory_budget={memory_budget!r}): give a positive number of "
+        raise ValueError(f"{caller}(memory_budget={memory_budget!r}): give a positive number of "
                          "bytes per device, 'hardware' for the hardware profile's memory, or "
                          "None for no budget.")
     if not isinstance(mem_coeff, numbers.Real) or isinstance(mem_coeff, bool) or \
             not is_finite(mem_coeff) or mem_coeff < 0:
-        raise ValueError(f"shard(mem_coeff={mem_coeff!r}): must be a finite number >= 0.")
+        raise ValueError(f"{caller}(mem_coeff={mem_coeff!r}): must be a finite number >= 0.")
     if parameter_plan is not None and not isinstance(parameter_plan, dict):
-        raise TypeError(f"shard(parameter_plan={parameter_plan!r}): must be a dict mapping "
+        raise TypeError(f"{caller}(parameter_plan={parameter_plan!r}): must be a dict mapping "
                         "parameter paths to strategies, e.g. {'params/w': (1, 8)}.")
     donate = (donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums
     if isinstance(donate_argnums, bool) or not isinstance(donate, tuple | list) or not all(
             isinstance(i, int) and not isinstance(i, bool) for i in donate):
-        raise TypeError(f"shard(donate_argnums={donate_argnums!r}): give an int or a tuple of "
+        raise TypeError(f"{caller}(donate_argnums={donate_argnums!r}): give an int or a tuple of "
                         "ints, the positions of the arguments whose buffers a call may reuse, "
                         "e.g. (0, 1).")
     profile = load_profile(hardware)  # unknown profiles fail here, before any tracing

@@ -353,16 +353,10 @@ class AutoParallel:
 
     def _check_now(self) -> None:
         _no_pipeline(self.context.pipeline_stages)
-        # shard() checks level, mem_coeff, memory_budget and hardware before any tracing; its
-        # message names the call the user made.
-        try:
-            sharded(self.network, level=self.level, mesh=self.mesh, hardware=self.hardware,
-                    mem_coeff=self.mem_coeff, memory_budget=self.memory_budget)
-        except (TypeError, ValueError) as err:
-            said = str(err)
-            if not said.startswith("shard("):
-                raise
-            raise type(err)("AutoParallel(" + said[len("shard("):]) from None
+        # shard() checks level, mem_coeff, memory_budget and hardware before any tracing.
+        sharded(self.network, level=self.level, mesh=self.mesh, hardware=self.hardware,
+                mem_coeff=self.mem_coeff, memory_budget=self.memory_budget,
+                caller="AutoParallel")
 
     def _program(self, args: tuple) -> tuple[_Program, tuple]:
         pure, flat_args, unwrap = _purify(self.network, args)

@@ -185,14 +185,12 @@ class Plan:
         plans likewise). A plan file edited by hand fails here, not inside jax.sharding."""
         problems = []
 
-        order = {a: k for k, a in enumerate(self.mesh.names)}
-
         def check(what: str, spec: Spec, shape) -> None:
             stray = [a for a in spec.axes() if a not in self.mesh.names]
             if stray:
                 problems.append(f"{what} is {spec}, which names axes {stray} outside the "
                                 f"mesh {self.mesh.describe()}")
-            elif any(list(d) != sorted(d, key=order.get) for d in spec.dims):
+            elif any(tuple(d) != self.mesh.order(d) for d in spec.dims):
                 problems.append(f"{what} is {spec}, whose axes of one dim are out of the "
                                 f"mesh's order {self.mesh.describe()}")
             elif spec.rank != len(shape):
