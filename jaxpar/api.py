@@ -216,10 +216,10 @@ def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, sea
         memory_budget = load_profile(hardware).memory_bytes
     if memory_budget is not None and (not isinstance(memory_budget, numbers.Real)
                                       or isinstance(memory_budget, bool)
-                                      or not is_finite(memory_budget) or memory_budget <= 0):
-        raise ValueError(f"{caller}(memory_budget={memory_budget!r}): give a positive number of "
-                         "bytes per device, 'hardware' for the hardware profile's memory, or "
-                         "None for no budget.")
+                                      or not is_finite(memory_budget) or memory_budget < 1):
+        raise ValueError(f"{caller}(memory_budget={memory_budget!r}): give a number of bytes per "
+                         "device, at least 1 (16e9 for 16 GB), 'hardware' for the hardware "
+                         "profile's memory, or None for no budget.")
     if not isinstance(mem_coeff, numbers.Real) or isinstance(mem_coeff, bool) or \
             not is_finite(mem_coeff) or mem_coeff < 0:
         raise ValueError(f"{caller}(mem_coeff={mem_coeff!r}): must be a finite number >= 0.")

@@ -338,15 +338,15 @@ def _mem_coeff(value: Any) -> float:
 
 
 def _memory_budget(value: Any) -> int | float | str | None:
-    rule = ("must be a finite positive number of bytes per device, 'hardware' (the hardware "
-            "profile's memory) or None (no budget).")
+    rule = ("must be a finite number of bytes per device, at least 1 (16e9 for 16 GB), "
+            "'hardware' (the hardware profile's memory) or None (no budget).")
     if value is None or (isinstance(value, str) and value == "hardware"):
         return value
     if isinstance(value, str):
         raise _bad(ValueError, "memory_budget", value, rule + _yaml_hint(value))
     if not _is_real(value):
         raise _bad(TypeError, "memory_budget", value, rule)
-    if not is_finite(value) or value <= 0:
+    if not is_finite(value) or value < 1:
         raise _bad(ValueError, "memory_budget", value, rule)
     return int(value) if _is_int(value) else float(value)
 

@@ -374,7 +374,11 @@ BAD_OPTIONS = [
     ({"memory_budget": float("nan")}, ValueError, r"memory_budget=nan"),
     # an int past float's range: OverflowError from math.isfinite, naming nothing
     pytest.param({"memory_budget": 10 ** 400}, ValueError,
-                 r"memory_budget=1000.*positive number of bytes", id="memory_budget=10**400"),
+                 r"memory_budget=1000.*number of bytes per device, at least 1",
+                 id="memory_budget=10**400"),
+    # below a byte: every budget-error message then printed it as "0 bytes"
+    pytest.param({"memory_budget": 1e-300}, ValueError, r"memory_budget=1e-300.*at least 1",
+                 id="memory_budget=1e-300"),
     pytest.param({"mem_coeff": 10 ** 400}, ValueError, r"mem_coeff=1000.*finite number",
                  id="mem_coeff=10**400"),
     ({"parameter_plan": [("w", (1, 8))]}, TypeError, r"parameter_plan.*dict"),

@@ -101,6 +101,7 @@ BAD = [
     ("mem_coeff", float("inf"), ValueError),
     ("mem_coeff", "0.1", TypeError),
     ("memory_budget", 0, ValueError),
+    ("memory_budget", 0.5, ValueError),  # below a byte
     ("memory_budget", "lots", ValueError),
     ("memory_budget", True, TypeError),
     ("memory_budget", np.array([1, 2]), TypeError),  # numpy's "ambiguous" error before

@@ -420,6 +420,36 @@ def test_a_scanned_gpt_step_runs_like_jit_and_moves_what_it_predicts(mode):
     assert check.bytes_ok, str(check)
 
 
+@pytest.mark.parametrize("mode", ["recursive_programming", "dynamic_programming"])
+def test_a_scanned_sgd_step_all_reduces_its_gradients_as_data_parallel_does(mode):
+    """A loop's results were made where its body alone found them cheapest: the backward
+    scan reduce-scattered each layer's weight gradient, and the update then worked on slices
+    and gathered the parameters back (recursive_programming: FSDP, 3 reduce-scatters and 3
+    all-gathers, 90 us on h100-nvlink; dynamic_programming 100 us) where data parallel
+    all-reduces them (45 us). The loops are now also solved for the specs the plan wants
+    their results in (exact._wanted: the parameter the stacked gradient updates)."""
+    import numpy as np
+
+    import jaxpar
+    from jaxpar.analysis import collective_stats
+
+    def loss(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        return jnp.mean(h ** 2)
+
+    def step(ws, x):
+        return ws - 0.1 * jax.grad(loss)(ws, x)
+
+    ws = jax.random.normal(jax.random.key(0), (3, 64, 64)) * 0.1
+    x = jax.random.normal(jax.random.key(1), (64, 64))
+    f = jaxpar.shard(step, search_mode=mode, hardware="h100-nvlink")
+    plan = f.plan(ws, x)
+    assert plan.collectives == {"all-reduce": {"count": 3, "bytes": 3 * 64 * 64 * 4.0}}
+    assert collective_stats(f.lower(ws, x).compile()) == {
+        "all-reduce": {"count": 3, "bytes": 3 * 64 * 64 * 4}}
+    np.testing.assert_allclose(f(ws, x), jax.jit(step)(ws, x), rtol=1e-5, atol=1e-6)
+
+
 def test_a_memory_budget_is_priced_like_the_plan_for_a_scanned_step(monkeypatch):
     """A loop's node holds its results, and a node tied to it what its bodies add while they
     run, at the loop's own program point, as plan.peak_memory counts it. dynamic_programming's

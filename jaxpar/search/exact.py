@@ -174,9 +174,9 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
         for n in range(_LOOP_PASSES if model.search_bodies and allow is None else 0):
             if left() <= 0:
                 break
-            grown = _seeds(loops, plan, seeds)
+            grown = _seeds(graph, loops, plan, seeds, fixed_out, ties)
             if n == 0 and region is not None:
-                grown = _seeds(loops, region.plan, grown)
+                grown = _seeds(graph, loops, region.plan, grown, fixed_out, ties)
             if grown == seeds:
                 break
             seeds = grown
@@ -195,15 +195,80 @@ def repeats(graph: OpGraph) -> list[int] | None:
     return classes if len(set(classes)) <= _TIE_SHARE * len(classes) else None
 
 
-def _seeds(loops: list, plan: GraphPlan, seeds: dict[int, list]) -> dict[int, list]:
-    """build_tables' region_seeds: `seeds` and each loop's operand specs in `plan` (None:
-    not planned), each list once."""
-    out = {}
+def _seeds(graph: OpGraph, loops: list, plan: GraphPlan, seeds: dict[int, list],
+           fixed_out: dict[int, Spec], ties: tuple[tuple[int, int], ...]
+           ) -> dict[int, list]:
+    """build_tables' region_seeds: `seeds` and, for each loop, its operand specs in `plan`
+    (None: not planned); for a scan or while loop whose results the plan wants elsewhere
+    (_wanted), those operands and free ones, each with the results made as wanted. Each pair
+    once."""
+    out, users = {}, None
     for op in loops:
         known = [plan.specs.get(v) if isinstance(v, int) else None for v in op.inputs]
-        tried = seeds.get(op.index, [])
-        out[op.index] = tried if known in tried else tried + [known]
+        pairs = [(known, None)]
+        if op.name in ("scan", "while"):
+            users = graph.users() if users is None else users
+            wanted = _wanted(graph, plan, op, fixed_out, ties, users)
+            if wanted is not None:
+                pairs += [(known, wanted), ([None] * len(known), wanted)]
+        tried = list(seeds.get(op.index, []))
+        tried += [p for p in pairs if p not in tried]
+        out[op.index] = tried
     return out
+
+
+_FOLLOW = 4  # _wanted follows a loop's result through at most this many ops
+
+
+def _wanted(graph: OpGraph, plan: GraphPlan, op, fixed_out: dict[int, Spec],
+            ties: tuple[tuple[int, int], ...], users: dict) -> tuple[Spec | None, ...] | None:
+    """The spec each result of loop `op` is wanted in, where `plan` makes it in another (None
+    where not; None for all: no result is). A result is followed through the ops that pass it
+    on in its shape and spec (elementwise ops, up to _FOLLOW): wanted is the spec such an op
+    reads it in, that of another operand it is read beside (where the plan slices that
+    operand to match: a parameter the stacked gradient updates), or a fixed or carried
+    output's spec it becomes. The loop's body alone makes its results where that body is
+    cheapest (a gradient reduce-scattered), and every reader then follows it."""
+    tied = {pos: plan.specs.get(v) for v, pos in ties}
+    at: dict[int, list[int]] = {}
+    for pos, v in enumerate(graph.outputs):
+        if isinstance(v, int):
+            at.setdefault(v, []).append(pos)
+
+    def want(w: int) -> Spec | None:
+        shape, frontier, seen = graph.shape(w), [w], {w}
+        for _ in range(_FOLLOW):
+            after = []
+            for u in frontier:
+                made = plan.specs[u].resolved()
+                for pos in at.get(u, ()):
+                    s = fixed_out.get(pos, tied.get(pos))
+                    if s is not None and s.resolved() != made:
+                        return s.resolved()
+                for reader, i in users.get(u, ()):
+                    choice = plan.choices.get(reader.index)
+                    if choice is None or reader.regions:
+                        continue
+                    st = choice.strategy
+                    read = st.ins[i].resolved()
+                    if read != made:
+                        return read
+                    if len(reader.outputs) != 1 or graph.shape(reader.outputs[0]) != shape \
+                            or st.outs[0].resolved() != read:
+                        continue  # does not pass it on as it is
+                    for k, x in enumerate(reader.inputs):
+                        src = plan.specs.get(x) if isinstance(x, int) and k != i else None
+                        if src is not None and graph.shape(x) == shape and \
+                                st.ins[k].resolved() == read and src.resolved() != read:
+                            return src.resolved()
+                    if reader.outputs[0] not in seen:
+                        seen.add(reader.outputs[0])
+                        after.append(reader.outputs[0])
+            frontier = after
+        return None
+
+    found = tuple(want(w) if w in plan.specs else None for w in op.outputs)
+    return None if all(s is None for s in found) else found
 
 
 def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem: Problem,

@@ -38,19 +38,28 @@ def plan_region(op: Op, info: OpInfo, known: list[Spec | None], model: CostModel
 
 
 def region_candidates(op: Op, info: OpInfo, known: list[Spec | None],
-                      model: CostModel) -> list[tuple]:
+                      model: CostModel, outs: tuple[Spec | None, ...] | None = None
+                      ) -> list[tuple]:
     """plan_region's answer, then (with model.search_bodies, for a loop) the one whose body
     dynamic_programming solved, and (with model.lean_bodies) the one it solved for the least
     memory (model.lean()), each unless one before it is the same strategy, no costlier and
-    (lean_bodies) its bodies hold no more memory."""
+    (lean_bodies) its bodies hold no more memory.
+
+    outs (a scan or while loop, with model.search_bodies): a spec or None per result; the
+    bodies are then solved only, those results made in those specs (a loop's results are
+    otherwise made where its body alone finds them cheapest: a scanned training step's
+    stacked gradient reduce-scattered, where the parameters it updates are whole)."""
     if not model.search_bodies or op.name not in _SEARCHED:
         return [plan_region(op, info, known, model)]
-    key = (id(op), tuple(known))  # the searches ask again for the same operand specs
+    if outs is not None and (op.name not in _WANTED or all(o is None for o in outs)):
+        return []
+    key = (id(op), tuple(known), outs)  # the searches ask again for the same operand specs
     hit = model.regions_cache.get(key)
     if hit is None or hit[0] is not op:
-        kept = [plan_region(op, info, known, model)]
+        kept = [] if outs is not None else [plan_region(op, info, known, model)]
         for m in (model, model.lean()) if model.lean_bodies else (model,):
-            found = _SEARCHED[op.name](op, info, known, m)
+            found = _SEARCHED[op.name](op, info, known, m) if outs is None else \
+                _WANTED[op.name](op, info, known, m, outs)
             if not any(_covers(k, found, op, model) for k in kept):
                 kept.append(found)
         hit = model.regions_cache[key] = (op, kept)
@@ -73,7 +82,7 @@ def _fixed(inputs: tuple[int, ...], specs: list[Spec | None]) -> dict[int, Spec]
 
 
 def _loop_body(body: OpGraph, known: list[Spec | None], n_lead: int, n_carry: int,
-               model: CostModel) -> tuple[GraphPlan, list[Spec]]:
+               model: CostModel, outs=None) -> tuple[GraphPlan, list[Spec]]:
     """Plan a loop body whose inputs are n_lead constants, n_carry carries, then the rest."""
     plan = propagate(body, model, _fixed(body.inputs, known))
     carry_vs = body.inputs[n_lead:n_lead + n_carry]
@@ -84,14 +93,22 @@ def _loop_body(body: OpGraph, known: list[Spec | None], n_lead: int, n_carry: in
 
 
 def _solved_body(body: OpGraph, known: list[Spec | None], n_lead: int, n_carry: int,
-                 model: CostModel) -> tuple[GraphPlan, list[Spec]]:
+                 model: CostModel, outs: list[Spec | None] | None = None
+                 ) -> tuple[GraphPlan, list[Spec]]:
     """_loop_body by dynamic_programming: the cheapest body plan whose new carries come back
-    in the specs the carries went in (a known carry: in that spec)."""
+    in the specs the carries went in (a known carry: in that spec). outs: a spec or None per
+    body output (carries, then the rest): a carry's holds in and out where its spec is not
+    known, the rest's are made so."""
     from jaxpar.search.exact import dynamic_programming
 
-    fixed = _fixed(body.inputs, known)
     carry_vs = body.inputs[n_lead:n_lead + n_carry]
+    wanted = list(outs or ()) + [None] * (len(body.outputs) - len(outs or ()))
+    known = [k if k is not None or not n_lead <= i < n_lead + n_carry
+             else wanted[i - n_lead] for i, k in enumerate(known)]
+    fixed = _fixed(body.inputs, known)
     fixed_out = {i: fixed[v] for i, v in enumerate(carry_vs) if v in fixed}
+    fixed_out.update((i, s.resolved()) for i, s in enumerate(wanted)
+                     if i >= n_carry and s is not None)
     ties = [(v, i) for i, v in enumerate(carry_vs) if v not in fixed]
     plan, _ = dynamic_programming(body, model, fixed, fixed_out, ties=ties)
     return plan, [plan.specs[v].resolved() for v in carry_vs]
@@ -101,12 +118,18 @@ def _stacked(spec: Spec) -> Spec:
     return Spec(((),) + spec.dims)
 
 
-def _scan(op: Op, info: OpInfo, known, model: CostModel, plan_body=_loop_body):
+def _scan(op: Op, info: OpInfo, known, model: CostModel, plan_body=_loop_body, outs=None):
     (nc, ncar), length = scan_counts(op.params), op.params["length"]
     body = op.regions[0]
     per_iter = [k if (k is None or i < nc + ncar) else Spec(k.dims[1:])
                 for i, k in enumerate(known)]
-    plan, carry = plan_body(body, per_iter, nc, ncar, model)
+    if outs is None:
+        plan, carry = plan_body(body, per_iter, nc, ncar, model)
+    else:  # a stacked result made in a spec that keeps its leading (iteration) dim whole
+        per_out = [s if s is None or j < ncar else
+                   Spec(s.dims[1:]) if not s.dims[0] and not s.partial else None
+                   for j, s in enumerate(outs)]
+        plan, carry = plan_body(body, per_iter, nc, ncar, model, per_out)
     ins = [plan.specs[v] for v in body.inputs]
     ins = ins[:nc + ncar] + [_stacked(s) for s in ins[nc + ncar:]]
     ys = [_stacked(out_spec(body, plan, v)) for v in body.outputs[ncar:]]
@@ -115,11 +138,16 @@ def _scan(op: Op, info: OpInfo, known, model: CostModel, plan_body=_loop_body):
     return _strategy(ins, carry + ys), (plan,), cost, length
 
 
-def _while(op: Op, info: OpInfo, known, model: CostModel, plan_body=_loop_body):
+def _while(op: Op, info: OpInfo, known, model: CostModel, plan_body=_loop_body, outs=None):
     cn, bn = op.params["cond_nconsts"], op.params["body_nconsts"]
     cond, body = op.regions
     carry_known = known[cn + bn:]
-    plan, carry = plan_body(body, known[cn:cn + bn] + carry_known, bn, len(carry_known), model)
+    if outs is None:
+        plan, carry = plan_body(body, known[cn:cn + bn] + carry_known, bn, len(carry_known),
+                                model)
+    else:
+        plan, carry = plan_body(body, known[cn:cn + bn] + carry_known, bn, len(carry_known),
+                                model, list(outs))
     cond_plan = propagate(cond, model, _fixed(cond.inputs, known[:cn] + carry))
     ins = [cond_plan.specs[v] for v in cond.inputs[:cn]] + \
         [plan.specs[v] for v in body.inputs[:bn]] + carry
@@ -221,4 +249,7 @@ _PLANNERS = {"scan": _scan, "while": _while, "cond": _cond}
 _SEARCHED = {"scan": lambda *a: _scan(*a, plan_body=_solved_body),
              "while": lambda *a: _while(*a, plan_body=_solved_body),
              "cond": _solved_cond}
+_WANTED = {"scan": lambda op, info, known, m, outs: _scan(op, info, known, m, _solved_body, outs),
+           "while": lambda op, info, known, m, outs: _while(op, info, known, m, _solved_body,
+                                                            outs)}
 LOOPS = frozenset(_SEARCHED)  # the region ops whose bodies the automatic searches solve

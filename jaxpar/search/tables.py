@@ -117,9 +117,10 @@ def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     them: its live sets count the layers apart).
 
     region: only its ops and free inputs become nodes (Region); None: the whole graph.
-    region_seeds: {region op index: lists of operand specs (None: free)}: the op also takes
-    the candidates regions.region_candidates plans from each list (dynamic_programming seeds
-    them from a first solution, so that a loop's body can be solved for its neighbours).
+    region_seeds: {region op index: [(operand specs, result specs or None)]} (a spec None:
+    free): the op also takes the candidates regions.region_candidates plans from each pair
+    (dynamic_programming seeds them from a first solution, so that a loop's body can be
+    solved for its neighbours).
     """
     b = _Builder(graph, model, allow, classes, fold, region_seeds or {})
     inside = range(len(graph.ops)) if region is None else region.ops
@@ -240,8 +241,8 @@ class _Builder:
 
             info = OpInfo.of(op, self.graph)
             found = list(region_candidates(op, info, [None] * len(op.inputs), model))
-            for known in self.region_seeds.get(op.index, ()):  # (a copy: they are cached)
-                found += [f for f in region_candidates(op, info, known, model)
+            for known, outs in self.region_seeds.get(op.index, ()):  # (copied: cached)
+                found += [f for f in region_candidates(op, info, known, model, outs)
                           if not any(f[0] == g[0] for g in found)]
             self.t.regions[op.index] = {id(s): (plans, trips, cost)
                                         for s, plans, cost, trips in found}
