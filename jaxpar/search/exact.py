@@ -39,7 +39,9 @@ A loop (scan, while; and a cond, see regions.py) is one node whose candidates ar
 bodies (regions.region_candidates): by propagation, and with `CostModel.search_bodies` (the
 automatic modes) also solved exactly, for free operands. Such a graph is then solved again
 with each loop also offering its bodies solved for the operand specs the first answer gives
-it, so that a step's forward and backward scans agree on the residuals passed between them;
+it, so that a step's forward and backward scans agree on the residuals passed between them,
+and (a scan or while loop) for the specs that answer wants its results in (_wanted: a
+stacked gradient in its parameter's spec; the body alone would reduce-scatter it);
 and again while an answer gives the loops operand specs not yet tried (at most _LOOP_PASSES
 times: a scanned GPT step, 2 layers, d 1024, 3.734 -> 3.550 ms of objective). A region's loops
 are also planned for the operand specs its held plan gives them. Under a memory budget each
