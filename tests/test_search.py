@@ -362,7 +362,9 @@ def test_recursive_programming_solves_the_loops_neighbourhood_again(monkeypatch)
 def test_dynamic_programming_solves_loop_bodies_again_until_their_operands_repeat(monkeypatch):
     """Each answer gives the loops operand specs their bodies were not yet planned for; solved
     again with those too (up to exact._LOOP_PASSES times), a scanned GPT step's plan is
-    cheaper than after one such solve."""
+    cheaper than after one such solve. (Shown with the operand specs alone: the loops' bodies
+    solved also for the specs the plan wants their results in, one pass finds 0.991 ms, and
+    so do four.)"""
     from jaxpar.models.gpt import GPTConfig, abstract_train_step
     from jaxpar.search import exact
 
@@ -374,6 +376,11 @@ def test_dynamic_programming_solves_loop_bodies_again_until_their_operands_repea
     # The free inputs as the solver takes them: with each kept at its leanest spec of equal
     # cost (exact._leanest) one solve already finds 1.181 ms here, and the passes keep it.
     monkeypatch.setattr(exact, "_leanest", lambda t, choice, node, touching: int(choice[node]))
+    seeded = _models(True)
+    plan, _ = exact.dynamic_programming(graph, seeded, {}, {}, ties=ties)
+    best = seeded.score(graph_cost(graph, plan, seeded, {pos: plan.specs[v] for v, pos in ties}))
+    monkeypatch.setattr(exact, "_wanted", lambda *args: None)
+    monkeypatch.setattr(exact, "_whole", lambda *args: None)
     scores = []
     for passes in (1, exact._LOOP_PASSES):
         monkeypatch.setattr(exact, "_LOOP_PASSES", passes)
@@ -382,6 +389,7 @@ def test_dynamic_programming_solves_loop_bodies_again_until_their_operands_repea
         back = {pos: plan.specs[v] for v, pos in ties}
         scores.append(model.score(graph_cost(graph, plan, model, back)))
     assert scores[1] < 0.99 * scores[0]  # measured: 1.191 ms against 1.212 ms
+    assert best < 0.9 * scores[1]  # measured: 0.991 ms
 
 
 def test_a_loop_offers_its_propagated_and_its_solved_body():
@@ -420,34 +428,77 @@ def test_a_scanned_gpt_step_runs_like_jit_and_moves_what_it_predicts(mode):
     assert check.bytes_ok, str(check)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("mode", ["recursive_programming", "dynamic_programming"])
-def test_a_scanned_sgd_step_all_reduces_its_gradients_as_data_parallel_does(mode):
+def test_a_scanned_step_all_reduces_its_gradients_as_data_parallel_does(mode, optimizer):
     """A loop's results were made where its body alone found them cheapest: the backward
     scan reduce-scattered each layer's weight gradient, and the update then worked on slices
     and gathered the parameters back (recursive_programming: FSDP, 3 reduce-scatters and 3
     all-gathers, 90 us on h100-nvlink; dynamic_programming 100 us) where data parallel
     all-reduces them (45 us). The loops are now also solved for the specs the plan wants
-    their results in (exact._wanted: the parameter the stacked gradient updates)."""
+    their results in (exact._wanted: the parameter an SGD update adds the stacked gradient
+    to) and, Adam's state cut as consistently as the parameters, with them whole."""
     import numpy as np
+    import optax
 
     import jaxpar
     from jaxpar.analysis import collective_stats
+
+    opt = optax.sgd(0.1) if optimizer == "sgd" else optax.adam(1e-3)
 
     def loss(ws, x):
         h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
         return jnp.mean(h ** 2)
 
-    def step(ws, x):
-        return ws - 0.1 * jax.grad(loss)(ws, x)
+    def step(ws, state, x):
+        updates, state = opt.update(jax.grad(loss)(ws, x), state, ws)
+        return optax.apply_updates(ws, updates), state
 
     ws = jax.random.normal(jax.random.key(0), (3, 64, 64)) * 0.1
-    x = jax.random.normal(jax.random.key(1), (64, 64))
+    args = (ws, opt.init(ws), jax.random.normal(jax.random.key(1), (64, 64)))
     f = jaxpar.shard(step, search_mode=mode, hardware="h100-nvlink")
-    plan = f.plan(ws, x)
+    plan = f.plan(*args)
     assert plan.collectives == {"all-reduce": {"count": 3, "bytes": 3 * 64 * 64 * 4.0}}
-    assert collective_stats(f.lower(ws, x).compile()) == {
+    assert collective_stats(f.lower(*args).compile()) == {
         "all-reduce": {"count": 3, "bytes": 3 * 64 * 64 * 4}}
-    np.testing.assert_allclose(f(ws, x), jax.jit(step)(ws, x), rtol=1e-5, atol=1e-6)
+    for got, want in zip(jax.tree_util.tree_leaves(f(*args)),
+                         jax.tree_util.tree_leaves(jax.jit(step)(*args)), strict=True):
+        # Adam divides by the root of the squared gradient: reordered sums show more
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_dynamic_programming_keeps_the_walks_plan_where_its_loops_make_it_better():
+    """dynamic_programming is exact over a few plans of each loop body; recursive_programming
+    solves the loops again for the plans around them it finds. On a scanned Adam MLP step
+    (2 layers, d 1024, batch 16) the exact search's plan scores 1.52x the walk's (2.026e-4 vs
+    1.332e-4); it now keeps the walk's where that scores lower, and says so."""
+    import optax
+
+    import jaxpar
+    from jaxpar.ir import build_graph
+
+    opt = optax.adam(1e-3)
+
+    def loss(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        return jnp.mean(h ** 2)
+
+    def step(ws, state, x):
+        updates, state = opt.update(jax.grad(loss)(ws, x), state, ws)
+        return optax.apply_updates(ws, updates), state
+
+    ws = jax.random.normal(jax.random.key(0), (2, 1024, 1024)) * 0.1
+    args = (ws, opt.init(ws), jnp.ones((16, 1024)))
+    graph = build_graph(trace(step, args).closed_jaxpr)
+    model = CostModel(MESH, load_profile("h100-nvlink"), 0, 0.1)
+    plans = {mode: jaxpar.shard(step, search_mode=mode, hardware="h100-nvlink").plan(*args)
+             for mode in ("recursive_programming", "dynamic_programming")}
+    exact, walk = (model.score(graph_cost(graph, plans[m].graph_plan, model,
+                                          dict(enumerate(plans[m].flat_out_specs))))
+                   for m in ("dynamic_programming", "recursive_programming"))
+    assert exact <= walk * (1 + 1e-9)
+    assert any("over the loop bodies it tried: kept instead" in n
+               for n in plans["dynamic_programming"].notes)
 
 
 def test_a_memory_budget_is_priced_like_the_plan_for_a_scanned_step(monkeypatch):
@@ -481,7 +532,9 @@ def test_a_memory_budget_is_priced_like_the_plan_for_a_scanned_step(monkeypatch)
     with pytest.raises(ValueError, match=said + r".*\. Each loop's body") as err:
         plan(peak / 4)
     smallest = float(re.search(said + r" (?:at least )?([\d.e+]+)", str(err.value))[1])
-    assert peak / 2 < smallest < peak  # measured: 0.898 x peak
+    # measured: 0.37 x peak (0.898 x before the loops were also solved for the specs the
+    # plan wants their results in: the unbudgeted plan is now data parallel, gradients whole)
+    assert smallest < peak
     assert plan(1.01 * smallest).cost.peak_memory_bytes <= 1.01 * smallest
 
 

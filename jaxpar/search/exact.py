@@ -65,7 +65,7 @@ import numpy as np
 from jaxpar import progress
 from jaxpar.cost.comm import Collective
 from jaxpar.cost.model import CostModel, OpCost, reduces_as_matmul, reduction_steps
-from jaxpar.ir.graph import OpGraph
+from jaxpar.ir.graph import OpGraph, scan_counts
 from jaxpar.ir.repeat import op_classes
 from jaxpar.rules.registry import has_rule
 from jaxpar.search.dynamic import Problem, Solution, objective, solve
@@ -202,21 +202,39 @@ def _seeds(graph: OpGraph, loops: list, plan: GraphPlan, seeds: dict[int, list],
            ) -> dict[int, list]:
     """build_tables' region_seeds: `seeds` and, for each loop, its operand specs in `plan`
     (None: not planned); for a scan or while loop whose results the plan wants elsewhere
-    (_wanted), those operands and free ones, each with the results made as wanted. Each pair
-    once."""
+    (_wanted), those operands and free ones, each with the results made as wanted; for a scan
+    whose stacked results the plan cuts, the same with those results whole (the plan
+    around a scanned step may hold its state cut consistently, FSDP-style, and want nothing
+    else; data parallel needs the gradients whole). Each pair once."""
     out, users = {}, None
     for op in loops:
         known = [plan.specs.get(v) if isinstance(v, int) else None for v in op.inputs]
+        free = [None] * len(known)
         pairs = [(known, None)]
         if op.name in ("scan", "while"):
             users = graph.users() if users is None else users
             wanted = _wanted(graph, plan, op, fixed_out, ties, users)
             if wanted is not None:
-                pairs += [(known, wanted), ([None] * len(known), wanted)]
+                pairs += [(known, wanted), (free, wanted)]
+        whole = _whole(graph, plan, op)
+        if whole is not None:
+            pairs += [(known, whole), (free, whole)]
         tried = list(seeds.get(op.index, []))
         tried += [p for p in pairs if p not in tried]
         out[op.index] = tried
     return out
+
+
+def _whole(graph: OpGraph, plan: GraphPlan, op) -> tuple[Spec | None, ...] | None:
+    """For a scan whose stacked results `plan` cuts: those results whole (its carries None,
+    free), else None."""
+    if op.name != "scan":
+        return None
+    carries = scan_counts(op.params)[1]
+    stacked = op.outputs[carries:]
+    if not any(w in plan.specs and plan.specs[w].resolved().axes() for w in stacked):
+        return None
+    return (None,) * carries + tuple(Spec.replicated(len(graph.shape(w))) for w in stacked)
 
 
 _FOLLOW = 4  # _wanted follows a loop's result through at most this many ops
