@@ -63,7 +63,13 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    walk's first decision is a two-way cut, which may suit two devices and not eight (on
    make_mesh(8)'s 2 x 2 x 2, an MoE step's experts took the first axis and its tokens one:
    1.66x the optimum at level 2 under h100-nvlink, and no axis solved alone could move all
-   three; from the lockstep plan, 1.00x). Then the ops around the largest carried
+   three; from the lockstep plan, 1.00x). On a mesh of three or more axes the best plans
+   that use each of two runs of neighbouring axes together (resolve.solve_grouped: (d0, d1)
+   and (d2), then (d0) and (d1, d2), the plans of a 4 x 2 and a 2 x 4 mesh) are solved too,
+   and the best of those and the lockstep plan is the second start: a 2-D tensor parallel
+   MLP (weights cut over d0+d1 and d2) is out of the walk's reach and not a lockstep plan
+   (search_gap's MLP on 2 x 2 x 2 across two nodes, default objective: 1.056x the optimum,
+   then 1.027x). Then the ops around the largest carried
    state (those within _HOPS of the ops reading it and its update) over every axis, the rest
    held (resolve.solve_region): a language model's embedding table, read by the lookup and
    the tied output head, is priced path by path by the links, and its better layout changes
@@ -108,7 +114,7 @@ from jaxpar.search.links import Link, Slot, Units, mapped
 from jaxpar.search.propagation import GraphIndex, GraphPlan, propagate
 from jaxpar.search.refine import Refiner
 from jaxpar.search.regions import LOOPS
-from jaxpar.search.resolve import objective, solve_axes, solve_lockstep, solve_region
+from jaxpar.search.resolve import objective, solve_axes, solve_grouped, solve_lockstep, solve_region
 from jaxpar.search.state import place_state
 from jaxpar.spec import MeshInfo, OpStrategy, Spec
 
@@ -382,8 +388,9 @@ class _Sapp:
         # Pricing; each pass's axes and the plan of the other ops; the carried state; the
         # axes solved again; the region around the largest carried state.
         several = len(self.mesh.names) > 1  # the axes are also solved again from lockstep
+        grouped = len(self.mesh.names) - 1 if len(self.mesh.names) > 2 else 0
         steps = (1 + len(_PASSES) * (len(self.mesh.names) + 1) + 1
-                 + several + (1 + several) * len(self._again()) + 1)
+                 + several + grouped + (1 + several) * len(self._again()) + 1)
         with progress.stage("", total=steps):
             return self._run()
 
@@ -472,18 +479,33 @@ class _Sapp:
 
     def _starts(self, plan: GraphPlan, ties: tuple) -> list[tuple[str, GraphPlan, float]]:
         """The plans whose axes _solve_again solves again, each with its name and score: the
-        walk's, and on a mesh of several axes the best that uses them all together, unless it
-        scores more than _LOCKSTEP_NEAR times the walk's."""
+        walk's, and on a mesh of several axes the best that uses them all together or (three
+        axes or more) two runs of them each together, unless it scores more than
+        _LOCKSTEP_NEAR times the walk's."""
         walk = self._score(plan, self.fixed_out)
         starts = [("the walk", plan, walk)]
         if len(self.mesh.names) < 2:
             return starts
+        names = self.mesh.names
         progress.step("every axis used together, solved exactly")
         flat = solve_lockstep(self.g, self.model, self.fixed_in, self.fixed_out, ties)
-        what = f"every axis used together ({'+'.join(self.mesh.names)} as one)"
-        together = self._score(flat, self.fixed_out)
+        found = [(f"every axis used together ({'+'.join(names)} as one)", flat,
+                  self._score(flat, self.fixed_out))]
+        for k in range(1, len(names)) if len(names) > 2 else ():
+            groups = (names[:k], names[k:])
+            progress.step(f"axes {' and '.join('+'.join(g) for g in groups)} each used "
+                          "together, solved exactly")
+            grouped = solve_grouped(self.g, self.model, self.fixed_in, self.fixed_out, ties,
+                                    groups)
+            found.append((f"axes {' and '.join('+'.join(g) for g in groups)} each used "
+                          "together", grouped, self._score(grouped, self.fixed_out)))
+        if len(found) > 1:
+            _note(self.lines, "solved exactly over fewer axes: " + "; ".join(
+                f"{w} scores {s:.6g}" for w, _, s in found))
+        low = min(f[2] for f in found)  # ties: the first listed (lockstep)
+        what, best, together = next(f for f in found if f[2] <= low * (1 + 1e-9))
         if together <= walk * _LOCKSTEP_NEAR:
-            return starts + [(what, flat, together)]
+            return starts + [(what, best, together)]
         _note(self.lines, f"{what}, solved exactly: scores {together:.6g}, more than "
                           f"{_LOCKSTEP_NEAR:g}x the walk's {walk:.6g}: not solved again")
         for axis in self._again():  # the progress bar counted these solves

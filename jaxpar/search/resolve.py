@@ -131,26 +131,53 @@ def solve_lockstep(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     return found
 
 
-class _Lockstep:
-    """tables.Allow: the candidates that use every mesh axis together (solve_lockstep)."""
+def solve_grouped(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
+                  fixed_out: dict[int, Spec], ties: tuple[tuple[int, int], ...],
+                  groups: tuple[tuple[str, ...], ...], time_limit: float = 10.0) -> GraphPlan:
+    """solve_lockstep over a mesh of fewer axes: each of `groups` (runs of neighbouring mesh
+    axes, in order) used as one axis. Each dim of each operand and result is cut over whole
+    groups or none, a partial sum is over whole groups: the plans of the mesh of one axis per
+    group. On make_mesh(8)'s 2 x 2 x 2 the groups (d0, d1) and (d2) hold the plans of a 4 x 2
+    mesh, a 2-D tensor parallel layout (a weight cut over d0+d1 and d2) among them, which the
+    walk, deciding an axis at a time, does not reach and lockstep, an 8-way cut or none, does
+    not hold.
 
-    def __init__(self, mesh: MeshInfo):
-        self.mesh, self.names, self.all = mesh, mesh.names, frozenset(mesh.names)
+    Example:
+      >>> plan = solve_grouped(graph, model, {}, {}, ties, (("d0", "d1"), ("d2",)))
+    """
+    found, _ = dynamic_programming(graph, model, fixed_in, fixed_out, time_limit=time_limit,
+                                   ties=ties, tie_repeats=_tie(graph),
+                                   allow=_Lockstep(model.mesh, groups),
+                                   group_tail=False)
+    return found
+
+
+class _Lockstep:
+    """tables.Allow: the candidates that use every mesh axis together (solve_lockstep), or
+    each of `groups` of them together (solve_grouped)."""
+
+    def __init__(self, mesh: MeshInfo, groups: tuple[tuple[str, ...], ...] | None = None):
+        self.mesh, self.groups = mesh, groups or (mesh.names,)
+        wholes = [()]
+        for g in self.groups:  # the dims over whole groups, in mesh order
+            wholes += [w + g for w in wholes]
+        self.dims = frozenset(wholes)
+        self.partials = frozenset(frozenset(w) for w in wholes)
         self.spec_ok: dict[Spec, bool] = {}
 
     def _spec(self, s: Spec) -> bool:
         hit = self.spec_ok.get(s)
         if hit is None:
-            hit = self.spec_ok[s] = all(d in ((), self.names) for d in s.dims)
+            hit = self.spec_ok[s] = all(d in self.dims for d in s.dims)
         return hit
 
     def op(self, x: int, cands: list) -> tuple[int, ...]:
         def kept() -> tuple[int, ...]:
             found = tuple(i for i, s in enumerate(cands)
                           if all(map(self._spec, s.ins + s.outs)) and
-                          all(not p or frozenset(p) == self.all for p in s.partial))
+                          all(frozenset(p) in self.partials for p in s.partial))
             return found or tuple(range(len(cands)))
-        return self.mesh.derived("lockstep", cands, None, kept)
+        return self.mesh.derived("lockstep", cands, self.groups, kept)
 
     def specs(self, v: int, specs: tuple[Spec, ...]) -> tuple[Spec, ...]:
         return tuple(s for s in specs if self._spec(s)) or specs
