@@ -63,13 +63,13 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    walk's first decision is a two-way cut, which may suit two devices and not eight (on
    make_mesh(8)'s 2 x 2 x 2, an MoE step's experts took the first axis and its tokens one:
    1.66x the optimum at level 2 under h100-nvlink, and no axis solved alone could move all
-   three; from the lockstep plan, 1.00x). On a mesh of three or more axes the best plans
-   that use each of two runs of neighbouring axes together (resolve.solve_grouped: (d0, d1)
-   and (d2), then (d0) and (d1, d2), the plans of a 4 x 2 and a 2 x 4 mesh) are solved too,
-   and the best of those and the lockstep plan is the second start: a 2-D tensor parallel
-   MLP (weights cut over d0+d1 and d2) is out of the walk's reach and not a lockstep plan
-   (search_gap's MLP on 2 x 2 x 2 across two nodes, default objective: 1.056x the optimum,
-   then 1.027x). Then the ops around the largest carried
+   three; from the lockstep plan, 1.00x). On a mesh of three or more axes the best plan
+   that uses each run of neighbouring axes over one kind of link together is solved too
+   (resolve.solve_grouped; across two nodes (d0) and (d1, d2), else the leading axes and the
+   last: the plans of a 2 x 4 or a 4 x 2 mesh), and the better of it and the lockstep plan
+   is the second start: a 2-D tensor parallel MLP is out of the walk's reach and not a
+   lockstep plan (search_gap's MLP on 2 x 2 x 2 across two nodes, default objective: 1.056x
+   the optimum, then 1.027x). Then the ops around the largest carried
    state (those within _HOPS of the ops reading it and its update) over every axis, the rest
    held (resolve.solve_region): a language model's embedding table, read by the lookup and
    the tied output head, is priced path by path by the links, and its better layout changes
@@ -388,7 +388,7 @@ class _Sapp:
         # Pricing; each pass's axes and the plan of the other ops; the carried state; the
         # axes solved again; the region around the largest carried state.
         several = len(self.mesh.names) > 1  # the axes are also solved again from lockstep
-        grouped = len(self.mesh.names) - 1 if len(self.mesh.names) > 2 else 0
+        grouped = len(self.mesh.names) > 2
         steps = (1 + len(_PASSES) * (len(self.mesh.names) + 1) + 1
                  + several + grouped + (1 + several) * len(self._again()) + 1)
         with progress.stage("", total=steps):
@@ -480,7 +480,7 @@ class _Sapp:
     def _starts(self, plan: GraphPlan, ties: tuple) -> list[tuple[str, GraphPlan, float]]:
         """The plans whose axes _solve_again solves again, each with its name and score: the
         walk's, and on a mesh of several axes the best that uses them all together or (three
-        axes or more) two runs of them each together, unless it scores more than
+        axes or more) each of _groups() together, unless it scores more than
         _LOCKSTEP_NEAR times the walk's."""
         walk = self._score(plan, self.fixed_out)
         starts = [("the walk", plan, walk)]
@@ -491,8 +491,8 @@ class _Sapp:
         flat = solve_lockstep(self.g, self.model, self.fixed_in, self.fixed_out, ties)
         found = [(f"every axis used together ({'+'.join(names)} as one)", flat,
                   self._score(flat, self.fixed_out))]
-        for k in range(1, len(names)) if len(names) > 2 else ():
-            groups = (names[:k], names[k:])
+        if len(names) > 2:
+            groups = self._groups()
             progress.step(f"axes {' and '.join('+'.join(g) for g in groups)} each used "
                           "together, solved exactly")
             grouped = solve_grouped(self.g, self.model, self.fixed_in, self.fixed_out, ties,
@@ -511,6 +511,29 @@ class _Sapp:
         for axis in self._again():  # the progress bar counted these solves
             progress.step(f"axis {axis}: the lockstep plan is not solved again")
         return starts
+
+    def _groups(self) -> tuple[tuple[str, ...], ...]:
+        """The runs of neighbouring mesh axes _starts solves with each run used together: the
+        runs of axes over one kind of link (across two nodes: the node axis, then the axes
+        inside a node; the plans of a nodes x GPUs mesh), else (every axis over one link, or
+        each over its own) the leading axes and the last (a 4 x 2 mesh of 2 x 2 x 2). Over
+        search_gap's 2 x 2 x 2 cases these are the groupings that scored lower, of the two;
+        one is solved, for each costs several lockstep solves (the 48-layer GPT step on a
+        slow day: 5 s against 1 s)."""
+        names = self.mesh.names
+        runs: list[tuple[str, ...]] = []
+        for name in names:
+            if runs and self._kind(name) == self._kind(runs[-1][-1]):
+                runs[-1] += (name,)
+            else:
+                runs.append((name,))
+        if 1 < len(runs) < len(names):
+            return tuple(runs)
+        return (names[:-1], names[-1:])
+
+    def _kind(self, name: str) -> tuple:
+        link = self.model.links[name]
+        return (link.name, link.bandwidth, link.latency)
 
     def _again(self) -> list[str]:
         """The mesh axes _solve_again solves again, in order: the last, then the first."""
