@@ -428,6 +428,23 @@ def test_a_scanned_gpt_step_runs_like_jit_and_moves_what_it_predicts(mode):
     assert check.bytes_ok, str(check)
 
 
+def _scanned_mlp_step(opt, layers: int, d: int, batch: int):
+    """An optax step of a tanh MLP whose `layers` square weights (d x d) run under lax.scan,
+    and its arguments (weights, optimizer state, a batch)."""
+    import optax
+
+    def loss(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        return jnp.mean(h ** 2)
+
+    def step(ws, state, x):
+        updates, state = opt.update(jax.grad(loss)(ws, x), state, ws)
+        return optax.apply_updates(ws, updates), state
+
+    ws = jax.random.normal(jax.random.key(0), (layers, d, d)) * 0.1
+    return step, (ws, opt.init(ws), jax.random.normal(jax.random.key(1), (batch, d)))
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("mode", ["recursive_programming", "dynamic_programming"])
 def test_a_scanned_step_all_reduces_its_gradients_as_data_parallel_does(mode, optimizer):
@@ -444,18 +461,8 @@ def test_a_scanned_step_all_reduces_its_gradients_as_data_parallel_does(mode, op
     import jaxpar
     from jaxpar.analysis import collective_stats
 
-    opt = optax.sgd(0.1) if optimizer == "sgd" else optax.adam(1e-3)
-
-    def loss(ws, x):
-        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
-        return jnp.mean(h ** 2)
-
-    def step(ws, state, x):
-        updates, state = opt.update(jax.grad(loss)(ws, x), state, ws)
-        return optax.apply_updates(ws, updates), state
-
-    ws = jax.random.normal(jax.random.key(0), (3, 64, 64)) * 0.1
-    args = (ws, opt.init(ws), jax.random.normal(jax.random.key(1), (64, 64)))
+    step, args = _scanned_mlp_step(optax.sgd(0.1) if optimizer == "sgd" else optax.adam(1e-3),
+                                   3, 64, 64)
     f = jaxpar.shard(step, search_mode=mode, hardware="h100-nvlink")
     plan = f.plan(*args)
     assert plan.collectives == {"all-reduce": {"count": 3, "bytes": 3 * 64 * 64 * 4.0}}
@@ -477,18 +484,7 @@ def test_dynamic_programming_keeps_the_walks_plan_where_its_loops_make_it_better
     import jaxpar
     from jaxpar.ir import build_graph
 
-    opt = optax.adam(1e-3)
-
-    def loss(ws, x):
-        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
-        return jnp.mean(h ** 2)
-
-    def step(ws, state, x):
-        updates, state = opt.update(jax.grad(loss)(ws, x), state, ws)
-        return optax.apply_updates(ws, updates), state
-
-    ws = jax.random.normal(jax.random.key(0), (2, 1024, 1024)) * 0.1
-    args = (ws, opt.init(ws), jnp.ones((16, 1024)))
+    step, args = _scanned_mlp_step(optax.adam(1e-3), 2, 1024, 16)
     graph = build_graph(trace(step, args).closed_jaxpr)
     model = CostModel(MESH, load_profile("h100-nvlink"), 0, 0.1)
     plans = {mode: jaxpar.shard(step, search_mode=mode, hardware="h100-nvlink").plan(*args)

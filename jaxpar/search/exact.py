@@ -65,7 +65,7 @@ import numpy as np
 from jaxpar import progress
 from jaxpar.cost.comm import Collective
 from jaxpar.cost.model import CostModel, OpCost, reduces_as_matmul, reduction_steps
-from jaxpar.ir.graph import OpGraph, scan_counts
+from jaxpar.ir.graph import Op, OpGraph, scan_counts
 from jaxpar.ir.repeat import op_classes
 from jaxpar.rules.registry import has_rule
 from jaxpar.search.dynamic import Problem, Solution, objective, solve
@@ -225,7 +225,7 @@ def _seeds(graph: OpGraph, loops: list, plan: GraphPlan, seeds: dict[int, list],
     return out
 
 
-def _whole(graph: OpGraph, plan: GraphPlan, op) -> tuple[Spec | None, ...] | None:
+def _whole(graph: OpGraph, plan: GraphPlan, op: Op) -> tuple[Spec | None, ...] | None:
     """For a scan whose stacked results `plan` cuts: those results whole (its carries None,
     free), else None."""
     if op.name != "scan":
@@ -240,7 +240,7 @@ def _whole(graph: OpGraph, plan: GraphPlan, op) -> tuple[Spec | None, ...] | Non
 _FOLLOW = 4  # _wanted follows a loop's result through at most this many ops
 
 
-def _wanted(graph: OpGraph, plan: GraphPlan, op, fixed_out: dict[int, Spec],
+def _wanted(graph: OpGraph, plan: GraphPlan, op: Op, fixed_out: dict[int, Spec],
             ties: tuple[tuple[int, int], ...], users: dict) -> tuple[Spec | None, ...] | None:
     """The spec each result of loop `op` is wanted in, where `plan` makes it in another (None
     where not; None for all: no result is). A result is followed through the ops that pass it

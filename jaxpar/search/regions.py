@@ -82,7 +82,7 @@ def _fixed(inputs: tuple[int, ...], specs: list[Spec | None]) -> dict[int, Spec]
 
 
 def _loop_body(body: OpGraph, known: list[Spec | None], n_lead: int, n_carry: int,
-               model: CostModel, outs=None) -> tuple[GraphPlan, list[Spec]]:
+               model: CostModel) -> tuple[GraphPlan, list[Spec]]:
     """Plan a loop body whose inputs are n_lead constants, n_carry carries, then the rest."""
     plan = propagate(body, model, _fixed(body.inputs, known))
     carry_vs = body.inputs[n_lead:n_lead + n_carry]
