@@ -90,7 +90,8 @@ def test_stand_alone_plans_nothing():
     # Each of these was a traceback (OverflowError, NotImplementedError), a hang, or an error
     # inside JAX after tracing that named neither file nor key.
     ({"model": TINY_MLP, "parallel_config": {"mem_coeff": 10 ** 400}}, r"finite number >= 0"),
-    ({"model": TINY_MLP, "parallel": {"memory_budget": 10 ** 400}}, r"finite positive"),
+    ({"model": TINY_MLP, "parallel": {"memory_budget": 10 ** 400}},
+     r"finite number of bytes per device, at least 1"),
     ({"model": TINY_MLP, "train": {"learning_rate": 10 ** 400}}, r"finite number > 0"),
     ({"model": TINY_MLP, "train": {"learning_rate": float("inf")}}, r"finite number > 0"),
     ({"model": TINY_MLP, "parallel_config": {"pipeline_stage": 2}}, r"pipeline_stages=2.*not in"),
