@@ -70,7 +70,7 @@ from jaxpar.ir.repeat import op_classes
 from jaxpar.rules.registry import has_rule
 from jaxpar.search.dynamic import Problem, Solution, objective, solve
 from jaxpar.search.propagation import Choice, GraphPlan
-from jaxpar.search.regions import LOOPS
+from jaxpar.search.regions import LOOPS, RESULT_SPECS
 from jaxpar.search.tables import Allow, Region, Tables, build_tables
 from jaxpar.spec import Spec
 
@@ -206,14 +206,15 @@ def _seeds(graph: OpGraph, loops: list, plan: GraphPlan, seeds: dict[int, list],
     whose stacked results the plan cuts, the same with those results whole (the plan
     around a scanned step may hold its state cut consistently, FSDP-style, and want nothing
     else; data parallel needs the gradients whole). Each pair once."""
-    out, users = {}, None
+    out, users, ends = {}, None, None
     for op in loops:
         known = [plan.specs.get(v) if isinstance(v, int) else None for v in op.inputs]
         free = [None] * len(known)
         pairs = [(known, None)]
-        if op.name in ("scan", "while"):
-            users = graph.users() if users is None else users
-            wanted = _wanted(graph, plan, op, fixed_out, ties, users)
+        if op.name in RESULT_SPECS:
+            if users is None:
+                users, ends = graph.users(), _ends(graph, plan, fixed_out, ties)
+            wanted = _wanted(graph, plan, op, ends, users)
             if wanted is not None:
                 pairs += [(known, wanted), (free, wanted)]
         whole = _whole(graph, plan, op)
@@ -240,20 +241,29 @@ def _whole(graph: OpGraph, plan: GraphPlan, op: Op) -> tuple[Spec | None, ...] |
 _FOLLOW = 4  # _wanted follows a loop's result through at most this many ops
 
 
-def _wanted(graph: OpGraph, plan: GraphPlan, op: Op, fixed_out: dict[int, Spec],
-            ties: tuple[tuple[int, int], ...], users: dict) -> tuple[Spec | None, ...] | None:
+def _ends(graph: OpGraph, plan: GraphPlan, fixed_out: dict[int, Spec],
+          ties: tuple[tuple[int, int], ...]) -> dict[int, list[Spec]]:
+    """{output value: the specs it is handed back in}: a fixed output's, a carried one's
+    input's in `plan`."""
+    tied = {pos: plan.specs.get(v) for v, pos in ties}
+    ends: dict[int, list[Spec]] = {}
+    for pos, v in enumerate(graph.outputs):
+        s = fixed_out.get(pos, tied.get(pos))
+        if isinstance(v, int) and s is not None:
+            ends.setdefault(v, []).append(s.resolved())
+    return ends
+
+
+def _wanted(graph: OpGraph, plan: GraphPlan, op: Op, ends: dict[int, list[Spec]],
+            users: dict) -> tuple[Spec | None, ...] | None:
     """The spec each result of loop `op` is wanted in, where `plan` makes it in another (None
     where not; None for all: no result is). A result is followed through the ops that pass it
     on in its shape and spec (elementwise ops, up to _FOLLOW): wanted is the spec such an op
     reads it in, that of another operand it is read beside (where the plan slices that
     operand to match: a parameter the stacked gradient updates), or a fixed or carried
     output's spec it becomes. The loop's body alone makes its results where that body is
-    cheapest (a gradient reduce-scattered), and every reader then follows it."""
-    tied = {pos: plan.specs.get(v) for v, pos in ties}
-    at: dict[int, list[int]] = {}
-    for pos, v in enumerate(graph.outputs):
-        if isinstance(v, int):
-            at.setdefault(v, []).append(pos)
+    cheapest (a gradient reduce-scattered), and every reader then follows it. ends:
+    _ends(); users: graph.users()."""
 
     def want(w: int) -> Spec | None:
         shape, frontier, seen = graph.shape(w), [w], {w}
@@ -261,10 +271,9 @@ def _wanted(graph: OpGraph, plan: GraphPlan, op: Op, fixed_out: dict[int, Spec],
             after = []
             for u in frontier:
                 made = plan.specs[u].resolved()
-                for pos in at.get(u, ()):
-                    s = fixed_out.get(pos, tied.get(pos))
-                    if s is not None and s.resolved() != made:
-                        return s.resolved()
+                for s in ends.get(u, ()):
+                    if s != made:
+                        return s
                 for reader, i in users.get(u, ()):
                     choice = plan.choices.get(reader.index)
                     if choice is None or reader.regions:

@@ -495,12 +495,11 @@ class _Sapp:
                   self._score(flat, self.fixed_out))]
         if len(names) > 2:
             groups = self._groups()
-            progress.step(f"axes {' and '.join('+'.join(g) for g in groups)} each used "
-                          "together, solved exactly")
+            what = f"axes {' and '.join('+'.join(g) for g in groups)} each used together"
+            progress.step(f"{what}, solved exactly")
             grouped = solve_grouped(self.g, self.model, self.fixed_in, self.fixed_out, ties,
                                     groups)
-            found.append((f"axes {' and '.join('+'.join(g) for g in groups)} each used "
-                          "together", grouped, self._score(grouped, self.fixed_out)))
+            found.append((what, grouped, self._score(grouped, self.fixed_out)))
         _note(self.lines, "solved exactly over fewer axes: " + "; ".join(
             f"{w} scores {score:.6g}" for w, _, score in found))
         for what, other, score in found:

@@ -51,15 +51,14 @@ def region_candidates(op: Op, info: OpInfo, known: list[Spec | None],
     stacked gradient reduce-scattered, where the parameters it updates are whole)."""
     if not model.search_bodies or op.name not in _SEARCHED:
         return [plan_region(op, info, known, model)]
-    if outs is not None and (op.name not in _WANTED or all(o is None for o in outs)):
+    if outs is not None and (op.name not in RESULT_SPECS or all(o is None for o in outs)):
         return []
     key = (id(op), tuple(known), outs)  # the searches ask again for the same operand specs
     hit = model.regions_cache.get(key)
     if hit is None or hit[0] is not op:
         kept = [] if outs is not None else [plan_region(op, info, known, model)]
         for m in (model, model.lean()) if model.lean_bodies else (model,):
-            found = _SEARCHED[op.name](op, info, known, m) if outs is None else \
-                _WANTED[op.name](op, info, known, m, outs)
+            found = _SEARCHED[op.name](op, info, known, m, *(() if outs is None else (outs,)))
             if not any(_covers(k, found, op, model) for k in kept):
                 kept.append(found)
         hit = model.regions_cache[key] = (op, kept)
@@ -123,13 +122,12 @@ def _scan(op: Op, info: OpInfo, known, model: CostModel, plan_body=_loop_body, o
     body = op.regions[0]
     per_iter = [k if (k is None or i < nc + ncar) else Spec(k.dims[1:])
                 for i, k in enumerate(known)]
-    if outs is None:
-        plan, carry = plan_body(body, per_iter, nc, ncar, model)
-    else:  # a stacked result made in a spec that keeps its leading (iteration) dim whole
-        per_out = [s if s is None or j < ncar else
-                   Spec(s.dims[1:]) if not s.dims[0] and not s.partial else None
-                   for j, s in enumerate(outs)]
-        plan, carry = plan_body(body, per_iter, nc, ncar, model, per_out)
+    # a stacked result is made in a spec that keeps its leading (iteration) dim whole
+    per_out = () if outs is None else ([
+        s if s is None or j < ncar else
+        Spec(s.dims[1:]) if not s.dims[0] and not s.partial else None
+        for j, s in enumerate(outs)],)
+    plan, carry = plan_body(body, per_iter, nc, ncar, model, *per_out)
     ins = [plan.specs[v] for v in body.inputs]
     ins = ins[:nc + ncar] + [_stacked(s) for s in ins[nc + ncar:]]
     ys = [_stacked(out_spec(body, plan, v)) for v in body.outputs[ncar:]]
@@ -142,12 +140,8 @@ def _while(op: Op, info: OpInfo, known, model: CostModel, plan_body=_loop_body, 
     cn, bn = op.params["cond_nconsts"], op.params["body_nconsts"]
     cond, body = op.regions
     carry_known = known[cn + bn:]
-    if outs is None:
-        plan, carry = plan_body(body, known[cn:cn + bn] + carry_known, bn, len(carry_known),
-                                model)
-    else:
-        plan, carry = plan_body(body, known[cn:cn + bn] + carry_known, bn, len(carry_known),
-                                model, list(outs))
+    plan, carry = plan_body(body, known[cn:cn + bn] + carry_known, bn, len(carry_known), model,
+                            *(() if outs is None else (list(outs),)))
     cond_plan = propagate(cond, model, _fixed(cond.inputs, known[:cn] + carry))
     ins = [cond_plan.specs[v] for v in cond.inputs[:cn]] + \
         [plan.specs[v] for v in body.inputs[:bn]] + carry
@@ -246,10 +240,10 @@ def _strategy(ins: list[Spec], outs: list[Spec]) -> OpStrategy:
 
 
 _PLANNERS = {"scan": _scan, "while": _while, "cond": _cond}
-_SEARCHED = {"scan": lambda *a: _scan(*a, plan_body=_solved_body),
-             "while": lambda *a: _while(*a, plan_body=_solved_body),
+_SEARCHED = {"scan": lambda op, info, known, m, outs=None: _scan(op, info, known, m,
+                                                                 _solved_body, outs),
+             "while": lambda op, info, known, m, outs=None: _while(op, info, known, m,
+                                                                   _solved_body, outs),
              "cond": _solved_cond}
-_WANTED = {"scan": lambda op, info, known, m, outs: _scan(op, info, known, m, _solved_body, outs),
-           "while": lambda op, info, known, m, outs: _while(op, info, known, m, _solved_body,
-                                                            outs)}
+RESULT_SPECS = frozenset({"scan", "while"})  # loops region_candidates solves for result specs
 LOOPS = frozenset(_SEARCHED)  # the region ops whose bodies the automatic searches solve

@@ -124,11 +124,8 @@ def solve_lockstep(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     Example:
       >>> flat = solve_lockstep(graph, model, {}, {}, ties)
     """
-    found, _ = dynamic_programming(graph, model, fixed_in, fixed_out, time_limit=time_limit,
-                                   ties=ties, tie_repeats=_tie(graph),
-                                   allow=_Lockstep(model.mesh),
-                                   group_tail=False)
-    return found
+    return solve_grouped(graph, model, fixed_in, fixed_out, ties, (model.mesh.names,),
+                         time_limit)
 
 
 def solve_grouped(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
@@ -153,11 +150,11 @@ def solve_grouped(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
 
 
 class _Lockstep:
-    """tables.Allow: the candidates that use every mesh axis together (solve_lockstep), or
-    each of `groups` of them together (solve_grouped)."""
+    """tables.Allow: the candidates that use each of `groups` of mesh axes together
+    (solve_grouped; one group of every axis: solve_lockstep)."""
 
-    def __init__(self, mesh: MeshInfo, groups: tuple[tuple[str, ...], ...] | None = None):
-        self.mesh, self.groups = mesh, groups or (mesh.names,)
+    def __init__(self, mesh: MeshInfo, groups: tuple[tuple[str, ...], ...]):
+        self.mesh, self.groups = mesh, groups
         wholes = [()]
         for g in self.groups:  # the dims over whole groups, in mesh order
             wholes += [w + g for w in wholes]
