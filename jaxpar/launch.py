@@ -29,6 +29,7 @@ from typing import IO
 POLL_S = 0.05
 SETTLE_S = 0.5  # after a first failure, how long to wait for an earlier death to be reaped
 REAP_S = 5.0    # past that, how long to wait still for a rank seen exiting to be reaped
+LIFELINE_ENV = "JAXPAR_LAUNCH_LIFELINE"  # a rank's lifeline descriptor (see _Launch._start)
 DRAIN_S = 10.0  # once every rank is gone, how long their output may take to be relayed (only
                 # a process that left the rank's group can hold its pipe open longer)
 # Each rank runs its program through _rank_main (see there why), loaded from this file alone:
@@ -63,6 +64,8 @@ class _Rank:
     proc: subprocess.Popen
     reader: threading.Thread | None          # relays its output (None with a log dir)
     died_at: float | None = None             # when its lifeline pipe closed: it was exiting
+    failed_at: float | None = None           # when it failed, by its own clock (_rank_main)
+    lifeline: threading.Thread | None = None  # watches the lifeline (_watch_lifeline)
 
 
 def launch(num_processes: int, program: list[str] | tuple[str, ...], *,
@@ -201,6 +204,7 @@ class _Launch:
     def _start(self, index: int, env: dict[str, str]) -> _Rank:
         cmd = [sys.executable, "-c", RANK_MAIN, *self.cfg.program]
         lifeline, child_end = os.pipe()  # the child holds child_end open until it exits
+        env = env | {LIFELINE_ENV: str(child_end)}  # and writes its failure's time to it
         out = subprocess.PIPE
         if self.cfg.log_dir is not None:
             out = open(os.path.join(self.cfg.log_dir, f"rank_{index}.log"), "wb")
@@ -216,7 +220,7 @@ class _Launch:
         if out is subprocess.PIPE:
             reader = _thread(self._relay, index, proc.stdout)
         rank = _Rank(index, proc, reader)
-        _thread(self._watch_lifeline, rank, lifeline)
+        rank.lifeline = _thread(self._watch_lifeline, rank, lifeline)
         _thread(self._wait_for, rank)
         return rank
 
@@ -225,11 +229,18 @@ class _Launch:
         """Note when the rank starts exiting. Its pipes and sockets close at that moment, so
         peers blocked on it fail right after; the rank itself may be reaped later than they
         are (a process with many threads takes a while to exit). This time says who died
-        first."""
-        while os.read(lifeline, 4096):
-            pass
+        first, roughly: it is when this thread woke. A rank that failed in Python (an uncaught
+        exception, a non-zero exit) wrote the time it did by the machine's monotonic clock
+        before it exited (_rank_main): that one is exact."""
+        said = b""
+        while chunk := os.read(lifeline, 4096):
+            said += chunk
         rank.died_at = time.monotonic()
         os.close(lifeline)
+        try:
+            rank.failed_at = float(said.decode())
+        except (UnicodeDecodeError, ValueError):
+            pass  # nothing written: the rank died outside Python (os._exit, a signal, a crash)
 
     def _wait_for(self, rank: _Rank) -> None:
         self.exits.put((rank.index, rank.proc.wait(), time.monotonic()))
@@ -273,16 +284,35 @@ class _Launch:
             any(self.ranks[i].died_at is not None for i in running)
 
     def _blame(self, failed: list[tuple[int, int, float]], running: set[int]) -> None:
-        """Name the rank that died first (the others likely failed because of it) and stop the
-        ranks still running. Deaths within SETTLE_S of the first are too close to order (each
-        is timed when a thread of this process wakes); among them a rank killed by a signal
-        is named, as its peers exit with an error once it is gone, but one that aborted
-        (SIGABRT) last: JAX aborts a process whose coordinator, rank 0, went away, so an
-        error in rank 0 ends its peers with SIGABRT."""
-        when = {i: self.ranks[i].died_at or reaped for i, _, reaped in failed}
+        """Name the rank that failed first (the others likely failed because of it) and stop
+        the ranks still running.
+
+        Each death is timed when a thread of this process wakes (the lifeline closing, the
+        rank reaped), which on a loaded machine can be long after it: deaths within SETTLE_S
+        of the first are not ordered by those times. Among them a rank killed by a signal is
+        named first, as its peers exit with an error once it is gone; then one that left
+        with an error status outside Python (os._exit, a crash: its peers' collectives raise
+        Python errors once it is gone; a rank of two that called os._exit(3) was seen reaped
+        after its peer's exception on a loaded machine); then the ranks that failed in
+        Python, in the order of the times they wrote themselves (exact, one clock); and one
+        that aborted (SIGABRT) last: JAX aborts a process whose coordinator, rank 0, went
+        away, so an error in rank 0 ends its peers with SIGABRT."""
+        for i, _, _ in failed:  # reaped, so its lifeline is closed: let the watcher finish
+            thread = self.ranks[i].lifeline
+            if thread is not None:
+                thread.join(timeout=REAP_S)
+        when = {}
+        for i, _, reaped in failed:
+            rank = self.ranks[i]
+            when[i] = rank.failed_at or rank.died_at or reaped
+
+        def likelier(f: tuple[int, int, float]) -> tuple:
+            reported = self.ranks[f[0]].failed_at is not None
+            return _cause_rank(f[1]), reported, when[f[0]]
+
         first = min(when.values())
         index, code, _ = min((f for f in failed if when[f[0]] <= first + SETTLE_S),
-                             key=lambda f: (_cause_rank(f[1]), when[f[0]]))
+                             key=likelier)
         self.failure = f"rank {index} {_describe(code)}"
         self.status = code if code > 0 else 128 - code
         if running:
@@ -345,11 +375,25 @@ def _rank_main() -> None:
     would see neither the failure nor an exit. So a non-zero exit or an uncaught exception ends
     the process with os._exit right after its traceback is printed.
     """
+    lifeline = os.environ.pop(LIFELINE_ENV, None)  # not the program's: its children's fds differ
     code = _run_program(sys.argv[1:])
     if code != 0:
+        _report_failure(lifeline, time.monotonic())
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _report_failure(lifeline: str | None, when: float) -> None:
+    """Write the time this rank failed (taken after its traceback, still before it exits and
+    its peers can see it gone) to its lifeline, descriptor number `lifeline`, for the
+    launcher's _blame: the launcher's own timing of a death is when one of its threads woke,
+    late on a loaded machine. CLOCK_MONOTONIC, which time.monotonic reads, is one clock for
+    the whole machine."""
+    try:
+        os.write(int(lifeline), repr(when).encode())
+    except (TypeError, ValueError, OSError):
+        pass  # not started by the launcher (or its lifeline gone): nothing to tell
 
 
 def _run_program(program: list[str]) -> int:

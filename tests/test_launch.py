@@ -99,6 +99,7 @@ def test_train_step_reduces_across_the_process_axis():
 @pytest.mark.parametrize("mode, status, message", [
     ("exit", 3, "rank 1 exited with status 3"),
     ("kill", 128 + signal.SIGKILL, "rank 1 was killed by SIGKILL"),
+    ("raise", 1, "rank 1 exited with status 1"),
 ])
 def test_failing_rank_ends_the_launch(tmp_path, capsys, mode, status, message):
     start = time.monotonic()
@@ -118,22 +119,42 @@ def test_blame_names_a_rank_killed_by_a_signal_before_a_peer_that_failed_with_it
     when a thread of the launcher wakes, and on a loaded machine rank 0's came first ("rank 0
     exited with status 1" for a SIGKILL of rank 1). Deaths that close are not ordered by
     time: the signal names the cause. Far apart, the first death is named whatever it was."""
-    from jaxpar.launch import SETTLE_S, _Rank
+    from jaxpar.launch import SETTLE_S
 
-    def blame(died: dict[int, float], codes: dict[int, int]) -> tuple[str, int]:
-        run = _Launch(LaunchConfig(2, ("x.py",)))
-        run.ranks = [_Rank(i, None, None, died[i]) for i in sorted(died)]
-        run._blame([(i, codes[i], died[i] + 0.01) for i in sorted(died)], set())
-        return run.failure, run.status
-
-    assert blame({0: 10.0, 1: 10.1}, {0: 1, 1: -signal.SIGKILL}) == \
+    assert _blame({0: 10.0, 1: 10.1}, {0: 1, 1: -signal.SIGKILL}) == \
         ("rank 1 was killed by SIGKILL", 128 + signal.SIGKILL)
-    assert blame({0: 10.0, 1: 10.1}, {0: 1, 1: 3}) == ("rank 0 exited with status 1", 1)
+    assert _blame({0: 10.0, 1: 10.1}, {0: 1, 1: 3}) == ("rank 0 exited with status 1", 1)
     # Rank 0, the coordinator, raising: JAX aborts its peers (SIGABRT), which were named.
-    assert blame({0: 10.1, 1: 10.0}, {0: 1, 1: -signal.SIGABRT}) == \
+    assert _blame({0: 10.1, 1: 10.0}, {0: 1, 1: -signal.SIGABRT}) == \
         ("rank 0 exited with status 1", 1)
-    assert blame({0: 10.0, 1: 10.0 + 2 * SETTLE_S}, {0: 1, 1: -signal.SIGKILL}) == \
+    assert _blame({0: 10.0, 1: 10.0 + 2 * SETTLE_S}, {0: 1, 1: -signal.SIGKILL}) == \
         ("rank 0 exited with status 1", 1)
+
+
+def test_blame_orders_python_failures_by_the_times_the_ranks_wrote():
+    """A rank that fails in Python writes when it did to its lifeline (exact), where the
+    launcher's own times are when its threads woke. Rank 1 leaving by os._exit(3) (no time
+    written), rank 0's collective raising because of it: on a loaded machine rank 0 was seen
+    first, and the launch named it. A death outside Python is now named before a Python
+    failure close to it; two Python failures in the order they wrote."""
+    assert _blame({0: 10.0, 1: 10.1}, {0: 1, 1: 3}, wrote={0: 9.99}) == \
+        ("rank 1 exited with status 3", 3)
+    assert _blame({0: 10.0, 1: 10.1}, {0: 1, 1: 2}, wrote={0: 9.99, 1: 9.98}) == \
+        ("rank 1 exited with status 2", 2)
+    assert _blame({0: 10.1, 1: 10.0}, {0: 1, 1: 2}, wrote={0: 9.97, 1: 9.98}) == \
+        ("rank 0 exited with status 1", 1)
+
+
+def _blame(died: dict[int, float], codes: dict[int, int],
+           wrote: dict[int, float] | None = None) -> tuple[str, int]:
+    """What _Launch._blame names for ranks whose lifelines closed at `died`, reaped 10 ms
+    later with statuses `codes`, the ranks in `wrote` having written that failure time."""
+    from jaxpar.launch import _Rank
+
+    run = _Launch(LaunchConfig(2, ("x.py",)))
+    run.ranks = [_Rank(i, None, None, died[i], (wrote or {}).get(i)) for i in sorted(died)]
+    run._blame([(i, codes[i], died[i] + 0.01) for i in sorted(died)], set())
+    return run.failure, run.status
 
 
 def test_rank_ignoring_sigterm_is_killed_after_the_grace(tmp_path, capsys):

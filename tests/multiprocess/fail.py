@@ -1,7 +1,9 @@
 """Rank 1 fails while rank 0 waits for it in a collective; every rank records its pid.
 
-Usage (under `jaxpar launch -n 2`): fail.py MODE PID_DIR, MODE "exit" (os._exit(3)) or "kill"
-(SIGKILL to itself). Without the launcher's stopping it, rank 0 would wait in the barrier until
+Usage (under `jaxpar launch -n 2`): fail.py MODE PID_DIR, MODE "exit" (os._exit(3)), "kill"
+(SIGKILL to itself) or "raise" (an uncaught exception: rank 0's collective then raises too, and
+the launcher orders the two by the failure times the ranks write). Without the launcher's
+stopping it, rank 0 would wait in the barrier until
 JAX's heartbeat timeout.
 """
 
@@ -25,6 +27,8 @@ def main(mode: str, pid_dir: str) -> None:
         print("rank 1 fails now", flush=True)
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "raise":
+            raise RuntimeError("rank 1 raises")
         # os._exit, not sys.exit: sys.exit runs JAX's exit-time shutdown of the distributed
         # client, which waits on the coordinator, and on a loaded machine rank 0's barrier
         # then fails first (status 1) and the launch names the wrong rank.
