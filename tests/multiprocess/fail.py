@@ -3,8 +3,7 @@
 Usage (under `jaxpar launch -n 2`): fail.py MODE PID_DIR, MODE "exit" (os._exit(3)), "kill"
 (SIGKILL to itself) or "raise" (an uncaught exception: rank 0's collective then raises too, and
 the launcher orders the two by the failure times the ranks write). Without the launcher's
-stopping it, rank 0 would wait in the barrier until
-JAX's heartbeat timeout.
+stopping it, rank 0 would wait in the barrier until JAX's heartbeat timeout.
 """
 
 from __future__ import annotations
