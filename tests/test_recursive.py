@@ -304,6 +304,39 @@ def test_solve_axis_keeps_held_ops_whole():
     assert _tied_cost(graph, model, again, ties) <= _tied_cost(graph, model, kept, ties)
 
 
+def test_solve_axes_solves_an_axis_once_from_one_plan(monkeypatch):
+    # recursive_programming solves the axes again from several starts, which often meet (the
+    # 8-layer GPT step of benchmarks/search_time.py: the lockstep start, its last axis solved,
+    # is the grouped start; two of its nine exact solves were repeats). Solves shared, an axis
+    # is not solved again from a plan it was solved from, or from the plan that solve found.
+    from jaxpar.search import resolve
+    step, args = abstract_train_step(GPTConfig(layers=1, d_model=128, heads=4, vocab=256,
+                                               seq=64), 8)
+    graph, model, ties = _tied(step, args, jaxpar.make_mesh(8))
+    ties = tuple(ties)
+    gp = propagate(graph, model, {}, {}, ties=ties)
+    calls = []
+    real = resolve.solve_axis
+    monkeypatch.setattr(resolve, "solve_axis", lambda *a, **k: calls.append(a[6]) or real(*a, **k))
+
+    def score(p):
+        return _tied_cost(graph, model, p, ties)
+
+    solved = []
+    first = resolve.solve_axes(graph, model, gp, {}, {}, ties, ["d2", "d0"], score,
+                               solved=solved)
+    assert calls == ["d2", "d0"]
+    assert first[2], "the propagated plan is improved: the solves found other plans"
+    again = resolve.solve_axes(graph, model, gp, {}, {}, ties, ["d2", "d0"], score,
+                               solved=solved)
+    assert calls == ["d2", "d0"] and again[1] == first[1]
+    ended = resolve.solve_axes(graph, model, first[0], {}, {}, ties, ["d0"], score,
+                               solved=solved)
+    assert calls == ["d2", "d0"] and ended[1] == first[1] and not ended[2]
+    resolve.solve_axes(graph, model, gp, {}, {}, ties, ["d2", "d0"], score)
+    assert calls == ["d2", "d0"] * 2, "nothing shared: solved again"
+
+
 def test_the_first_axis_is_solved_again_exactly_after_the_last():
     # The quick benchmark's MoE Adam step on 4 x 2 TPU v5e chips at level 2, mem_coeff 0: the
     # router's weight and the expert matmuls took the first axis (d0) on the expert dim, and

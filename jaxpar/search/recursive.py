@@ -460,12 +460,12 @@ class _Sapp:
         decides an axis at a time, so a cut that pays only over several axes (a MoE layer's
         tokens over all eight devices, its experts two-way) is out of its reach."""
         ties = tuple((v, pos) for v, pos, _ in self.units.carried if v not in self.fixed_in)
-        ends = []
+        ends, solved = [], []  # the starts often meet: each axis solved once from a plan
         for what, start, score in self._starts(plan, ties):
             ends.append((what, *solve_axes(self.g, self.model, start, self.fixed_in,
                                             self.fixed_out, ties, self._again(),
                                             lambda p: self._score(p, self.fixed_out),
-                                            before=score)))
+                                            before=score, solved=solved)))
         what, plan, before, taken = min(ends, key=lambda e: e[2])
         if len(ends) > 1:
             _note(self.lines, "from " + " and from ".join(

@@ -81,7 +81,8 @@ def solve_axis(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict
 def solve_axes(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict[int, Spec],
                fixed_out: dict[int, Spec], ties: tuple[tuple[int, int], ...],
                axes: Sequence[str], score: Callable[[GraphPlan], float],
-               before: float | None = None, held: frozenset[int] = frozenset()
+               before: float | None = None, held: frozenset[int] = frozenset(),
+               solved: list | None = None
                ) -> tuple[GraphPlan, float, list[tuple[str, float, float]]]:
     """`plan` with each of `axes` in turn solved again (solve_axis, the others held as the plan
     kept so far has them), each solution kept where `score` of it is lower.
@@ -91,6 +92,10 @@ def solve_axes(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict
       axes: the mesh axes, in the order they are solved.
       score: a plan's objective (lower is better).
       before: score(plan), when the caller has it.
+      solved: the solves made so far, shared by calls over one graph, model, fixed specs,
+        ties and held ops (recursive_programming solves the axes from several starts, which
+        often meet): an axis is not solved again from a plan it was solved from, or one such
+        a solve found (the optimum over that axis already). Appended to.
 
     Returns:
       (the plan kept, its score, [(axis, score before, score after)] for each solution taken).
@@ -98,13 +103,45 @@ def solve_axes(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict
     before = score(plan) if before is None else before
     taken = []
     for axis in axes:
-        progress.step(f"axis {axis} solved again exactly")
-        found = solve_axis(graph, model, plan, fixed_in, fixed_out, ties, axis, held=held)
-        after = score(found)
+        known = _recall(solved, axis, plan, before)
+        if known is None:
+            progress.step(f"axis {axis} solved again exactly")
+            found = solve_axis(graph, model, plan, fixed_in, fixed_out, ties, axis, held=held)
+            after = score(found)
+            if solved is not None:
+                solved += [(axis, before, plan, found, after), (axis, after, found, found, after)]
+        else:
+            progress.step(f"axis {axis}: solved from this plan before")
+            found, after = known
         if after < before * (1 - 1e-9):
             taken.append((axis, before, after))
             plan, before = found, after
     return plan, before, taken
+
+
+def _recall(solved: list | None, axis: str, plan: GraphPlan, score: float
+            ) -> tuple[GraphPlan, float] | None:
+    """(the plan found, its score) where `axis` was solved from a plan equal to `plan` (one
+    scoring `score` exactly, then the same specs and strategies), else None."""
+    for was_axis, was_score, was, found, after in solved or ():
+        if was_axis == axis and was_score == score and _same_plan(was, plan):
+            return found, after
+    return None
+
+
+def _same_plan(a: GraphPlan, b: GraphPlan) -> bool:
+    """Whether two plans give every value the same spec and every op the same strategy (what
+    solve_axis reads of a plan), loop bodies' plans included."""
+    if a is b:
+        return True
+    if a.specs != b.specs or a.choices.keys() != b.choices.keys():
+        return False
+    for x, one in a.choices.items():
+        other = b.choices[x]
+        if one.strategy != other.strategy or len(one.regions) != len(other.regions) or \
+                not all(map(_same_plan, one.regions, other.regions)):
+            return False
+    return True
 
 
 def solve_lockstep(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
