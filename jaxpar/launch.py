@@ -6,9 +6,10 @@ process count, its rank, CPU devices per process); their output went to our stdo
 prefixed `[rank i] `, or to DIR/rank_i.log. The launch returns 0 only when every rank exited 0.
 When one rank fails, the others are stopped at once (SIGTERM, SIGKILL after a grace period),
 since a peer blocked in a collective would otherwise wait for JAX's heartbeat timeout. The
-rank named is the one that died first, or of deaths too close to order, one killed by a signal
-(its peers then fail with an error). Every rank runs in its own process group, which is
-killed at the end: no process outlives the launch.
+rank named is the one that failed first: a rank failing in Python writes the time it did to the
+launcher; of deaths too close to order otherwise, one killed by a signal or leaving outside
+Python (its peers then fail with a Python error). Every rank runs in its own process group,
+which is killed at the end: no process outlives the launch.
 """
 
 from __future__ import annotations
