@@ -298,10 +298,10 @@ class _Launch:
         Python, in the order of the times they wrote themselves (exact, one clock); and one
         that aborted (SIGABRT) last: JAX aborts a process whose coordinator, rank 0, went
         away, so an error in rank 0 ends its peers with SIGABRT."""
-        for i, _, _ in failed:  # reaped, so its lifeline is closed: let the watcher finish
-            thread = self.ranks[i].lifeline
+        for i, _, _ in failed:  # reaped, so its lifeline is closed (unless a process it forked
+            thread = self.ranks[i].lifeline  # holds it): let the watcher read what it wrote
             if thread is not None:
-                thread.join(timeout=REAP_S)
+                thread.join(timeout=SETTLE_S)
         when = {}
         for i, _, reaped in failed:
             rank = self.ranks[i]
