@@ -68,13 +68,14 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    (resolve.solve_grouped; across two nodes (d0) and (d1, d2), else the leading axes and the
    last: the plans of a 2 x 4 or a 4 x 2 mesh) and its axes solved again too: a 2-D tensor
    parallel MLP is out of the walk's reach and not a lockstep plan (search_gap's MLP on
-   2 x 2 x 2 across two nodes, default objective: 1.056x the optimum, then 1.027x). Then the
-   ops around the largest carried
-   state (those within _HOPS of the ops reading it and its update) over every axis, the rest
-   held (resolve.solve_region): a language model's embedding table, read by the lookup and
-   the tied output head, is priced path by path by the links, and its better layout changes
-   two axes at once (so does an MoE step's expert weight on 4 x 2 devices across two nodes at
-   level 2: 1.044x the optimum with both axes solved again, 1.000x after). With loop
+   2 x 2 x 2 across two nodes, default objective: 1.056x the optimum, then 1.027x). The
+   starts often meet, and each axis is solved once from one plan (solve_axes' `solved`).
+   Then the ops around the largest carried state (those within _HOPS of the ops reading it
+   and its update) over every axis, the rest held (resolve.solve_region): a language model's
+   embedding table, read by the lookup and the tied output head, is priced path by path by
+   the links, and its better layout changes two axes at once (so does an MoE step's expert
+   weight on 4 x 2 devices across two nodes at level 2: 1.044x the optimum with both axes
+   solved again, 1.000x after). With loop
    bodies searched (model.search_bodies), the same region also takes the ops between the
    loops (scan, while, cond) and the main ops around them, those included: a loop is no unit
    of the walk, which decides the ops around it without its costs, and its body is then planned

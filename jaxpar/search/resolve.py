@@ -71,11 +71,21 @@ def solve_axis(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict
     Example:
       >>> better = solve_axis(graph, model, gp, {}, {}, ties, "d1")
     """
-    found, _ = dynamic_programming(graph, model, fixed_in, fixed_out, time_limit=time_limit,
-                                   ties=ties, tie_repeats=_tie(graph),
-                                   allow=_OtherAxes(plan, axis, held),
-                                   group_tail=False)
-    return found
+    return _solved_axis(graph, model, plan, fixed_in, fixed_out, ties, axis, time_limit,
+                        held)[0]
+
+
+def _solved_axis(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict[int, Spec],
+                 fixed_out: dict[int, Spec], ties: tuple[tuple[int, int], ...], axis: str,
+                 time_limit: float = 10.0, held: frozenset[int] = frozenset()
+                 ) -> tuple[GraphPlan, bool]:
+    """solve_axis, and whether the plan it found is proven optimal over its candidates (not
+    where the search stopped at its time limit)."""
+    found, solution = dynamic_programming(graph, model, fixed_in, fixed_out,
+                                          time_limit=time_limit, ties=ties,
+                                          tie_repeats=_tie(graph),
+                                          allow=_OtherAxes(plan, axis, held), group_tail=False)
+    return found, solution.optimal
 
 
 def solve_axes(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict[int, Spec],
@@ -95,7 +105,7 @@ def solve_axes(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict
       solved: the solves made so far, shared by calls over one graph, model, fixed specs,
         ties and held ops (recursive_programming solves the axes from several starts, which
         often meet): an axis is not solved again from a plan it was solved from, or one such
-        a solve found (the optimum over that axis already). Appended to.
+        a solve found and proved optimal over that axis. Appended to.
 
     Returns:
       (the plan kept, its score, [(axis, score before, score after)] for each solution taken).
@@ -106,10 +116,13 @@ def solve_axes(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict
         known = _recall(solved, axis, plan, before)
         if known is None:
             progress.step(f"axis {axis} solved again exactly")
-            found = solve_axis(graph, model, plan, fixed_in, fixed_out, ties, axis, held=held)
+            found, optimal = _solved_axis(graph, model, plan, fixed_in, fixed_out, ties, axis,
+                                          held=held)
             after = score(found)
             if solved is not None:
-                solved += [(axis, before, plan, found, after), (axis, after, found, found, after)]
+                solved.append((axis, before, plan, found, after))
+                if optimal:  # solved from itself, the axis finds it again
+                    solved.append((axis, after, found, found, after))
         else:
             progress.step(f"axis {axis}: solved from this plan before")
             found, after = known
