@@ -317,6 +317,59 @@ def test_tail_reductions_over_several_groups_are_searched_again(monkeypatch):
     assert all(chosen[op] == t.cands[node][kept.choice[node]] for op, node in t.op_nodes.items())
 
 
+def _adam_mlp_step(layers: int, d: int, batch: int):
+    """A tanh MLP's Adam step (the weights and Adam's state carried) and its arguments."""
+    import jax.numpy as jnp
+    import optax
+
+    opt = optax.adam(1e-3)
+
+    def step(ws, state, x):
+        def loss(ws):
+            h = x
+            for w in ws:
+                h = jnp.tanh(h @ w)
+            return (h ** 2).mean()
+        updates, state = opt.update(jax.grad(loss)(ws), state, ws)
+        return optax.apply_updates(ws, updates), state
+
+    ws = [jax.ShapeDtypeStruct((d, d), jnp.float32) for _ in range(layers)]
+    return step, (ws, jax.eval_shape(opt.init, ws), jax.ShapeDtypeStruct((batch, d), jnp.float32))
+
+
+def test_a_first_solve_stopped_at_its_limit_leaves_the_tails_solve_again_unproven(monkeypatch):
+    # The tail's solve again is exact over the plans that reduce over one device group per
+    # kind only: taken after a first solve that stopped at its time limit, the plan is not
+    # proven optimal, and its gap is to the first solve's bound (it was said optimal).
+    import dataclasses
+
+    step, args = _adam_mlp_step(3, 64, 16)
+    solves, ends = [], []
+    real_solve, real_group = exact.solve, exact._one_latency_per_group
+
+    def solve(problem, time_limit=30.0):
+        found = real_solve(problem, time_limit)
+        solves.append(found)
+        if len(solves) == 1:  # as if stopped at its time limit, 2% above its bound
+            found = dataclasses.replace(found, optimal=False, gap=0.02)
+        return found
+
+    def group(*args):
+        ends.append(real_group(*args))
+        return ends[-1]
+
+    monkeypatch.setattr(exact, "solve", solve)
+    monkeypatch.setattr(exact, "_one_latency_per_group", group)
+    plan = jaxpar.shard(step, mesh=jaxpar.make_mesh(8), search_mode="dynamic_programming",
+                        hardware="tpu-v5e", mem_coeff=100.0).plan(*args)
+    first, again = solves[:2]  # (then recursive_programming's, the plan not proven)
+    end = ends[0]
+    assert again.optimal and end.choice is again.choice  # the solve again is kept
+    assert not end.optimal
+    assert end.gap == pytest.approx(1 - 0.98 * first.cost / end.cost, rel=1e-9)
+    assert any("dynamic_programming: stopped at gap" in n for n in plan.notes)
+
+
 class _Only:
     """tables.Allow that keeps one plan's strategy and input specs only."""
 
