@@ -51,7 +51,9 @@ solved for time may all hold more than a budget allows.
 A step's tail (gradient reductions, the optimizer) prices each reduction at a share of one
 latency, as if XLA combined them all; it combines those of one kind over one device group.
 A plan whose tail reduces over several groups is searched again with each kind kept to its
-most used group, and whichever of the two is cheaper with one latency per group is kept.
+most used group, and whichever of the two is cheaper with one latency per group is kept. That
+search again is exact over its own plans only: where the first stopped at its time limit, the
+plan is unproven whichever is kept, its gap to the first's bound.
 """
 
 from __future__ import annotations
@@ -332,16 +334,17 @@ def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem:
 
 
 def _whole_gap(first: Solution, gap: float, cost: float) -> float:
-    """The gap of the tail's solve again (its own `gap`, over the plans whose tail reduces
-    over one group per kind; `cost` its plan's objective on the whole problem) as a plan of
-    the whole problem, whose bound the first solve has. The solve again is exact over its
-    plans only, so after a first solve stopped at its time limit it is unproven too (a
-    5-layer MLP AdamW step at mem_coeff 100: the first stopped after 27 s, the solve again
-    was proven in 0.14 s, and the plan was said optimal)."""
+    """The gap of the tail's solve again as a plan of the whole problem: its own `gap` (over
+    the plans whose tail reduces over one group per kind) where the first solve was proven,
+    else from `cost` (its plan's objective on the whole problem) to the first solve's bound,
+    which holds over every plan (and is no larger than the solve again's own). The solve
+    again is exact over its plans only: after a first solve stopped at its time limit it is
+    unproven too (a 5-layer MLP AdamW step at mem_coeff 100: the first stopped after 27 s,
+    the solve again was proven in 0.14 s, and the plan was said optimal)."""
     if first.optimal:
         return gap
-    lower = first.cost * (1 - first.gap)  # the first's bound holds over every plan
-    return max(gap, (cost - lower) / max(abs(cost), 1e-300), 0.0)
+    lower = first.cost * (1 - first.gap)
+    return max((cost - lower) / max(abs(cost), 1e-300), 0.0)
 
 
 def grouped_objective(graph: OpGraph, model: CostModel, t: Tables, problem: Problem,
