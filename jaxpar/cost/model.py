@@ -110,6 +110,9 @@ class CostModel:
         self.search_bodies, self.lean_bodies = search_bodies, lean_bodies
         self._lean: CostModel | None = None
         self.regions_cache: dict = {}  # (id(op), operand specs) -> (op, region candidates)
+        # (id(candidate list), mesh axis) -> (the list, {its strategies' use of the other
+        # axes: their indices}): resolve's solves of one axis again, held plan by held plan.
+        self.axis_groups: dict = {}
         self.links = profile.axis_links(mesh)
         # Bytes per second at which the memory term prices memory (see the module doc).
         self.memory_rate = min((link.bandwidth for link in self.links.values()),
@@ -359,7 +362,7 @@ class CostModel:
                           self.fp32_communication)
         for name in ("_reshard_cache", "_per_byte", "_options_cache", "_costs_cache",
                      "_fitting_cache", "_itemsizes", "_layouts", "_manual_cache", "_comm_lines",
-                     "_collective_lines") + \
+                     "_collective_lines", "axis_groups") + \
                 (("_lines", "_line_lists") if level == self.level else ()):
             setattr(other, name, getattr(self, name))
         return other

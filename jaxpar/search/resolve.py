@@ -84,7 +84,8 @@ def _solved_axis(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: di
     found, solution = dynamic_programming(graph, model, fixed_in, fixed_out,
                                           time_limit=time_limit, ties=ties,
                                           tie_repeats=_tie(graph),
-                                          allow=_OtherAxes(plan, axis, held), group_tail=False)
+                                          allow=_OtherAxes(plan, axis, held, model.axis_groups),
+                                          group_tail=False)
     return found, solution.optimal
 
 
@@ -232,11 +233,15 @@ class _Lockstep:
 
 class _OtherAxes:
     """tables.Allow: the candidates that use every axis but one as `plan` does (a held op: its
-    choice in `plan`)."""
+    choice in `plan`). `groups`: where each candidate list's strategies are grouped by their
+    use of the other axes, {(id(list), axis): (list, {use: indices})}; CostModel.axis_groups
+    keeps them for every solve of the axis again (recursive_programming makes several per
+    search, and up to nine searches under a memory budget)."""
 
-    def __init__(self, plan: GraphPlan, axis: str, held: frozenset[int] = frozenset()):
+    def __init__(self, plan: GraphPlan, axis: str, held: frozenset[int] = frozenset(),
+                 groups: dict | None = None):
         self.plan, self.axis, self.held = plan, axis, held
-        self.groups: dict[int, tuple[list, dict]] = {}  # id(list) -> (list, key -> indices)
+        self.groups = {} if groups is None else groups
         self.projected: dict[Spec, tuple] = {}
         self.keys: dict[int, tuple] = {}  # id(strategy) -> (strategy, its _key)
         self.kept: dict[tuple, tuple] = {}  # ids of (list, chosen) -> (list, chosen, op())
@@ -265,12 +270,13 @@ class _OtherAxes:
         memo = self.kept.get((id(cands), id(chosen)))  # ops alike chose alike: asked once
         if memo is not None and memo[0] is cands and memo[1] is chosen:
             return memo[2]
-        hit = self.groups.get(id(cands))
-        if hit is None:
+        hit = self.groups.get((id(cands), self.axis))
+        if hit is None or hit[0] is not cands:
             by: dict[tuple, list[int]] = {}
             for i, s in enumerate(cands):
                 by.setdefault(self._key(s), []).append(i)
-            hit = self.groups[id(cands)] = (cands, {k: tuple(v) for k, v in by.items()})
+            hit = self.groups[(id(cands), self.axis)] = (
+                cands, {k: tuple(v) for k, v in by.items()})
         kept = hit[1].get(self._key(chosen)) if chosen is not None else None
         kept = kept or tuple(range(len(cands)))
         self.kept[(id(cands), id(chosen))] = (cands, chosen, kept)
