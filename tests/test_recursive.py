@@ -302,17 +302,22 @@ def test_solve_axis_keeps_held_ops_whole():
     assert _tied_cost(graph, model, again, ties) <= _tied_cost(graph, model, kept, ties)
 
 
+def _propagated_gpt():
+    """A one-layer GPT Adam step on 8 devices, its model and ties, and its propagated plan."""
+    step, args = abstract_train_step(GPTConfig(layers=1, d_model=128, heads=4, vocab=256,
+                                               seq=64), 8)
+    graph, model, ties = _tied(step, args, jaxpar.make_mesh(8))
+    ties = tuple(ties)
+    return graph, model, ties, propagate(graph, model, {}, {}, ties=ties)
+
+
 def test_solve_axes_solves_an_axis_once_from_one_plan(monkeypatch):
     # recursive_programming solves the axes again from several starts, which often meet (the
     # 8-layer GPT step of benchmarks/search_time.py: the lockstep start, its last axis solved,
     # is the grouped start; two of its nine exact solves were repeats). Solves shared, an axis
     # is not solved again from a plan it was solved from, or from the plan that solve found.
     from jaxpar.search import resolve
-    step, args = abstract_train_step(GPTConfig(layers=1, d_model=128, heads=4, vocab=256,
-                                               seq=64), 8)
-    graph, model, ties = _tied(step, args, jaxpar.make_mesh(8))
-    ties = tuple(ties)
-    gp = propagate(graph, model, {}, {}, ties=ties)
+    graph, model, ties, gp = _propagated_gpt()
     calls = []
     real = resolve._solved_axis
     monkeypatch.setattr(resolve, "_solved_axis",
@@ -343,11 +348,7 @@ def test_an_axis_solved_again_groups_each_candidate_list_once_per_model(monkeypa
     # per search, and up to nine searches under a memory budget: 1.6 s of the 25 s the tiny
     # GPT step took at 0.8 of its peak went to it, 0.3 s kept). The plans are the same.
     from jaxpar.search import resolve
-    step, args = abstract_train_step(GPTConfig(layers=1, d_model=128, heads=4, vocab=256,
-                                               seq=64), 8)
-    graph, model, ties = _tied(step, args, jaxpar.make_mesh(8))
-    ties = tuple(ties)
-    gp = propagate(graph, model, {}, {}, ties=ties)
+    graph, model, ties, gp = _propagated_gpt()
     keyed = []
     real_key = resolve._OtherAxes._key
     monkeypatch.setattr(resolve._OtherAxes, "_key",
