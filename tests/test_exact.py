@@ -317,33 +317,21 @@ def test_tail_reductions_over_several_groups_are_searched_again(monkeypatch):
     assert all(chosen[op] == t.cands[node][kept.choice[node]] for op, node in t.op_nodes.items())
 
 
-def _adam_mlp_step(layers: int, d: int, batch: int):
-    """A tanh MLP's Adam step (the weights and Adam's state carried) and its arguments."""
-    import jax.numpy as jnp
-    import optax
-
-    opt = optax.adam(1e-3)
-
-    def step(ws, state, x):
-        def loss(ws):
-            h = x
-            for w in ws:
-                h = jnp.tanh(h @ w)
-            return (h ** 2).mean()
-        updates, state = opt.update(jax.grad(loss)(ws), state, ws)
-        return optax.apply_updates(ws, updates), state
-
-    ws = [jax.ShapeDtypeStruct((d, d), jnp.float32) for _ in range(layers)]
-    return step, (ws, jax.eval_shape(opt.init, ws), jax.ShapeDtypeStruct((batch, d), jnp.float32))
-
-
 def test_a_first_solve_stopped_at_its_limit_leaves_the_tails_solve_again_unproven(monkeypatch):
     # The tail's solve again is exact over the plans that reduce over one device group per
     # kind only: taken after a first solve that stopped at its time limit, the plan is not
     # proven optimal, and its gap is to the first solve's bound (it was said optimal).
     import dataclasses
 
-    step, args = _adam_mlp_step(3, 64, 16)
+    import jax.numpy as jnp
+    import optax
+
+    from jaxpar.models.mlp import init_mlp, make_train_step
+
+    tx = optax.adam(1e-3)
+    params = jax.eval_shape(lambda: init_mlp(jax.random.key(0), [64] * 4))
+    data = jax.ShapeDtypeStruct((16, 64), jnp.float32)
+    args = (params, jax.eval_shape(tx.init, params), data, data)
     solves, ends = [], []
     real_solve, real_group = exact.solve, exact._one_latency_per_group
 
@@ -360,8 +348,9 @@ def test_a_first_solve_stopped_at_its_limit_leaves_the_tails_solve_again_unprove
 
     monkeypatch.setattr(exact, "solve", solve)
     monkeypatch.setattr(exact, "_one_latency_per_group", group)
-    plan = jaxpar.shard(step, mesh=jaxpar.make_mesh(8), search_mode="dynamic_programming",
-                        hardware="tpu-v5e", mem_coeff=100.0).plan(*args)
+    plan = jaxpar.shard(make_train_step(tx), mesh=jaxpar.make_mesh(8),
+                        search_mode="dynamic_programming", hardware="h100-nvlink",
+                        mem_coeff=100.0).plan(*args)
     first, again = solves[:2]  # (then recursive_programming's, the plan not proven)
     end = ends[0]
     assert again.optimal and end.choice is again.choice  # the solve again is kept
