@@ -73,7 +73,7 @@ from jaxpar.rules.registry import has_rule
 from jaxpar.search.dynamic import Problem, Solution, objective, solve
 from jaxpar.search.propagation import Choice, GraphPlan
 from jaxpar.search.regions import LOOPS, RESULT_SPECS
-from jaxpar.search.tables import Allow, Region, Tables, build_tables
+from jaxpar.search.tables import Allow, Region, Tables, _last_points, build_tables
 from jaxpar.spec import Spec
 
 _LOOP_PASSES = 4  # at most this many solves again with loop bodies planned for their neighbours
@@ -428,23 +428,20 @@ def least_peak(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
 
 def live_ranges(graph: OpGraph, t: Tables) -> np.ndarray:
     """(first, last) program point at which each node's results are alive: an op's from its
-    own index to its last reader (to the end, len(graph.ops), for program outputs); a free
-    input's throughout; what a region op's bodies add, at the op's own point (t.running).
-    plan.peak_memory counts the same."""
-    last: dict[int, int] = {}
-    for op in graph.ops:
-        for v in op.inputs:
-            if isinstance(v, int):
-                last[v] = op.index
-    outputs = {v for v in graph.outputs if isinstance(v, int)}
+    own index to its last reader (to the end, len(graph.ops), for program outputs and
+    results nothing reads); a free input's throughout; what a region op's bodies add, at the
+    op's own point (t.running); an op whose results die at different points, each node of
+    it to its results' point (t.spans). plan.peak_memory counts the same."""
+    last = _last_points(graph)
     ranges = np.zeros((len(t.cands), 2), dtype=np.int64)
     ranges[list(t.input_nodes.values()), 1] = len(graph.ops)
     for op in graph.ops:
-        end = max([last.get(v, op.index) for v in op.outputs] +
-                  [len(graph.ops) if set(op.outputs) & outputs else op.index])
+        end = max((last[v] for v in op.outputs), default=op.index)
         ranges[t.op_nodes[op.index]] = (op.index, end)
     for node, index in t.running.items():  # a region op's bodies, while it runs
         ranges[node] = (index, index)
+    for node, span in t.spans.items():
+        ranges[node] = span
     return ranges
 
 

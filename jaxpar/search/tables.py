@@ -91,6 +91,10 @@ class Tables:
                                             # and each region op's node with its running node
     running: dict[int, int] = field(default_factory=dict)  # not folded: node -> the region op
                                                            # whose bodies' memory it holds
+    spans: dict[int, tuple[int, int]] = field(default_factory=dict)  # not folded: the nodes
+                                        # of an op whose results die at different points (its
+                                        # own and those tied to it), each holding the results
+                                        # that die at one point: (op index, that point)
 
 
 def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
@@ -165,6 +169,25 @@ def latency_shares(graph: OpGraph) -> Callable[[int], float]:
     return lambda v: inside if v in tail else 1.0
 
 
+def _last_points(graph: OpGraph) -> dict[int, int]:
+    """The last program point at which each op's result is alive, as plan.peak_memory counts
+    it: its last reader's index; len(graph.ops) for the program's outputs and for results
+    nothing reads (plan.peak_memory frees a value after its last reader only)."""
+    end = len(graph.ops)
+    last: dict[int, int] = {}
+    for op in graph.ops:
+        for v in op.inputs:
+            if isinstance(v, int):
+                last[v] = op.index
+    for v in graph.outputs:
+        if isinstance(v, int):
+            last[v] = end
+    for op in graph.ops:
+        for v in op.outputs:
+            last.setdefault(v, end)
+    return last
+
+
 def _classes(specs) -> tuple[tuple[Spec, ...], np.ndarray]:
     distinct: dict[Spec, int] = {}
     idx = [distinct.setdefault(s.resolved(), len(distinct)) for s in specs]
@@ -203,6 +226,8 @@ class _Builder:
         self._first: dict[int, tuple] = {}     # free input -> (node, side, i) its specs
                                                # come from (its first reader's operand)
         self._links: list[tuple] = []          # _link's arguments, in order
+        self._last: dict[int, int] | None = None  # value -> its last program point (_split)
+        self._parts: dict[tuple, np.ndarray] = {}  # (id(list), results) -> their bytes
 
     def _add_node(self, cands, own, cost: np.ndarray, mem: np.ndarray, key=None) -> int:
         """A node for one op or free input; folded, the node of its kind (`key`) when there
@@ -253,6 +278,8 @@ class _Builder:
                                   results if not self.fold else results + bodies)
             if not self.fold:  # the bodies' memory, held while the op runs only
                 self._while_running(node, op.index, bodies)
+                if len(op.outputs) > 1:
+                    self._split_results(op, node)
             return node
         cands, own = self._candidates(op, share)
         if self.allow is not None:
@@ -265,7 +292,43 @@ class _Builder:
                 cands, np.array([model.score(c) for c in own]),
                 np.array([self._results_memory(info, s) for s in cands], dtype=float))
         key = None if self.classes is None else (self.classes[op.index], id(cands))
-        return self._add_node(cands, own, hit[1], hit[2], key)
+        node = self._add_node(cands, own, hit[1], hit[2], key)
+        if not self.fold and len(op.outputs) > 1:
+            self._split_results(op, node)
+        return node
+
+    def _split_results(self, op, node: int) -> None:
+        """Not folded (a budget's live sets count memory): an op whose results die at
+        different program points holds the results that die at each point in a node of its
+        own, tied to the op's (same candidates, no cost; Tables.spans), so that each counts
+        until its own last reader, as plan.peak_memory counts it (a scan's final carry, read
+        once, is not held while the stacked residuals it made wait for the backward pass)."""
+        if self._last is None:
+            self._last = _last_points(self.graph)
+        by_end: dict[int, list[int]] = {}
+        for j, v in enumerate(op.outputs):
+            by_end.setdefault(self._last[v], []).append(j)
+        if len(by_end) < 2:
+            return
+        t = self.t
+        info = OpInfo.of(op, self.graph)
+        cands, own = t.cands[node], t.own[node]
+        for n, (end, js) in enumerate(sorted(by_end.items())):
+            key = (id(cands), tuple(js))
+            mem = self._parts.get(key)
+            if mem is None:
+                mem = self._parts[key] = np.array(
+                    [sum(nbytes(info.out_shapes[j], info.out_dtypes[j]) /
+                         s.outs[j].shards(self.model.mesh) for j in js) for s in cands],
+                    dtype=float)
+            if n == 0:
+                t.node_mem[node] = mem
+                t.spans[node] = (op.index, end)
+                continue
+            extra = self._add_node(cands, own, np.zeros(len(cands)), mem)
+            self._group.setdefault(node, node)
+            self._group[extra] = self._group[node]
+            t.spans[extra] = (op.index, end)
 
     def _results_memory(self, info: OpInfo, s) -> float:
         """Per device bytes of an op's results under strategy s."""
