@@ -81,6 +81,16 @@ def test_a_refined_plan_over_the_memory_budget_gives_way_to_the_propagated_one()
     np.testing.assert_allclose(f(params, x, y)[1], jax.jit(fn)(params, x, y)[1], rtol=1e-5)
 
 
+
+def test_a_budget_neither_plan_meets_is_refused_quoting_the_leaner_plans_peak():
+    # Below both plans: the refusal quoted the refined plan's peak (75.8 KB) though the
+    # propagated one, 55.3 KB, is what this mode reaches; it quotes that one now.
+    fn, (params, x, y), in_strategy = PROGRAMS["mlp_train_step"]()
+    lean = jaxpar.shard(fn, in_strategy=in_strategy, memory_budget=65_000).plan(params, x, y)
+    peak = lean.cost.peak_memory_bytes
+    with pytest.raises(ValueError, match=f"sharding_propagation plan needs {peak:.0f} bytes"):
+        jaxpar.shard(fn, in_strategy=in_strategy, memory_budget=peak - 1000).plan(params, x, y)
+
 def test_training_step_can_loop_on_its_own_outputs():
     fn, (params, x, y), in_strategy = PROGRAMS["mlp_train_step"]()
     f = jaxpar.shard(fn, in_strategy=in_strategy)

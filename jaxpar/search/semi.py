@@ -60,7 +60,8 @@ propagation.py). After: a GraphPlan and notes for the Plan.
    graph; repeated layers folded). A second sweep over the axes changed no plan of
    gpt_plans' three layouts nor the 2-layer GPT's.
 6. A memory budget bounds nothing above (the objective weighs memory): a polished plan over it
-   gives way to the propagated one when that fits.
+   gives way to the propagated one when that holds less (fitting or not: the caller refuses
+   a plan over the budget quoting its peak, and quotes the least this mode reached).
 """
 
 from __future__ import annotations
@@ -130,8 +131,10 @@ def sharding_propagation(graph: OpGraph, model: CostModel, fixed_in: dict[int, S
                               model.mesh.names[::-1],
                               lambda gp: objective(graph, model, gp, fixed_out, ties),
                               before=score, held=pinned)
-    if memory_budget is not None and peak_memory(graph, better, model.mesh) > \
-            memory_budget >= peak_memory(graph, starts[k], model.mesh):
-        return starts[k], ["sharding_propagation: the refined plan was over memory_budget; "
-                           "the propagated one is kept"]
+    if memory_budget is not None and peak_memory(graph, better, model.mesh) > memory_budget:
+        # Over the budget: the propagated plan where it holds less (the caller refuses a
+        # plan over the budget, quoting its peak: the leaner one's, then).
+        if peak_memory(graph, starts[k], model.mesh) < peak_memory(graph, better, model.mesh):
+            return starts[k], ["sharding_propagation: the refined plan was over memory_budget; "
+                               "the propagated one is kept (it holds less)"]
     return better, []
