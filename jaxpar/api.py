@@ -238,7 +238,15 @@ def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, sea
         check_joined("shard")  # a launched rank that never called jaxpar.init()
     if mesh is None:  # mesh_devices: a ValueError naming the platforms here if `device` is
         mesh = make_mesh(len(mesh_devices(device)), device=device)  # not among them
-    profile.devices_in_node(MeshInfo.of(mesh))  # a node count that does not split the mesh
+    info = MeshInfo.of(mesh)
+    profile.devices_in_node(info)  # a node count that does not split the mesh
+    unknown = profile.unknown_axes(info)
+    if unknown:  # a calibrated profile used on a mesh whose axes are named otherwise
+        warnings.warn(f"{caller}(hardware={profile.name!r}): the profile's measured links are "
+                      f"for axes {list(unknown)}, which the mesh {info.names} has none of: "
+                      "their figures price nothing, and the mesh's axes without a measured "
+                      "link take the profile's intra/inter links. Name the mesh's axes as the "
+                      "profile does, or calibrate on this mesh.", UserWarning, stacklevel=3)
     budget = None if memory_budget is None else float(memory_budget)  # 2**64: no int64
     return ShardOptions(in_strategy, out_strategy, parameter_plan, level, mesh, mode, hardware,
                         budget, float(mem_coeff), tuple(donate))
@@ -434,7 +442,9 @@ class ShardedFunction:
             return self._finish(graph, pinned, args, donated)
         fixed_in = {graph.inputs[i]: s for i, s in enumerate(fixed) if s}
         fixed_out = {i: s for i, s in enumerate(out_fixed) if s}
-        ties = [(i, j) for i, j in carried_pairs(args, out_shapes) if out_fixed[j] is None]
+        unsure: dict[int, list[int]] = {}
+        ties = [(i, j) for i, j in carried_pairs(args, out_shapes, unsure)
+                if out_fixed[j] is None]
         # Shared by the searches below (each prices a thing once); dynamic_programming
         # builds its own tables and reads none.
         index = None if o.search_mode == "dynamic_programming" else GraphIndex(graph)
@@ -447,6 +457,17 @@ class ShardedFunction:
             fixed_out |= {j: gp.specs[graph.inputs[i]] for i, j in ties}
             notes.append(f"carried state: {len(ties)} outputs keep the sharding of the input "
                          "they replace, so the step can be called in a loop without resharding")
+        for i, js in unsure.items():
+            where = "key" if isinstance(out_shapes, dict) else "element"
+            named = [repr(sorted(out_shapes)[j]) if isinstance(out_shapes, dict) else str(j)
+                     for j in js]
+            notes.append(
+                f"argument {i} is not tied as carried state: returned {where}s "
+                f"{', '.join(named)} share its structure, shapes and dtypes (gradients returned "
+                "beside parameters?), so none is known to be it. Its layout out may differ "
+                "from its layout in (a loop reshards it every call, and its donated buffers go "
+                f"unused); to tie it, return it as element {i} of a returned tuple (its "
+                "argument's place)")
         foreign = off_mesh(graph, model.mesh)
         if foreign:
             notes.append(f"shard_map over another mesh than the plan's ({', '.join(foreign)}): "
@@ -779,7 +800,8 @@ def leaf_owners(args: tuple) -> list[int]:
     return [k for k, a in enumerate(args) for _ in jax.tree_util.tree_leaves(a)]
 
 
-def carried_pairs(args: tuple, out_shapes) -> list[tuple[int, int]]:
+def carried_pairs(args: tuple, out_shapes, unsure: dict | None = None
+                  ) -> list[tuple[int, int]]:
     """(input leaf, output leaf) pairs of state a step returns in place of its input.
 
     When the function returns a tuple whose k-th element has the structure, shapes and dtypes
@@ -789,7 +811,10 @@ def carried_pairs(args: tuple, out_shapes) -> list[tuple[int, int]]:
     paired with the one element of the returned tuple, list or dict (`(loss, params,
     opt_state)`, `{"params": ..., "opt_state": ..., "loss": ...}`) that has its structure,
     where that element has no other such argument: the state is then laid out alike in and
-    out as well (it was planned freely, and moved back before every next call).
+    out as well (it was planned freely, and moved back before every next call). `unsure`,
+    given a dict, gets {argument: [returned elements]} for each argument left unpaired that
+    several elements match, or whose one element another argument matches too (a step
+    returning `(loss, grads, params, opt_state)`: its grads have the params' structure).
     """
     if args and _same_structure(args[0], out_shapes):
         return [(k, k) for k in range(len(jax.tree_util.tree_leaves(args[0])))]
@@ -813,6 +838,8 @@ def carried_pairs(args: tuple, out_shapes) -> list[tuple[int, int]]:
     for i, js in alike.items():
         if len(js) == 1 and sum(js[0] in other for other in alike.values()) == 1:
             paired[i] = js[0]
+        elif js and unsure is not None:
+            unsure[i] = js
     return sorted((int(starts_in[i]) + k, int(starts_out[j]) + k)
                   for i, j in paired.items() for k in range(sizes[i]))
 
@@ -1056,4 +1083,5 @@ def _check_budget(plan: Plan, budget: float | None, pinned: bool = False) -> Non
         "in_strategy/parameter_plan, use a larger mesh, or raise the budget"
         + (("; or let search_mode='dynamic_programming' (which keeps to a budget exactly) "
             "or 'recursive_programming' choose the layouts: this mode keeps the leaner of "
-            "its propagated and refined plans, and searches no further.") if plan.search_mode == "sharding_propagation" else "."))
+            "its propagated and refined plans, and searches no further.")
+           if plan.search_mode == "sharding_propagation" else "."))

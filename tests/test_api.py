@@ -798,6 +798,27 @@ def test_state_returned_after_the_loss_keeps_its_layout_for_the_next_call():
     np.testing.assert_allclose(f(p2, x)[0], want, rtol=1e-5)
 
 
+
+def test_state_that_several_returned_values_match_is_left_untied_with_a_note():
+    # step(params, x) -> (loss, grads, params): the grads look like the params, so neither is
+    # known to be them; the plan said nothing, and the params came back in another layout.
+    from jaxpar.api import carried_pairs
+
+    def step(p, x):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean(jnp.tanh(x @ p["w"]) @ p["v"]))(p)
+        return loss, g, jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+
+    p = {"w": jnp.ones((32, 64)) * 0.01, "v": jnp.ones((64, 8)) * 0.01}
+    x = jnp.ones((64, 32))
+    unsure: dict = {}
+    assert carried_pairs((p, x), jax.eval_shape(step, p, x), unsure) == []
+    assert unsure == {0: [1, 2]}
+    plan = jaxpar.shard(step).plan(p, x)
+    assert any(n.startswith("argument 0 is not tied as carried state: returned elements 1, 2")
+               for n in plan.notes), plan.notes
+    kept = jaxpar.shard(lambda p, x: step(p, x)[::-1]).plan(p, x)  # params in place: tied
+    assert not any("not tied" in n for n in kept.notes), kept.notes
+
 def test_an_argument_used_as_a_python_value_gets_jaxpars_advice():
     """JAX's own error advises static_argnums, which jaxpar.shard does not have."""
     def zeros_plus(x, n):

@@ -554,6 +554,50 @@ def test_loose_profile_fields_are_refused(change, match):
         profile_from_dict(good | change, "p.yaml")
 
 
+
+def test_a_profile_made_in_python_is_checked_as_a_yaml_one_is():
+    """A HardwareProfile passed as hardware= went unchecked: nodes=0 raised ZeroDivisionError,
+    intra=None an AttributeError, a bandwidth of 0 a ZeroDivisionError, deep in pricing."""
+    cpu = load_profile("cpu")
+    bad = [({"nodes": 0}, r"nodes=0 must be an int of 1 or more"),
+           ({"intra": None}, r"intra=None must be a link"),
+           ({"intra": dataclasses.replace(cpu.intra, bandwidth=0.0)}, r"intra: bandwidth=0.0"),
+           ({"peak_flops": -1.0}, r"peak_flops=-1.0 must be a finite positive number"),
+           ({"compute_time": "bogus"}, r"compute_time='bogus'")]
+    for change, match in bad:
+        profile = dataclasses.replace(cpu, **change)
+        with pytest.raises(ValueError, match=r"hardware=HardwareProfile\(name='cpu'\): " + match):
+            load_profile(profile)
+        with pytest.raises(ValueError, match=match):
+            jaxpar.shard(lambda x: x, hardware=profile)
+    assert load_profile(cpu) == cpu
+
+
+def test_a_rate_below_one_is_refused_before_its_prices_overflow():
+    # bandwidth: 1e-300 passed (finite, positive) and every search failed on an inf
+    # resharding cost, naming neither the profile nor the key.
+    good = profile_to_dict(load_profile("cpu"))
+    with pytest.raises(ValueError, match=r"intra: bandwidth=1e-300 must be .* at least 1"):
+        profile_from_dict(good | {"intra": good["intra"] | {"bandwidth": 1e-300}})
+    with pytest.raises(ValueError, match=r"peak_flops=0.5 must be .* at least 1"):
+        profile_from_dict(good | {"peak_flops": 0.5})
+    assert profile_from_dict(good | {"intra": good["intra"] | {"latency": 0.0}})
+
+
+def test_devices_per_node_must_split_the_mesh_and_measured_axes_must_be_on_it():
+    good = profile_to_dict(load_profile("cpu"))
+    three = profile_from_dict(good | {"devices_per_node": 3})
+    assert three.devices_in_node(MeshInfo(("a",), (3,))) == 3
+    with pytest.raises(ValueError, match=r"devices_per_node=3 does not split a mesh of 8"):
+        three.devices_in_node(MeshInfo(("a", "b"), (4, 2)))
+    with pytest.raises(ValueError, match=r"devices_per_node=3 does not split a mesh of 8"):
+        jaxpar.shard(lambda x: x, hardware=three, mesh=make_mesh(8))
+    link = {"name": "measured", "bandwidth": 1e9, "latency": 1e-5}
+    measured = profile_from_dict(good | {"axes": {"gpu": link, "nosuch": link}})
+    mesh = make_mesh((2, 4), ("node", "gpu"))
+    with pytest.warns(UserWarning, match=r"measured links are for axes \['nosuch'\]"):
+        jaxpar.shard(lambda x: x, hardware=measured, mesh=mesh)
+
 def test_measured_collectives_and_a_null_inter_still_load():
     good = profile_to_dict(load_profile("cpu"))
     link = {"name": "l", "bandwidth": 1e9, "latency": 0,

@@ -106,6 +106,11 @@ class HardwareProfile:
     def devices_in_node(self, mesh: MeshInfo) -> int:
         """How many consecutive devices of `mesh` share one node."""
         if self.devices_per_node > 0:
+            if mesh.size > self.devices_per_node and mesh.size % self.devices_per_node:
+                raise ValueError(
+                    f"hardware profile {self.name!r}: devices_per_node={self.devices_per_node} "
+                    f"does not split a mesh of {mesh.size} devices into whole nodes; give a "
+                    f"divisor of {mesh.size}, or {mesh.size} or more (one node holds it).")
             return self.devices_per_node
         if mesh.size > self.nodes and mesh.size % self.nodes:
             raise ValueError(f"hardware profile {self.name!r}: nodes={self.nodes} does not split "
@@ -123,6 +128,11 @@ class HardwareProfile:
         node = np.arange(mesh.size).reshape(mesh.sizes) // self.devices_in_node(mesh)
         return tuple(name for i, name in enumerate(mesh.names)
                      if mesh.sizes[i] > 1 and bool(np.any(np.ptp(node, axis=i) > 0)))
+
+    def unknown_axes(self, mesh: MeshInfo) -> tuple[str, ...]:
+        """The axes of `axes` (measured links) that `mesh` has no axis of that name for: their
+        figures price nothing on it."""
+        return tuple(name for name in self.axes if name not in mesh.names)
 
     def axis_links(self, mesh: MeshInfo) -> dict[str, Link]:
         """The link each mesh axis communicates over: its measured link (`axes`) by name, else
@@ -154,7 +164,7 @@ def load_profile(profile: str | Path | HardwareProfile | None) -> HardwareProfil
       'ring'
     """
     if isinstance(profile, HardwareProfile):
-        return profile
+        return _checked(profile)
     if profile is None:
         profile = "cpu"
     if not isinstance(profile, str | Path):
@@ -172,6 +182,17 @@ def load_profile(profile: str | Path | HardwareProfile | None) -> HardwareProfil
                          f"({first}). Fix the file, or pass a profile name: "
                          f"{available_profiles()}.") from None
     return profile_from_dict(data, str(path))
+
+
+def _checked(profile: HardwareProfile) -> HardwareProfile:
+    """A HardwareProfile made in Python, checked as a YAML one is (profile_from_dict): a
+    ValueError naming the field, before anything is priced with it."""
+    where = f"hardware=HardwareProfile(name={_show(profile.name)})"
+    try:
+        data = profile_to_dict(profile)
+    except (TypeError, AttributeError, ValueError) as err:
+        raise ValueError(f"{where}: malformed hardware profile ({err}).") from None
+    return profile_from_dict(data, where)
 
 
 def is_path(text: str) -> bool:
@@ -277,15 +298,20 @@ def _collectives(data, where: str) -> dict[str, dict[str, float]]:
 
 
 def _number(value, where: str, zero: bool = False) -> float:
-    """A positive float (non-negative with zero=True) from YAML, where 5e9 reads as a string."""
+    """A float of at least 1 (non-negative with zero=True) from YAML, where 5e9 reads as a
+    string."""
     try:
         x = float("nan") if isinstance(value, bool) else float(value)
     except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond 1.8e308
         x = float("nan")
-    if not (x >= 0 if zero else x > 0) or not math.isfinite(x):
-        raise ValueError(f"{where}={_show(value)} must be a finite "
-                         f"{'non-negative' if zero else 'positive'} number (bytes, bytes/s, "
-                         "flop/s or seconds) below 1.8e+308, e.g. 5.0e+9.")
+    # A latency may be 0; a rate or a size is divided by, and below 1 (byte/s, flop/s) its
+    # prices overflow to inf (1e-300 bytes/s passed, and failed deep in the search).
+    if not (x >= 0 if zero else x >= 1) or not math.isfinite(x):
+        raise ValueError(
+            f"{where}={_show(value)} must be a finite "
+            + ("non-negative number of seconds" if zero else
+               "positive number of at least 1 (bytes, bytes/s or flop/s: prices divide by it)")
+            + " below 1.8e+308, e.g. " + ("5.0e-6." if zero else "5.0e+9."))
     return x
 
 
