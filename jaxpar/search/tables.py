@@ -169,7 +169,7 @@ def latency_shares(graph: OpGraph) -> Callable[[int], float]:
     return lambda v: inside if v in tail else 1.0
 
 
-def _last_points(graph: OpGraph) -> dict[int, int]:
+def last_points(graph: OpGraph) -> dict[int, int]:
     """The last program point at which each op's result is alive, as plan.peak_memory counts
     it: its last reader's index; len(graph.ops) for the program's outputs and for results
     nothing reads (plan.peak_memory frees a value after its last reader only)."""
@@ -226,7 +226,7 @@ class _Builder:
         self._first: dict[int, tuple] = {}     # free input -> (node, side, i) its specs
                                                # come from (its first reader's operand)
         self._links: list[tuple] = []          # _link's arguments, in order
-        self._last: dict[int, int] | None = None  # value -> its last program point (_split)
+        self._last: dict[int, int] | None = None  # value -> its last program point (last_points)
         self._parts: dict[tuple, np.ndarray] = {}  # (id(list), results) -> their bytes
 
     def _add_node(self, cands, own, cost: np.ndarray, mem: np.ndarray, key=None) -> int:
@@ -304,7 +304,7 @@ class _Builder:
         until its own last reader, as plan.peak_memory counts it (a scan's final carry, read
         once, is not held while the stacked residuals it made wait for the backward pass)."""
         if self._last is None:
-            self._last = _last_points(self.graph)
+            self._last = last_points(self.graph)
         by_end: dict[int, list[int]] = {}
         for j, v in enumerate(op.outputs):
             by_end.setdefault(self._last[v], []).append(j)
