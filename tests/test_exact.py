@@ -175,8 +175,14 @@ def test_folded_tables_price_every_agreeing_choice_alike(always_tie):
         where[node] = folded.op_nodes[x]
     for v, node in t.input_nodes.items():
         where[node] = folded.input_nodes[v]
-    assert len(grouped.cands) == len(t.cands) and not grouped.count  # every op a node ...
-    groups = grouped.tied  # ... and what the solver ties with a memory budget
+    # Every op a node (and after them, a node for each further point at which some of an
+    # op's results die: their memory counted apart) ...
+    split = len(grouped.spans) - len({first for first, _ in grouped.spans.values()})
+    assert len(grouped.cands) == len(t.cands) + split and not grouped.count
+    assert all(node >= len(t.cands) for node in grouped.spans if node not in
+               set(grouped.op_nodes.values()))
+    # ... and what the solver ties with a memory budget
+    groups = [[n for n in g if n < len(t.cands)] for g in grouped.tied]
     assert all(len({where[n] for n in g}) == 1 for g in groups)
     assert len(folded.cands) == len(t.cands) - sum(len(g) - 1 for g in groups)
     assert len(folded.edges) < len(t.edges)

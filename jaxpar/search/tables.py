@@ -228,6 +228,7 @@ class _Builder:
         self._links: list[tuple] = []          # _link's arguments, in order
         self._last: dict[int, int] | None = None  # value -> its last program point (last_points)
         self._parts: dict[tuple, np.ndarray] = {}  # (id(list), results) -> their bytes
+        self._splits: list[tuple] = []         # (op, its node) for _split_results, in order
 
     def _add_node(self, cands, own, cost: np.ndarray, mem: np.ndarray, key=None) -> int:
         """A node for one op or free input; folded, the node of its kind (`key`) when there
@@ -279,7 +280,7 @@ class _Builder:
             if not self.fold:  # the bodies' memory, held while the op runs only
                 self._while_running(node, op.index, bodies)
                 if len(op.outputs) > 1:
-                    self._split_results(op, node)
+                    self._splits.append((op, node))
             return node
         cands, own = self._candidates(op, share)
         if self.allow is not None:
@@ -294,7 +295,7 @@ class _Builder:
         key = None if self.classes is None else (self.classes[op.index], id(cands))
         node = self._add_node(cands, own, hit[1], hit[2], key)
         if not self.fold and len(op.outputs) > 1:
-            self._split_results(op, node)
+            self._splits.append((op, node))
         return node
 
     def _split_results(self, op, node: int) -> None:
@@ -302,7 +303,8 @@ class _Builder:
         different program points holds the results that die at each point in a node of its
         own, tied to the op's (same candidates, no cost; Tables.spans), so that each counts
         until its own last reader, as plan.peak_memory counts it (a scan's final carry, read
-        once, is not held while the stacked residuals it made wait for the backward pass)."""
+        once, is not held while the stacked residuals it made wait for the backward pass).
+        Made by finish(), after the ops' and free inputs' nodes, which keep their numbers."""
         if self._last is None:
             self._last = last_points(self.graph)
         by_end: dict[int, list[int]] = {}
@@ -474,6 +476,8 @@ class _Builder:
         t = self.t
         for v in self._first:
             t.input_nodes[v] = self._input_node(v)
+        for op, node in self._splits:
+            self._split_results(op, node)
         scaled: dict[tuple, np.ndarray] = {}
         merged: dict[tuple, list] = {}  # links with one key (one matrix between the same
                                         # two nodes' ports) become one, times their number
