@@ -459,3 +459,31 @@ def test_problem_validation_names_the_culprit(kwargs, match):
 
 def test_docstring_examples_run():
     assert doctest.testmod(dynamic).failed == 0
+
+
+@pytest.mark.parametrize("frustrated", [False, True])
+def test_an_integral_lp_relaxation_is_the_answer_and_a_fractional_one_goes_to_the_mip(
+        monkeypatch, frustrated):
+    # Four nodes all joined (no elimination), two candidates each. Agreeing pays nothing
+    # and the first candidate is cheaper: the LP relaxation's vertex is integral, the optimum,
+    # and HiGHS's MIP is not started. Agreeing costs 1 on every edge (an odd cycle of
+    # disagreements cannot be had): the LP's optimum puts 1/2 on each candidate and scores 0,
+    # so the MIP runs and finds the brute-force optimum.
+    same, apart = (1.0, 0.0) if frustrated else (0.0, 1.0)
+    k = np.array([[same, apart], [apart, same]])
+    problem = Problem(tuple(np.array([0.0, 0.1]) for _ in range(4)),
+                      tuple((u, v, k) for u, v in itertools.combinations(range(4), 2)))
+    core = reduce_problem(problem)
+    assert len(core.alive) == 4
+    cands = {v: np.arange(len(core.cost[v])) for v in core.alive}
+    pairs = {key: np.argwhere(np.ones(e.K.shape, dtype=bool)) for key, e in core.edges.items()}
+    mips = []
+    real = dynamic.milp
+    monkeypatch.setattr(dynamic, "milp", lambda *a, **kw: mips.append(1) or real(*a, **kw))
+    found, bound, proven = dynamic._solve_ilp(problem, core, (cands, pairs),
+                                              dynamic._scale(core), 1e9, 1e-9)
+    assert proven and len(mips) == int(frustrated)
+    exact = brute_force(problem)
+    got = core.expand(found)
+    assert objective(problem, got) == pytest.approx(exact.cost, abs=1e-12)
+    assert bound == pytest.approx(exact.cost, abs=1e-9)

@@ -29,8 +29,10 @@ Method, each step exact:
     e_uv[p, q] >= 0,   sum_q e_uv[p, q] = sum_(s in p) x_u[s],   sum_p e_uv[p, q] = ...x_v
     min  sum c_i . x_i + sum K_uv . e_uv,   memory rows per live set <= budget
 
-   (the textbook linearisation e >= x_u + x_v - 1 is weak and not used). If HiGHS stops at the
-   time limit, the best assignment found is returned with its gap to the best bound.
+   (the textbook linearisation e >= x_u + x_v - 1 is weak and not used). Without memory rows
+   the LP relaxation is solved first: on resharding costs it is often integral, and then the
+   optimum. If HiGHS stops at the time limit, the best assignment found is returned with its
+   gap to the best bound.
 4. A memory budget the cheapest assignment breaks is relaxed the Lagrangian way (its most
    overflowing live set's bytes priced, steps 1-3 per price) for a bound and fitting
    assignments, then the ILP with every live set's row closes what gap it can in the time left.
@@ -44,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy import sparse
-from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
 from jaxpar.search.compress import Core, reduce_problem
 from jaxpar.search.dual import DualAscent, LocalSearch, ascend, fixing
@@ -62,6 +64,7 @@ PRICE_STEPS = 10
 # not started (the dual's best assignment stands).
 ILP_SHARE = 0.9
 ILP_LOAD_S_PER_VAR = 8e-6
+_INTEGRAL = 1e-7  # an LP solution's x this close to 0 or 1 counts as integral
 
 
 @dataclass(frozen=True)
@@ -482,7 +485,10 @@ def _finish_ilp(problem: Problem, core: Core, search: LocalSearch, keep: tuple[d
 
 def _solve_ilp(problem: Problem, core: Core, keep: tuple[dict, dict], scale: float,
                deadline: float, rel_gap: float) -> tuple[dict | None, float, bool]:
-    """(assignment or None, lower bound, proven optimal) from HiGHS on the kept variables."""
+    """(assignment or None, lower bound, proven optimal) from HiGHS on the kept variables.
+    Without memory rows its LP relaxation is solved first (dual simplex, a vertex): when
+    every x is 0 or 1 it is the optimum, found without the MIP's presolve and heuristics (a
+    mesh axis of a 48-layer GPT step solved again: 0.3 s against 0.45 s). Else the MIP."""
     cands, pairs = keep
     c, constraints, xoff, nvar = _build_ilp(problem, core, cands, pairs, scale)
     integrality = (np.arange(nvar) < xoff[-1]).astype(int)  # x binary, e and m continuous
@@ -493,6 +499,15 @@ def _solve_ilp(problem: Problem, core: Core, keep: tuple[dict, dict], scale: flo
     if limit < 0.05 and load > 0.05:
         return None, -np.inf, False
     limit = max(limit, 0.05)
+    if core.rows is None:  # no memory rows: the LP relaxation is often integral already
+        lp = linprog(c, A_eq=constraints[0].A, b_eq=constraints[0].lb, bounds=(0, 1),
+                     method="highs-ds", options={"time_limit": limit})
+        x = lp.x[:xoff[-1]] if lp.status == 0 else None
+        if x is not None and np.all((x < _INTEGRAL) | (x > 1 - _INTEGRAL)):
+            return ({v: int(cands[v][np.argmax(lp.x[a:b])])
+                     for v, a, b in zip(sorted(cands), xoff[:-1], xoff[1:], strict=True)},
+                    float(lp.fun) * scale, True)
+        limit = max(ILP_SHARE * (deadline - time.perf_counter()) - load, 0.05)
     res = milp(c, integrality=integrality, bounds=Bounds(0, upper), constraints=constraints,
                options={"time_limit": limit, "mip_rel_gap": rel_gap})
     if res.status == 2 and problem.has_budget:
