@@ -579,7 +579,7 @@ def test_a_budget_counts_each_result_of_a_loop_until_its_own_last_reader(mode):
     stacked residuals at the backward scan. The exact search's live sets held all of them
     until the last one's reader (a node's results as one), so a plan that peaks at 7,440
     bytes (plan.peak_memory) counted 7,696 there: budgets of 7,440 and 7,500 were refused,
-    "the smallest peak ... is 7680 bytes", by both modes, where a budget of 7,696 got that
+    "the smallest peak of those is 7696 bytes", by both modes, where a budget of 7,696 got that
     very plan."""
     import numpy as np
 
