@@ -510,11 +510,14 @@ class ShardedFunction:
                                           self.opts.memory_budget, ties=ties)
             verdict = "optimal" if sol.optimal else f"stopped at gap {sol.gap:.1%}"
             over = [what for what, holds in (
+                ("whose matmuls and convolutions are cut as far as their shapes allow",
+                 not model.recompute_heavy),  # Alpa's rule (cost/model.py)
                 ("whose repeated layers agree", sol.repeats_tied),  # exact.repeats: tied
                 ("of its loops' and conds' bodies it tried",  # a few each: regions.py
                  any(op.regions for op in graph.ops))) if holds]
             if over:
-                verdict += " over the plans " + " and ".join(over)
+                verdict += " over the plans " + (" and ".join(over) if len(over) < 3 else
+                                                  ", ".join(over[:-1]) + " and " + over[-1])
             notes = [f"dynamic_programming: {verdict} ({sol.method}, {sol.seconds:.2f} s)"]
             loops = any(op.name in LOOPS for op in graph.ops)
             if (loops or not sol.optimal) and self.opts.memory_budget is None:

@@ -53,7 +53,7 @@ def test_exact_plan_is_never_costlier_than_propagation_and_runs_right(name):
                          hardware="h100-nvlink")
     p_exact = exact.plan(*args)
     assert any("dynamic_programming: optimal" in n for n in p_exact.notes)
-    bodies = "over the plans of its loops' and conds' bodies it tried"  # not every plan
+    bodies = "and of its loops' and conds' bodies it tried"  # not every plan
     assert any(bodies in n for n in p_exact.notes) == (name in ("scan_layers", "cond_and_fori"))
     assert "dynamic_programming: optimal" in p_exact.explain()
     got, want = exact(*args), jax.jit(fn)(*args)
@@ -491,4 +491,5 @@ def test_a_plan_with_tied_layers_says_its_optimum_is_over_plans_whose_layers_agr
     plan = jaxpar.shard(step, search_mode="dynamic_programming", mesh=jaxpar.make_mesh(4)
                         ).plan(*args)
     assert plan.notes[0].startswith(
-        "dynamic_programming: optimal over the plans whose repeated layers agree (")
+        "dynamic_programming: optimal over the plans whose matmuls and convolutions are cut "
+        "as far as their shapes allow and whose repeated layers agree (")
