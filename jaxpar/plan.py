@@ -786,16 +786,11 @@ def peak_memory(graph, gp: GraphPlan, mesh: MeshInfo) -> float:
         spec = specs.get(v)
         return values[v].nbytes / spec.shards(mesh) if spec is not None else values[v].nbytes
 
-    last = {}  # value -> the op that reads it last
-    for op in graph.ops:
-        for v in op.inputs:
-            if type(v) is int:
-                last[v] = op
-    keep = set(graph.inputs) | {v for v in graph.outputs if type(v) is int}
+    inputs, end = set(graph.inputs), len(graph.ops)
     freed: dict[int, list[int]] = {}  # op index -> the values dead after it
-    for v, op in last.items():
-        if v not in keep:
-            freed.setdefault(op.index, []).append(v)
+    for v, point in graph.last_points().items():  # (outputs, and results nothing reads: end)
+        if point < end and v not in inputs:
+            freed.setdefault(point, []).append(v)
     live = sum(size(v) for v in graph.inputs) + sum(size(v) for v in graph.consts)
     peak = live
     for op in graph.ops:

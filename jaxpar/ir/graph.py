@@ -127,6 +127,25 @@ class OpGraph:
                     uses.setdefault(v, []).append((op, i))
         return uses
 
+    def last_points(self) -> dict[int, int]:
+        """The last program point (op index) at which each value an op reads or makes is
+        alive: its last reader's; len(ops) for the program's outputs and for results nothing
+        reads (never freed). The one liveness rule of plan.peak_memory and the exact search's
+        live sets (exact.live_ranges), so the two count a plan's peak alike."""
+        end = len(self.ops)
+        last: dict[int, int] = {}
+        for op in self.ops:
+            for v in op.inputs:
+                if isinstance(v, int):
+                    last[v] = op.index
+        for v in self.outputs:
+            if isinstance(v, int):
+                last[v] = end
+        for op in self.ops:
+            for v in op.outputs:
+                last.setdefault(v, end)
+        return last
+
     def shape(self, v: int | Lit) -> tuple[int, ...]:
         return v.shape if isinstance(v, Lit) else self.values[v].shape
 

@@ -73,7 +73,7 @@ from jaxpar.rules.registry import has_rule
 from jaxpar.search.dynamic import Problem, Solution, objective, solve
 from jaxpar.search.propagation import Choice, GraphPlan
 from jaxpar.search.regions import LOOPS, RESULT_SPECS
-from jaxpar.search.tables import Allow, Region, Tables, build_tables, last_points
+from jaxpar.search.tables import Allow, Region, Tables, build_tables
 from jaxpar.spec import Spec
 
 _LOOP_PASSES = 4  # at most this many solves again with loop bodies planned for their neighbours
@@ -432,7 +432,7 @@ def live_ranges(graph: OpGraph, t: Tables) -> np.ndarray:
     results nothing reads); a free input's throughout; what a region op's bodies add, at the
     op's own point (t.running); an op whose results die at different points, each node of
     it to its results' point (t.spans). plan.peak_memory counts the same."""
-    last = last_points(graph)
+    last = graph.last_points()
     ranges = np.zeros((len(t.cands), 2), dtype=np.int64)
     ranges[list(t.input_nodes.values()), 1] = len(graph.ops)
     for op in graph.ops:

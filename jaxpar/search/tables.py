@@ -169,25 +169,6 @@ def latency_shares(graph: OpGraph) -> Callable[[int], float]:
     return lambda v: inside if v in tail else 1.0
 
 
-def last_points(graph: OpGraph) -> dict[int, int]:
-    """The last program point at which each op's result is alive, as plan.peak_memory counts
-    it: its last reader's index; len(graph.ops) for the program's outputs and for results
-    nothing reads (plan.peak_memory frees a value after its last reader only)."""
-    end = len(graph.ops)
-    last: dict[int, int] = {}
-    for op in graph.ops:
-        for v in op.inputs:
-            if isinstance(v, int):
-                last[v] = op.index
-    for v in graph.outputs:
-        if isinstance(v, int):
-            last[v] = end
-    for op in graph.ops:
-        for v in op.outputs:
-            last.setdefault(v, end)
-    return last
-
-
 def _classes(specs) -> tuple[tuple[Spec, ...], np.ndarray]:
     distinct: dict[Spec, int] = {}
     idx = [distinct.setdefault(s.resolved(), len(distinct)) for s in specs]
@@ -226,7 +207,7 @@ class _Builder:
         self._first: dict[int, tuple] = {}     # free input -> (node, side, i) its specs
                                                # come from (its first reader's operand)
         self._links: list[tuple] = []          # _link's arguments, in order
-        self._last: dict[int, int] | None = None  # value -> its last program point (last_points)
+        self._last: dict[int, int] | None = None  # value -> its last program point
         self._parts: dict[tuple, np.ndarray] = {}  # (id(list), results) -> their bytes
         self._splits: list[tuple] = []         # (op, its node) for _split_results, in order
 
@@ -306,7 +287,7 @@ class _Builder:
         once, is not held while the stacked residuals it made wait for the backward pass).
         Made by finish(), after the ops' and free inputs' nodes, which keep their numbers."""
         if self._last is None:
-            self._last = last_points(self.graph)
+            self._last = self.graph.last_points()
         by_end: dict[int, list[int]] = {}
         for j, v in enumerate(op.outputs):
             by_end.setdefault(self._last[v], []).append(j)
