@@ -131,10 +131,11 @@ def sharding_propagation(graph: OpGraph, model: CostModel, fixed_in: dict[int, S
                               model.mesh.names[::-1],
                               lambda gp: objective(graph, model, gp, fixed_out, ties),
                               before=score, held=pinned)
-    if memory_budget is not None and peak_memory(graph, better, model.mesh) > memory_budget:
-        # Over the budget: the propagated plan where it holds less (the caller refuses a
-        # plan over the budget, quoting its peak: the leaner one's, then).
-        if peak_memory(graph, starts[k], model.mesh) < peak_memory(graph, better, model.mesh):
-            return starts[k], ["sharding_propagation: the refined plan was over memory_budget; "
-                               "the propagated one is kept (it holds less)"]
+    peak = None if memory_budget is None else peak_memory(graph, better, model.mesh)
+    # Over the budget: the propagated plan where it holds less (the caller refuses a plan
+    # over the budget, quoting its peak: the leaner one's, then).
+    if peak is not None and peak > memory_budget and \
+            peak_memory(graph, starts[k], model.mesh) < peak:
+        return starts[k], ["sharding_propagation: the refined plan was over memory_budget; the "
+                           "propagated one is kept (it holds less)"]
     return better, []
