@@ -495,21 +495,28 @@ def _solve_ilp(problem: Problem, core: Core, keep: tuple[dict, dict], scale: flo
     upper = np.ones(nvar)  # (HiGHS can hang on integer variables without an upper bound)
     upper[nvar - (len(core.terms) if core.rows is not None else 0):] = np.inf
     load = ILP_LOAD_S_PER_VAR * nvar
-    limit = ILP_SHARE * (deadline - time.perf_counter()) - load
-    if limit < 0.05 and load > 0.05:
-        return None, -np.inf, False
-    limit = max(limit, 0.05)
-    if core.rows is None:  # no memory rows: the LP relaxation is often integral already
+
+    def limit() -> float | None:
+        """HiGHS's time limit: ILP_SHARE of the time left less the load (at least 0.05 s),
+        or None when only the load would fit (HiGHS is then not started)."""
+        left = ILP_SHARE * (deadline - time.perf_counter()) - load
+        return None if left < 0.05 and load > 0.05 else max(left, 0.05)
+
+    seconds = limit()
+    # No memory rows: the LP relaxation is often integral already, and then the optimum.
+    if seconds is not None and core.rows is None:
         lp = linprog(c, A_eq=constraints[0].A, b_eq=constraints[0].lb, bounds=(0, 1),
-                     method="highs-ds", options={"time_limit": limit})
+                     method="highs-ds", options={"time_limit": seconds})
         x = lp.x[:xoff[-1]] if lp.status == 0 else None
         if x is not None and np.all((x < _INTEGRAL) | (x > 1 - _INTEGRAL)):
             return ({v: int(cands[v][np.argmax(lp.x[a:b])])
                      for v, a, b in zip(sorted(cands), xoff[:-1], xoff[1:], strict=True)},
                     float(lp.fun) * scale, True)
-        limit = max(ILP_SHARE * (deadline - time.perf_counter()) - load, 0.05)
+        seconds = limit()
+    if seconds is None:
+        return None, -np.inf, False
     res = milp(c, integrality=integrality, bounds=Bounds(0, upper), constraints=constraints,
-               options={"time_limit": limit, "mip_rel_gap": rel_gap})
+               options={"time_limit": seconds, "mip_rel_gap": rel_gap})
     if res.status == 2 and problem.has_budget:
         _check_budget(problem)  # raises the user-facing message when the budget is the cause
     if res.status not in (0, 1, 2):
