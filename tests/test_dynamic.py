@@ -466,9 +466,9 @@ def test_an_integral_lp_relaxation_is_the_answer_and_a_fractional_one_goes_to_th
         monkeypatch, frustrated):
     # Four nodes all joined (no elimination), two candidates each. Agreeing pays nothing
     # and the first candidate is cheaper: the LP relaxation's vertex is integral, the optimum,
-    # and HiGHS's MIP is not started. Agreeing costs 1 on every edge (an odd cycle of
-    # disagreements cannot be had): the LP's optimum puts 1/2 on each candidate and scores 0,
-    # so the MIP runs and finds the brute-force optimum.
+    # and HiGHS's MIP is not started. Agreeing costs 1 on every edge (four nodes cannot all
+    # disagree pairwise): the LP's optimum puts 1/2 on each candidate and scores 0.2 against
+    # the integral optimum's 2.2, so the MIP runs and finds the brute-force optimum.
     same, apart = (1.0, 0.0) if frustrated else (0.0, 1.0)
     k = np.array([[same, apart], [apart, same]])
     problem = Problem(tuple(np.array([0.0, 0.1]) for _ in range(4)),
