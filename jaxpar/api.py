@@ -215,14 +215,17 @@ def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, sea
     check_auto_axes(mesh, f"{caller}(mesh=...)")
     if isinstance(memory_budget, str) and memory_budget == "hardware":  # the profile's memory
         memory_budget = load_profile(hardware).memory_bytes
-    if memory_budget is not None and (not isinstance(memory_budget, numbers.Real)
-                                      or isinstance(memory_budget, bool)
-                                      or not is_finite(memory_budget) or memory_budget < 1):
-        raise ValueError(f"{caller}(memory_budget={memory_budget!r}): give a number of bytes per "
-                         "device, at least 1 (16e9 for 16 GB), 'hardware' for the hardware "
-                         "profile's memory, or None for no budget.")
-    if not isinstance(mem_coeff, numbers.Real) or isinstance(mem_coeff, bool) or \
-            not is_finite(mem_coeff) or mem_coeff < 0:
+    if memory_budget is not None:
+        budget_rule = ("give a number of bytes per device, at least 1 (16e9 for 16 GB), "
+                       "'hardware' for the hardware profile's memory, or None for no budget.")
+        if not isinstance(memory_budget, numbers.Real) or isinstance(memory_budget, bool):
+            raise (ValueError if isinstance(memory_budget, str) else TypeError)(
+                f"{caller}(memory_budget={memory_budget!r}): {budget_rule}")
+        if not is_finite(memory_budget) or memory_budget < 1:
+            raise ValueError(f"{caller}(memory_budget={memory_budget!r}): {budget_rule}")
+    if not isinstance(mem_coeff, numbers.Real) or isinstance(mem_coeff, bool):
+        raise TypeError(f"{caller}(mem_coeff={mem_coeff!r}): must be a finite number >= 0.")
+    if not is_finite(mem_coeff) or mem_coeff < 0:
         raise ValueError(f"{caller}(mem_coeff={mem_coeff!r}): must be a finite number >= 0.")
     if parameter_plan is not None and not isinstance(parameter_plan, dict):
         raise TypeError(f"{caller}(parameter_plan={parameter_plan!r}): must be a dict mapping "

@@ -362,8 +362,12 @@ BAD_OPTIONS = [
                  id="level=np.array(1)"),
     pytest.param({"level": np.array([0, 1])}, ValueError, r"level=array", id="level=array"),
     ({"level": 1.0}, ValueError, r"level=1.0.*the int"),
-    pytest.param({"memory_budget": np.array([1e9, 2e9])}, ValueError, r"memory_budget=array",
+    pytest.param({"memory_budget": np.array([1e9, 2e9])}, TypeError, r"memory_budget=array",
                  id="memory_budget=array"),
+    # the wrong type is a TypeError, as set_auto_parallel_context raises it (was ValueError)
+    ({"memory_budget": True}, TypeError, r"memory_budget=True.*number of bytes"),
+    ({"memory_budget": [1e9]}, TypeError, r"memory_budget=\[1000000000.0\]"),
+    ({"mem_coeff": "0.1"}, TypeError, r"mem_coeff='0.1'.*finite number"),
     ({"search_mode": "magic"}, ValueError, r"search_mode='magic'"),
     ({"device": "Ascend"}, ValueError, r"device='Ascend'"),
     ({"mesh": "8"}, TypeError, r"mesh='8'.*Mesh"),
