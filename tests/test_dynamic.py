@@ -249,7 +249,7 @@ def test_methods_chain_tree_dp_and_core():
     assert solve(chain).method == "chain-dp"
     assert solve(star).method == "tree-dp"
     assert solve(diamond).method == "dp"  # series-parallel: eliminated, no core left
-    assert solve(clique).method in ("dual", "ilp")  # every node has degree 3
+    assert solve(clique).method in ("dual", "lp", "ilp")  # every node has degree 3
     for p in (chain, star, diamond, clique):
         assert solve(p).cost == brute_force(p).cost == 0.0
 
@@ -269,6 +269,25 @@ def test_small_core_goes_to_the_ilp_after_four_sweeps(monkeypatch):
     assert (got.method, got.optimal, got.cost) == ("ilp", True, 10.0)
     assert sum(not k.get("balanced") for k in sweeps) == 4
     assert got.cost == brute_force(problem).cost
+
+
+def test_a_small_core_with_an_integral_lp_is_solved_by_the_lp_without_dual_ascent(monkeypatch):
+    # A 4-clique that pays for disagreeing, candidates priced apart per node: the LP
+    # relaxation's vertex is integral (everyone on the cheapest common candidate), so the core
+    # (well under FIX_SIZE) is answered by one LP, no dual sweep and no MIP.
+    sweeps, mips = [], []
+    monkeypatch.setattr(dual.DualAscent, "sweep", lambda *a, **k: sweeps.append(1))
+    monkeypatch.setattr(dynamic, "milp", lambda *a, **k: mips.append(1))
+    apart = 1.0 - np.eye(3)
+    costs = (np.array([3.0, 1.0, 2.0]), np.array([0.0, 1.5, 2.0]), np.array([1.0, 0.2, 0.0]),
+             np.array([0.5, 0.1, 4.0]))
+    problem = Problem(costs, tuple((a, b, apart) for a in range(4) for b in range(a + 1, 4)))
+    assert len(reduce_problem(problem).alive) == 4
+    got = solve(problem)
+    assert (got.method, got.optimal, got.gap) == ("lp", True, 0.0)
+    assert not sweeps and not mips
+    exact = brute_force(problem)
+    assert got.cost == pytest.approx(exact.cost) and got.choice.tolist() == exact.choice.tolist()
 
 
 def test_zero_parallel_and_pinned_edges_do_not_break_a_chain():
@@ -378,7 +397,7 @@ def layout_dag(seed: int, n: int = 40, k: int = 25, m: int = 60) -> Problem:
 def test_scale_forty_nodes_twenty_five_candidates():
     problem = layout_dag(0)  # 1,000 binaries and 37,500 edge variables
     got = solve(problem, time_limit=60.0)
-    assert got.method in ("dual", "ilp") and got.optimal and got.gap == 0.0
+    assert got.method in ("dual", "lp", "ilp") and got.optimal and got.gap == 0.0
     assert got.choice.shape == (40,) and got.choice.dtype == np.int64
     assert np.all((got.choice >= 0) & (got.choice < 25))
     assert got.cost == pytest.approx(objective(problem, got.choice))
