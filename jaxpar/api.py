@@ -36,7 +36,6 @@ from jaxpar.cost.manual import off_mesh
 from jaxpar.cost.model import CostModel
 from jaxpar.distributed import check_joined, digest, gather_rows
 from jaxpar.ir import arg_paths, build_graph, trace
-from jaxpar.ir.trace import shape_only
 from jaxpar.lower.jit import build_callable, placeable
 from jaxpar.mesh import abstract_mesh, make_mesh, mesh_devices, planning_shape
 from jaxpar.plan import Plan, build_plan
@@ -438,11 +437,12 @@ class ShardedFunction:
                  if p.fingerprint == traced.fingerprint and p.mesh == model.mesh),
                 self._pinned[0])
             pinned.check_matches(traced.fingerprint, model.mesh)
+            pinned.check_structure(traced.in_tree, traced.out_tree)
             pinned.check_fits(graph)
             if self._strict:
                 _check_pinned(pinned, fixed, out_fixed, paths)
             _check_budget(pinned, o.memory_budget, pinned=True)  # a saved plan answers to it
-            return self._finish(graph, pinned, args, donated)
+            return self._finish(graph, pinned, args, donated, traced)
         fixed_in = {graph.inputs[i]: s for i, s in enumerate(fixed) if s}
         fixed_out = {i: s for i, s in enumerate(out_fixed) if s}
         unsure: dict[int, list[int]] = {}
@@ -493,7 +493,7 @@ class ShardedFunction:
                               profile.name, weights)
         plan.notes, plan.decisions = notes, decisions
         _check_budget(plan, o.memory_budget)
-        return self._finish(graph, plan, args, donated)
+        return self._finish(graph, plan, args, donated, traced)
 
     def _search(self, graph, model, fixed_in, fixed_out, ties, index: GraphIndex | None,
                 kept: dict[int, frozenset[str]] | None = None):
@@ -537,13 +537,11 @@ class ShardedFunction:
                                          self.opts.memory_budget)
         return gp, notes, []
 
-    def _finish(self, graph, plan: Plan, args, donated: set[int]) -> _Compiled:
-        if plan.in_tree is None:  # a loaded plan: take the structure from these arguments
-            plan.in_tree = jax.tree_util.tree_structure(args)
-            plan.out_tree = jax.tree_util.tree_structure(jax.eval_shape(
-                self.fn, *jax.tree_util.tree_map(shape_only, args)))
+    def _finish(self, graph, plan: Plan, args, donated: set[int], traced) -> _Compiled:
+        if plan.in_tree is None:  # a loaded plan: bound to these arguments' structure (its
+            plan.in_tree, plan.out_tree = traced.in_tree, traced.out_tree  # own was checked)
         donate = tuple(i for i, owner in enumerate(leaf_owners(args)) if owner in donated)
-        in_tree, out_tree, fn = plan.in_tree, plan.out_tree, self.fn
+        in_tree, out_tree, fn = traced.in_tree, traced.out_tree, self.fn
 
         def source(*flat):  # fn of the flat inputs, returning its flat outputs
             out = fn(*jax.tree_util.tree_unflatten(in_tree, list(flat)))
@@ -748,9 +746,12 @@ def array_arguments(fn, args: tuple, leaves: list | None = None, tree=None
     if leaves is None:
         leaves, tree = jax.tree_util.tree_flatten(args)
     for k, x in enumerate(leaves):  # numpy arrays JAX cannot hold: named before tracing
-        if isinstance(x, np.ndarray | np.generic) and x.dtype.kind in _NOT_JAX and not \
-                jnp.issubdtype(x.dtype, jnp.number):  # ml_dtypes' (bfloat16, ...) are 'V'
-            raise TypeError(f"argument {arg_paths(fn, args)[k]} is a numpy array of dtype "
+        if isinstance(x, np.ndarray | np.generic | jax.ShapeDtypeStruct) and \
+                np.dtype(x.dtype).kind in _NOT_JAX and \
+                not jnp.issubdtype(x.dtype, jnp.number):  # ml_dtypes' (bfloat16, ...) are 'V'
+            what = "jax.ShapeDtypeStruct" if isinstance(x, jax.ShapeDtypeStruct) else \
+                "numpy array"
+            raise TypeError(f"argument {arg_paths(fn, args)[k]} is a {what} of dtype "
                             f"{x.dtype}, which JAX cannot hold; convert it to a numeric or "
                             "bool dtype (np.asarray(x, dtype=np.float32), say).")
     if _kinds(leaves) <= {"array", "tracer"}:

@@ -95,14 +95,16 @@ class Plan:
     rows: list[Row] = _OnDemand()
     search_mode: str = "sharding_propagation"
     hardware: str = "cpu"
-    in_tree: object = None
-    out_tree: object = None
+    # The structures are no part of a plan's equality (the paths name the leaves): a loaded
+    # plan holds them once bound, and PyTreeDef == None raises.
+    in_tree: object = field(default=None, compare=False)
+    out_tree: object = field(default=None, compare=False)
     notes: list[str] = field(default_factory=list)  # what the search reports (optimality, ...)
     layout: str = ""  # the logical mesh the plan uses, e.g. "dp4 x tp2" (see describe_layout)
     decisions: list[str] = field(default_factory=list)  # recursive_programming's decision log
     # A loaded plan's structures as its file holds them (_tree_to_json): shown by in_specs and
     # out_specs until the plan is bound to arguments, which give in_tree and out_tree.
-    file_trees: tuple = field(default=(None, None), repr=False)
+    file_trees: tuple = field(default=(None, None), repr=False, compare=False)
 
     @property
     def in_specs(self):
@@ -226,6 +228,21 @@ class Plan:
                              f"{self.fingerprint}, this one is {fingerprint}): the function, "
                              "its argument shapes or dtypes differ. Plan again.")
 
+    def check_structure(self, in_tree, out_tree, where: str = "plan") -> None:
+        """A ValueError when the plan was made for arguments or outputs of another pytree
+        structure: the same program over other dict keys, a list for a tuple (its specs go
+        leaf by leaf in its own structure's order, and its results would come back in it).
+        A structure the plan does not hold (a file that could not write a NamedTuple's) is
+        not checked: binding takes these."""
+        for known, here, what in ((self._tree(0), in_tree, "arguments"),
+                                  (self._tree(1), out_tree, "outputs")):
+            if known is not None and known != here:
+                raise ValueError(
+                    f"{where} was made for {what} of pytree structure {known}, not {here}: "
+                    "the program is the same but its leaves are named or nested otherwise "
+                    "(dict keys, a list for a tuple), and the plan's specs go leaf by leaf in "
+                    f"its own structure. Pass {what} in the plan's structure, or plan again.")
+
     def save(self, path: str | Path) -> None:
         save_plans([self], path, "Plan.save")
 
@@ -277,10 +294,12 @@ class Plan:
                                      f"{mesh.describe()}")
         collectives = d["collectives"]
         if not isinstance(collectives, dict) or not all(
-                isinstance(v, dict) and {"count", "bytes"} <= set(v) and
-                _number(v["count"]) and _number(v["bytes"]) for v in collectives.values()):
-            raise ValueError("field collectives: {kind: {count: number, bytes: number}} "
-                             "expected")
+                k in COLLECTIVE_KINDS and isinstance(v, dict) and {"count", "bytes"} <= set(v)
+                and _amount(v["count"]) and _amount(v["bytes"])
+                for k, v in collectives.items()):
+            raise ValueError(f"field collectives: {{kind: {{count: number, bytes: number}}}} "
+                             f"expected, numbers of 0 or more and kinds among "
+                             f"{', '.join(COLLECTIVE_KINDS)}")
         cost = d["cost"]
         if not isinstance(cost, dict) or set(cost) != set(PlanCost.__dataclass_fields__) or \
                 not all(map(_amount, cost.values())):

@@ -209,6 +209,29 @@ def test_a_loaded_plan_keeps_the_structure_of_arguments_and_outputs(tmp_path):
     assert isinstance(flat, list) and flat == [s.to_pspec() for s in named.flat_in_specs]
 
 
+def test_a_pinned_plan_refuses_arguments_of_another_structure(tmp_path):
+    # The fingerprint hashes the jaxpr alone: a plan made over {"a", "b"} passed for {"v",
+    # "w"} (or {"b", "c"}) and the results came back under the plan's keys: out["b"] held
+    # c's result. Now the structure is checked; the plan's own still runs, and a loaded plan
+    # equals the one it was saved from (PyTreeDef == None raised a TypeError).
+    def decay(params):
+        return jax.tree_util.tree_map(lambda p: p * 0.9, params)
+
+    f = jaxpar.shard(decay)
+    plan = f.plan({"a": X, "b": X})
+    plan.save(tmp_path / "plan.json")
+    loaded = jaxpar.Plan.load(tmp_path / "plan.json")
+    assert loaded == plan and plan == loaded
+    for pinned in (plan, loaded):
+        g = jaxpar.shard(decay).with_plan(pinned)
+        for other in ({"b": X, "c": 2 * X}, [X, X]):
+            with pytest.raises(ValueError, match=r"arguments of pytree structure .*'a'.*not "):
+                g(other)
+        out = g({"a": X, "b": 2 * X})
+        assert sorted(out) == ["a", "b"]
+        np.testing.assert_allclose(out["b"], 1.8 * X, rtol=1e-6)
+
+
 def test_save_load_round_trip_and_refusals(tmp_path):
     f = jaxpar.shard(dense_relu, in_strategy=((4, 2), None, None))
     plan = f.plan(X, W, B)
@@ -939,6 +962,12 @@ def test_a_numpy_array_jax_cannot_hold_is_named_before_tracing(dtype):
         jaxpar.shard(dense_relu)(x, W, B)
 
 
+def test_a_shape_dtype_struct_of_a_dtype_jax_cannot_hold_is_refused_before_tracing():
+    # It was planned, and lowering it failed inside JAX (no dtype_to_ir_type handler).
+    with pytest.raises(TypeError, match=r"argument x is a jax.ShapeDtypeStruct of dtype <U3"):
+        jaxpar.shard(lambda x: x).plan(jax.ShapeDtypeStruct((8,), "U3"))
+
+
 def test_a_program_compiled_for_another_device_count_is_not_verified():
     plan = jaxpar.shard(dense_relu).plan(X, W, B)
     mesh4 = jaxpar.make_mesh(4)
@@ -969,7 +998,10 @@ def test_a_hardware_file_that_is_not_yaml_or_lacks_a_key_is_named(tmp_path):
                                                                             "bytes": 8}}),
     ("cost", {"compute_s": "fast"}), ("rows", [{"path": 0}]), ("notes", "hi"),
     ("decisions", [1]), ("layout", 3),
-    ("graph", {"specs": {}, "choices": {"0": {"strategy": None}}})])
+    ("graph", {"specs": {}, "choices": {"0": {"strategy": None}}}),
+    # negative figures and unknown kinds loaded, and explain() printed them
+    ("collectives", {"all-reduce": {"count": -3, "bytes": -512}}),
+    ("collectives", {"teleport": {"count": 1, "bytes": 8}})])
 def test_a_plan_file_with_a_corrupt_field_is_refused_when_loaded(tmp_path, field, value):
     """Such files loaded, then failed inside jax.sharding when lowered (a stray axis) or in
     explain() (zip, str.items)."""
