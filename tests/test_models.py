@@ -259,3 +259,25 @@ def test_mlp_rejects_bad_sizes(sizes):
 def test_sgd_rejects_a_bad_learning_rate(lr):
     with pytest.raises(ValueError, match=r"lr=.*positive number"):
         make_sgd_step(lr)
+
+
+def test_the_abstract_gpt_step_runs_no_optimizer_init():
+    # abstract_train_step ran opt.init on the parameters' ShapeDtypeStructs (optax made real
+    # zeros: two parameters' worth with Adam), so `jaxpar plan` of a big model allocated its
+    # state or died of RESOURCE_EXHAUSTED. The init is now only traced (eval_shape).
+    concrete = []
+    adam = optax.adam(1e-3)
+
+    def init(params):
+        concrete.extend(not isinstance(p, jax.core.Tracer)
+                        for p in jax.tree_util.tree_leaves(params))
+        return adam.init(params)
+
+    cfg = gpt.GPTConfig(layers=1, d_model=16, heads=2, vocab=32, seq=8)
+    step, (params, opt_state, tok, _) = gpt.abstract_train_step(
+        cfg, 4, optax.GradientTransformation(init, adam.update))
+    assert concrete and not any(concrete)
+    assert all(isinstance(x, jax.ShapeDtypeStruct)
+               for x in jax.tree_util.tree_leaves((params, opt_state)))
+    out = jax.eval_shape(step, params, opt_state, tok, tok)
+    assert jax.tree_util.tree_structure(out[1]) == jax.tree_util.tree_structure(opt_state)

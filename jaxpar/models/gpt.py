@@ -127,13 +127,18 @@ def make_train_step(cfg: GPTConfig, params: dict, optimizer: optax.GradientTrans
     The default optimizer is Adam (lr 1e-3), so the step carries two moments per parameter.
     """
     opt = optimizer if optimizer is not None else optax.adam(1e-3)
+    return _step(cfg, opt), opt.init(params)
+
+
+def _step(cfg: GPTConfig, opt: optax.GradientTransformation):
+    """The training step of make_train_step, without its optimizer state."""
 
     def step(params, opt_state, tokens, targets):
         loss, grads = jax.value_and_grad(lambda p: loss_fn(cfg, p, tokens, targets))(params)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return step, opt.init(params)
+    return step
 
 
 def batch(cfg: GPTConfig, batch_size: int, seed: int = 0):
@@ -147,7 +152,7 @@ def abstract_train_step(cfg: GPTConfig, batch_size: int, optimizer=None):
     """(step, (params, opt_state, tokens, targets) as ShapeDtypeStructs): plan without memory."""
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     opt = optimizer if optimizer is not None else optax.adam(1e-3)
-    step, _ = make_train_step(cfg, params, opt)
-    opt_state = jax.eval_shape(opt.init, params)
+    opt_state = jax.eval_shape(opt.init, params)  # (opt.init on the structs made real zeros)
+    step = _step(cfg, opt)
     tok = jax.ShapeDtypeStruct((batch_size, cfg.seq), jnp.int32)
     return step, (params, opt_state, tok, tok)
