@@ -343,14 +343,14 @@ class ShardedFunction:
                     "spmd_axis_name (jaxpar places the program itself), or plan the batched "
                     "function: jaxpar.shard(jax.vmap(fn)).") from err
             return jax.tree_util.tree_unflatten(c.plan.out_tree, list(out))
+        if not c.called and jax.process_count() > 1:  # before placing: it needs them alike
+            _check_processes_agree(c.plan, leaves, _name(self.fn))
         if c.donate:  # before placing: placed replicas of one array may share its buffer
             leaves = _own_buffers(leaves, c.donate)
         flat = [_placed(x, s) for x, s in zip(leaves, c.shardings, strict=True)]
         if c.called:
             out = c.jitted(*flat)
         else:
-            if jax.process_count() > 1:
-                _check_processes_agree(c.plan, _name(self.fn))
             budget = self.opts.memory_budget
             shapes = None if budget is None else [  # donated arrays are gone after the call
                 jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
@@ -611,14 +611,31 @@ def _or_walk(gp, notes: list[str], graph, model, fixed_in, fixed_out, ties, inde
     return walk
 
 
-def _check_processes_agree(plan: Plan, name: str) -> None:
-    """A ValueError unless every process planned the same strategies (called by all of them
-    before the first run: a small all-gather). Each process plans on its own, and a search
-    stopped by its time limit may stop elsewhere on a busier machine; programs compiled from
-    different plans would then fail inside their first collective, or hang."""
-    every = gather_rows(digest(_plan_text(plan).encode()))
-    if not (every == every[0]).all():
-        apart = [i for i in range(len(every)) if not (every[i] == every[0]).all()]
+def _check_processes_agree(plan: Plan, leaves: list, name: str) -> None:
+    """A ValueError unless every process passes arguments of the same shapes and dtypes and
+    planned the same strategies (called by all of them before the first run: a small
+    all-gather). Arguments of other shapes made one global array of two shapes (silently, or
+    the first collective died inside gloo) where their plans' specs agreed. Each process
+    plans on its own, and a search stopped by its time limit may stop elsewhere on a busier
+    machine; programs compiled from different plans would then fail inside their first
+    collective, or hang."""
+    shapes = [(tuple(x.shape), str(x.dtype)) for x in leaves]
+    every = gather_rows(np.concatenate([digest(repr(shapes).encode()),
+                                        digest(_plan_text(plan).encode())]))
+    half = every.shape[1] // 2
+    for part, what in ((slice(None, half), "shapes"), (slice(half, None), "plans")):
+        apart = [i for i in range(len(every)) if not (every[i, part] == every[0, part]).all()]
+        if not apart:
+            continue
+        if what == "shapes":
+            passed = ", ".join(f"{p} {shape} {dtype}" for p, (shape, dtype) in
+                               zip(plan.in_paths, shapes, strict=True))
+            raise ValueError(
+                f"{name}: the processes passed arguments of other shapes or dtypes (processes "
+                f"{apart} differ from process 0; process {jax.process_index()} passed "
+                f"{passed}). Every process passes the whole arrays, alike in shape and dtype "
+                "(each fills its own devices from them); a batch each process loads for "
+                "itself goes through jaxpar.shard_batch.")
         raise ValueError(
             f"{name}: the processes planned it differently (processes {apart} differ from "
             "process 0): a search stopped by its time limit at another point, on a busier "

@@ -1127,8 +1127,10 @@ def test_processes_that_planned_apart_are_refused_before_the_first_run(monkeypat
 
     gathered = []
 
-    def allgather(x):  # this process and a second one that planned otherwise (or not)
-        other = x if gathered else x + 1
+    def allgather(x):  # this process and a second one that planned otherwise (or not); the
+        other = x.copy()  # row's first half is the arguments' shapes, alike here
+        if not gathered:
+            other[len(x) // 2:] += 1
         gathered.append(x)
         return np.stack([x, other])
 
@@ -1139,6 +1141,27 @@ def test_processes_that_planned_apart_are_refused_before_the_first_run(monkeypat
         jaxpar.shard(dense_relu)(X, W, B)
     np.testing.assert_allclose(jaxpar.shard(dense_relu)(X, W, B), jax.jit(dense_relu)(X, W, B),
                                rtol=1e-5)  # the same digest: it runs
+
+
+def test_processes_that_pass_arguments_of_other_shapes_are_refused_before_placing(monkeypatch):
+    """Process 0 passing x of (16, 8) and process 1 of (8, 8) planned the same specs: the call
+    made one global array of two shapes, silently or dying inside gloo."""
+    from jax.experimental import multihost_utils
+
+    def allgather(x):  # a second process whose arguments' shapes differ, its plan alike
+        other = x.copy()
+        other[0] += 1
+        return np.stack([x, other])
+
+    placed = []
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+    monkeypatch.setattr(jaxpar.api, "_placed", lambda *a: placed.append(1))
+    with pytest.raises(ValueError, match=r"dense_relu: the processes passed arguments of other "
+                       r"shapes or dtypes \(processes \[1\] differ from process 0; process 0 "
+                       r"passed x \(32, 128\) float32, weight \(128, 10\) float32"):
+        jaxpar.shard(dense_relu)(X, W, B)
+    assert not placed
 
 
 def test_numpy_arrays_of_ml_dtypes_are_taken():
