@@ -310,6 +310,46 @@ def test_structure_mismatch_names_the_leaf(tmp_path):
 
 
 @pytest.mark.usefixtures("no_orbax_restore")
+def test_empty_entries_are_structure_and_named(tmp_path):
+    # A target lacking a saved None entry (or holding one the checkpoint lacks) was read by
+    # orbax and reported as "data files may be missing or damaged".
+    save_checkpoint(tmp_path / "ckpt", {"w": jnp.ones(4), "ema": None})
+    with pytest.raises(ValueError, match=r"the checkpoint holds an empty entry at ema \(None, "
+                                         r"or a container of no arrays\) where the other"):
+        restore_checkpoint(tmp_path / "ckpt", {"w": jnp.ones(4)})
+    save_checkpoint(tmp_path / "plain", {"w": jnp.ones(4)})
+    with pytest.raises(ValueError, match=r"target has an empty entry at ema \(None"):
+        restore_checkpoint(tmp_path / "plain", {"w": jnp.ones(4), "ema": None})
+
+
+def test_a_tuple_restored_into_a_dict_is_named_a_structure_mismatch(tmp_path):
+    save_checkpoint(tmp_path / "ckpt", {"t": (jnp.ones(2), jnp.zeros(2))})
+    with pytest.raises(ValueError, match=r"target's containers differ .*a tuple or list was "
+                                         r"saved where target has a dict"):
+        restore_checkpoint(tmp_path / "ckpt", {"t": {"0": jnp.ones(2), "1": jnp.ones(2)}})
+
+
+@pytest.mark.usefixtures("no_orbax_restore")
+def test_a_python_scalar_target_of_another_kind_is_refused(tmp_path):
+    # orbax cast to the target's type: a learning rate of 0.25 came back 0, a step 3 True.
+    save_checkpoint(tmp_path / "ckpt", {"lr": 0.25, "step": 3, "ema": np.float32(2.5)})
+    for target, said in (({"lr": 0, "step": 0, "ema": 0.0}, r"target\['lr'\] is a Python int "
+                          r"but the checkpoint holds a float \(float64\)"),
+                         ({"lr": 0.0, "step": False, "ema": 0.0}, r"target\['step'\] is a "
+                          r"Python bool but the checkpoint holds a int"),
+                         ({"lr": 0.0, "step": 0, "ema": 0}, r"target\['ema'\] is a Python int "
+                          r"but the checkpoint holds a float \(float32\)")):
+        with pytest.raises(ValueError, match=said):
+            restore_checkpoint(tmp_path / "ckpt", target)
+
+
+def test_a_python_scalar_target_of_the_saved_kind_restores(tmp_path):
+    save_checkpoint(tmp_path / "ckpt", {"lr": 0.25, "step": 3, "on": True})
+    got = restore_checkpoint(tmp_path / "ckpt", {"lr": 0.0, "step": 0, "on": False})
+    assert got == {"lr": 0.25, "step": 3, "on": True}
+
+
+@pytest.mark.usefixtures("no_orbax_restore")
 def test_shape_and_dtype_mismatches_name_the_leaf_and_both_shapes(tmp_path):
     save_checkpoint(tmp_path / "ckpt", {"params": {"w": jnp.ones((16, 32))}})
     wrong_shape = {"params": {"w": jax.ShapeDtypeStruct((32, 16), jnp.float32)}}
@@ -336,6 +376,9 @@ def test_shardings_that_do_not_fit_name_the_leaf(tmp_path, mesh4):
         restore_checkpoint(tmp_path / "ckpt", target, shardings={"v": NamedSharding(mesh4, P())})
     with pytest.raises(TypeError, match=re.escape("shardings['w']='tp'")):
         restore_checkpoint(tmp_path / "ckpt", target, shardings={"w": "tp"})
+    with pytest.raises(ValueError, match=re.escape("shardings['w']=P('zz',) names "
+                                                   "axes ['zz'] that mesh= lacks")):
+        restore_checkpoint(tmp_path / "ckpt", target, mesh=mesh4, shardings={"w": P("zz")})
 
 
 def test_unsaveable_state_is_rejected_before_writing(tmp_path):

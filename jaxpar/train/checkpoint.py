@@ -124,7 +124,7 @@ def restore_checkpoint(path: PathLike, target: Any, *, step: int | None = None,
     _verify_checksums(directory)
     saved = _saved_leaves(directory)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
-    _check_structure(leaves, saved, directory)
+    _check_structure(leaves, saved, directory, target)
     placements = _explicit_shardings(treedef, leaves, shardings, mesh)
     restore_target = [_restore_leaf(keypath, leaf, saved[_names(keypath)][1], placement, mesh)
                       for (keypath, leaf), placement in zip(leaves, placements, strict=True)]
@@ -132,6 +132,12 @@ def restore_checkpoint(path: PathLike, target: Any, *, step: int | None = None,
         try:
             restored = checkpointer.restore(directory, treedef.unflatten(restore_target))
         except Exception as err:  # tensorstore's: a data file missing or cut short
+            if "tree structures do not match" in str(err):  # the leaves' names agreed
+                raise ValueError(
+                    f"restore_checkpoint: target's containers differ from the checkpoint's at "
+                    f"{directory} (orbax: {_first_line(err)}): its leaves have the saved names "
+                    "but a tuple or list was saved where target has a dict, or the reverse. "
+                    "The target must have the saved structure.") from None
             raise ValueError(f"restore_checkpoint: the arrays of the checkpoint at "
                              f"{directory} cannot be read ({type(err).__name__}: "
                              f"{_first_line(err)}); its data files may be missing or "
@@ -416,8 +422,17 @@ def _names(keypath: KeyPath) -> tuple[str, ...]:
 
 
 def _check_structure(leaves: list[tuple[KeyPath, Any]],
-                     saved: dict[tuple[str, ...], tuple[KeyPath, Any]], directory: Path) -> None:
+                     saved: dict[tuple[str, ...], tuple[KeyPath, Any]], directory: Path,
+                     target: Any = None) -> None:
     target_names = {_names(keypath) for keypath, _ in leaves}
+    empty = [_empty(target), _empty(_tree_metadata(directory))]
+    for mine, theirs, how in ((empty[0], empty[1], "target has an empty entry at "),
+                              (empty[1], empty[0], "the checkpoint holds an empty entry at ")):
+        for names in sorted(mine - theirs):
+            raise ValueError(f"restore_checkpoint: {how}{'/'.join(names)} (None, or a "
+                             "container of no arrays) where the other has none (the "
+                             f"checkpoint at {directory} holds "
+                             f"{_describe(saved)}). The target must have the saved structure.")
     for keypath, leaf in leaves:
         if _names(keypath) not in saved:
             raise ValueError(
@@ -430,6 +445,16 @@ def _check_structure(leaves: list[tuple[KeyPath, Any]],
                 f"restore_checkpoint: the checkpoint at {directory} holds "
                 f"{jax.tree_util.keystr(keypath)} (shape {tuple(metadata.shape)}) but target has "
                 "no such leaf. The target must have the saved structure.")
+
+
+def _empty(tree: Any) -> set[tuple[str, ...]]:
+    """The names of a tree's empty entries (None, or a container of no leaves: optax's
+    EmptyState, saved as None), which hold no leaf but are structure."""
+    def empty(x: Any) -> bool:
+        return not jax.tree_util.tree_leaves(x)
+
+    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=empty)[0]
+    return {_names(keypath) for keypath, x in found if empty(x)}
 
 
 def _describe(saved: dict[tuple[str, ...], tuple[KeyPath, Any]]) -> str:
@@ -464,6 +489,12 @@ def _as_sharding(keypath: KeyPath, entry: Any, mesh: Mesh | None) -> Sharding | 
         if mesh is None:
             raise TypeError(f"restore_checkpoint: {where}={entry} is a PartitionSpec but no "
                             "mesh= was given; pass mesh= or a NamedSharding(mesh, spec).")
+        unknown = [a for part in entry if part is not None
+                   for a in (part if isinstance(part, tuple) else (part,))
+                   if a not in mesh.axis_names]
+        if unknown:
+            raise ValueError(f"restore_checkpoint: {where}={entry} names axes {unknown} that "
+                             f"mesh= lacks (its axes: {mesh.axis_names}); use those.")
         return NamedSharding(mesh, entry)
     raise TypeError(f"restore_checkpoint: {where}={entry!r} must be a jax.sharding.Sharding, "
                     "a PartitionSpec (with mesh=) or None.")
@@ -475,6 +506,13 @@ def _restore_leaf(keypath: KeyPath, leaf: Any, saved: Any, explicit: Sharding | 
     where = f"target{jax.tree_util.keystr(keypath)}"
     if isinstance(leaf, _SCALARS):
         _check_shape(where, (), saved)
+        kinds = {"b": "bool", "i": "int", "u": "int", "f": "float", "c": "complex"}
+        held = kinds.get(np.dtype(saved.dtype).kind, str(saved.dtype))
+        mine = "bool" if isinstance(leaf, bool) else "int" if isinstance(leaf, int) else "float"
+        if held != mine:  # orbax casts to the target's type: 0.25 came back 0
+            raise ValueError(f"restore_checkpoint: {where} is a Python {mine} "
+                             f"but the checkpoint holds a {held} ({saved.dtype}) there; give a "
+                             f"{held} target (its value is not used) and cast after restoring.")
         return leaf
     if not isinstance(leaf, jax.Array | jax.ShapeDtypeStruct | np.ndarray | np.generic):
         raise TypeError(f"restore_checkpoint: {where} is a {type(leaf).__name__}; target leaves "
