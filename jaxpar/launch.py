@@ -104,6 +104,12 @@ def validate(cfg: LaunchConfig) -> None:
         _check_int("--devices-per-process", cfg.devices_per_process, 1, MAX_PROCESSES)
     if cfg.port is not None:
         _check_int("--port", cfg.port, 1, 65535)
+        try:
+            _bind(cfg.port)
+        except OSError as err:  # else rank 0's coordinator died of SIGSEGV, naming no port
+            raise ValueError(f"--port {cfg.port} cannot be bound ({err.strerror}): another "
+                             "program or launch holds it. Pick another, or leave --port out "
+                             "for a free one.") from None
     if isinstance(cfg.grace_s, bool) or not isinstance(cfg.grace_s, int | float):
         raise TypeError(f"--grace/grace_s={cfg.grace_s!r} must be a number of seconds.")
     if not cfg.grace_s >= 0:  # NaN too
@@ -127,9 +133,24 @@ def _check_log_dir(log_dir: str) -> None:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+    """A TCP port that nothing listens on right now, on any address."""
+    return _bind(0)
+
+
+def _bind(port: int) -> int:
+    """Bind a TCP socket at `port` (0: one the system picks) on every address, as JAX's
+    coordinator binds it ([::], IPv4 too), then let it go; returns the port. OSError when
+    something holds it (a port in TIME_WAIT does not count: the coordinator reuses those)."""
+    try:
+        s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        host = "::"
+    except OSError:  # no IPv6 here
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        host = "0.0.0.0"
+    with s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, port))
         return s.getsockname()[1]
 
 

@@ -257,6 +257,24 @@ def test_bad_arguments_fail_before_starting(tmp_path, capsys, argv, message):
     assert not logs.exists()
 
 
+@pytest.mark.parametrize("address", ["127.0.0.1", "0.0.0.0"])
+def test_a_port_something_listens_on_is_a_usage_error(tmp_path, capsys, address):
+    # Rank 0's coordinator died of SIGSEGV ("Failed to add port"), naming no port.
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind((address, 0))
+        held.listen()
+        port = held.getsockname()[1]
+        logs = tmp_path / "logs"
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["launch", "--log-dir", str(logs), "-n", "2", "--port", str(port),
+                      str(SCRIPTS / "echo.py")])
+        assert exit_.value.code == 2
+        assert f"--port {port} cannot be bound" in capsys.readouterr().err
+        assert not logs.exists()
+
+
 def test_launch_rejects_bad_types():
     with pytest.raises(TypeError, match="num_processes='2' must be an integer"):
         launch("2", [str(SCRIPTS / "echo.py")])
