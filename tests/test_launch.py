@@ -340,6 +340,9 @@ def test_uneven_local_batches_are_refused_in_every_process(capsys):
             "[(4, 3) float32, (4,) int32], process 1 passes [(3, 3) float32, (3,) int32]") in out
     assert ("[rank 1] refused: shard_batch: this process (process 1) passes local inputs "
             "[(3, 3)") in out
+    assert "global placed" not in out
+    assert out.count("global refused: shard_batch: input 0 is a global jax.Array of shape "
+                     "(8, 3) over other processes' devices too") == 2
 
 
 def test_a_checkpoint_saved_by_two_processes_is_verified_by_both(tmp_path, capsys):

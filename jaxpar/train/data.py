@@ -77,7 +77,8 @@ def shard_batch(batch: Any, mesh: Mesh | None = None,
     every strategy); a ValueError in every process names the shapes that differ.
 
     Args:
-      batch: a pytree of arrays (numpy or jax).
+      batch: a pytree of arrays (numpy or jax; with several processes, arrays on this
+        process's devices: a global jax.Array is a TypeError).
       mesh: the device mesh; default `make_mesh(len(jax.devices()))`.
       dataset_strategy: "data_parallel" (default), "full_batch" or a tuple of per-input
         strategies (see `parse_dataset_strategy`).
@@ -304,6 +305,14 @@ def _default_mesh(mesh: Mesh | None) -> Mesh:
 
 def _from_process_local(batch: Any, mesh: Mesh, config) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(batch)
+    for i, x in enumerate(leaves):  # (its data cannot be fetched here: it died inside JAX)
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            raise TypeError(
+                f"shard_batch: input {i} is a global jax.Array of shape {tuple(x.shape)} over "
+                "other processes' devices too; with several processes shard_batch takes each "
+                "process's own part of the batch (numpy, or arrays on this process's devices). "
+                "Pass the global array to the sharded function as it is, or pass this "
+                "process's part here.")
     local_shapes = [_shape(x, i) for i, x in enumerate(leaves)]
     _check_local_shapes_agree(local_shapes, [np.result_type(x) for x in leaves])
     # First pass: the specs alone. Each dim is inflated by the device count so that only the

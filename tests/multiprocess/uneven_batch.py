@@ -1,6 +1,8 @@
 """Each rank passes shard_batch a local batch of its own size: rank 0 four rows, rank 1 three
 (an epoch's last batch split unevenly). shard_batch must refuse it in both ranks, naming the
 shapes, before any step runs; rank 0 prints the error and exits 0 so the test reads it.
+Then each passes back a global array shard_batch made, which it must refuse naming it (it
+failed inside JAX fetching other processes' data).
 
 Usage (under `jaxpar launch -n 2 --devices-per-process 2`): uneven_batch.py
 """
@@ -21,3 +23,9 @@ except ValueError as err:
     print(f"refused: {err}", flush=True)
 else:
     print("placed", flush=True)
+try:
+    shard_batch(x, mesh)
+except TypeError as err:
+    print(f"global refused: {err}", flush=True)
+else:
+    print("global placed", flush=True)
