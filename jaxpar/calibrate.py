@@ -374,9 +374,26 @@ def _memory_per_device(mesh: Mesh, given: float | None) -> tuple[float, list[str
     if given is not None:
         return float(given), ["memory per device: given (the device does not report it)"]
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return float(ram / jax.local_device_count()), [
-        f"memory per device: host RAM {ram / 1e9:.1f} GB shared among "
-        f"{jax.local_device_count()} devices (the device does not report it; --memory-gb sets it)"]
+    sharing = _devices_on_this_host()
+    return float(ram / sharing), [
+        f"memory per device: host RAM {ram / 1e9:.1f} GB shared among {sharing} devices (the "
+        "device does not report it; --memory-gb sets it)"]
+
+
+def _devices_on_this_host() -> int:
+    """The devices of every process on this host (several processes of a `jaxpar launch`
+    share its RAM): each process's local device count, summed over those whose host name is
+    this one's (a small all-gather when there are several processes)."""
+    if jax.process_count() == 1:
+        return jax.local_device_count()
+    import socket
+
+    from jaxpar.distributed import digest, gather_rows
+
+    every = gather_rows(np.concatenate([digest(socket.gethostname().encode()),
+                                        [jax.local_device_count()]]))
+    here = every[jax.process_index()]
+    return int(sum(row[-1] for row in every if (row[:-1] == here[:-1]).all()))
 
 
 # ---- the profile -----------------------------------------------------------------------------

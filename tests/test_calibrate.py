@@ -190,3 +190,31 @@ def test_an_out_path_without_a_suffix_loads_as_printed(tmp_path, monkeypatch, ca
     (tmp_path / "cpu").write_text((tmp_path / "calprof").read_text())
     assert load_profile("cpu").name == "cpu"  # a profile name wins over a file of that name
     assert load_profile("./cpu").name == "bare"
+
+
+@pytest.mark.parametrize("same_host", [True, False])
+def test_host_ram_is_shared_among_the_devices_of_every_process_on_the_host(monkeypatch,
+                                                                            same_host):
+    # Under `jaxpar launch -n 2 --devices-per-process 2` each process divided the host's RAM
+    # by its own 2 devices: 2x the memory per device, in the profile it wrote.
+    from jax.experimental import multihost_utils
+
+    def allgather(row):  # this process and one more, on this host or another
+        other = row.copy()
+        if not same_host:
+            other[0] += 1
+        return np.stack([row, other])
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+    import os
+
+    from jaxpar import calibrate as calibration
+
+    mesh = jaxpar.make_mesh(8)  # CPU devices report no memory: the host's RAM is shared
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    sharing = 8 * (2 if same_host else 1)
+    memory, notes = calibration._memory_per_device(mesh, None)
+    assert memory == ram / sharing
+    assert f"shared among {sharing} devices" in notes[0]

@@ -114,6 +114,16 @@ def test_a_partial_last_batch_is_placed_as_autoparallel_places_it(mesh):
     np.testing.assert_array_equal(np.asarray(x), np.arange(48.0).reshape(12, 4))
 
 
+def test_an_axis_of_size_one_does_not_count_as_a_cut():
+    # On a (1, 8) mesh a batch of 4 was "cut 1 ways, over a, and each piece is computed on 8
+    # devices" (spec P('a')): no axis cuts it, and the warning now says so.
+    mesh = jaxpar.make_mesh((1, 8), ("a", "b"))
+    with pytest.warns(UserWarning, match=r"batch of 4 does not divide into 8 devices; no mesh "
+                                         r"axis divides it, so every device computes"):
+        x = shard_batch(np.ones((4, 3), np.float32), mesh)
+    assert x.sharding.spec == P()
+
+
 def test_count_the_mesh_cannot_make():
     mesh = jaxpar.make_mesh(6)  # axes of sizes 3 and 2: no set of axes makes 4
     with pytest.raises(ValueError, match=r"dataset_strategy\[0\]=\(1, 4, 1\) for input 0 of "

@@ -210,7 +210,8 @@ def batch_spec(shape: tuple, mesh: Mesh | AbstractMesh, warn: bool = True) -> P 
     axes, sizes, batch = tuple(mesh.axis_names), dict(mesh.shape), shape[0]
     if batch % mesh.size == 0:
         return P(axes)
-    fits = [c for k in range(len(axes) - 1, 0, -1) for c in itertools.combinations(axes, k)
+    cutting = [a for a in axes if sizes[a] > 1]  # an axis of size 1 cuts nothing
+    fits = [c for k in range(len(cutting) - 1, 0, -1) for c in itertools.combinations(cutting, k)
             if batch % math.prod(sizes[a] for a in c) == 0]
     best = max(fits, key=lambda c: math.prod(sizes[a] for a in c), default=())
     ways = math.prod(sizes[a] for a in best)
