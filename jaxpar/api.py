@@ -835,7 +835,9 @@ def carried_pairs(args: tuple, out_shapes, unsure: dict | None = None
     paired with the one element of the returned tuple, list or dict (`(loss, params,
     opt_state)`, `{"params": ..., "opt_state": ..., "loss": ...}`) that has its structure,
     where that element has no other such argument: the state is then laid out alike in and
-    out as well (it was planned freely, and moved back before every next call). `unsure`,
+    out as well (it was planned freely, and moved back before every next call). An argument of
+    one array after an argument left unpaired is not paired so: a batch of per-example weights
+    `(B,)` or a learning rate beside a per-example or scalar loss is data, not state. `unsure`,
     given a dict, gets {argument: [returned elements]} for each argument left unpaired that
     several elements match, or whose one element another argument matches too (a step
     returning `(loss, grads, params, opt_state)`: its grads have the params' structure).
@@ -859,6 +861,9 @@ def carried_pairs(args: tuple, out_shapes, unsure: dict | None = None
     free = [j for j in range(len(elements)) if j not in paired.values()]
     alike = {i: [j for j in free if _same_structure(arg, elements[j])]
              for i, arg in enumerate(args) if i not in paired}
+    data = [i for i, js in alike.items() if not js]  # matched by nothing returned
+    alike = {i: js for i, js in alike.items()
+             if sizes[i] > 1 or not any(d < i for d in data)}
     for i, js in alike.items():
         if len(js) == 1 and sum(js[0] in other for other in alike.values()) == 1:
             paired[i] = js[0]

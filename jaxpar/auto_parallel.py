@@ -459,8 +459,8 @@ class AutoParallel:
         config = self._dataset_config()
         if config is not None:
             leaves = [i for i in range(len(paths)) if owner[i] in batch]
-            for i, spec in zip(leaves, _dataset_specs(config, [shapes[i] for i in leaves], mesh),
-                               strict=True):
+            for i, spec in zip(leaves, _dataset_specs(config, [shapes[i] for i in leaves], mesh,
+                                                      [paths[i] for i in leaves]), strict=True):
                 if spec is not None and paths[i] not in fixed:
                     fixed[paths[i]] = spec
         if self.parallel_mode in _SEEDED:
@@ -672,8 +672,9 @@ def _sign(fn, names: list[str]) -> None:
 
 
 # -- helpers -------------------------------------------------------------------------------------
-def _dataset_specs(config, shapes: list[tuple], mesh: Mesh | AbstractMesh) -> list:
-    """A PartitionSpec (or None) per data leaf under a dataset strategy."""
+def _dataset_specs(config, shapes: list[tuple], mesh: Mesh | AbstractMesh,
+                   paths: list[str] | None = None) -> list:
+    """A PartitionSpec (or None) per data leaf (at `paths`) under a dataset strategy."""
     if config == "full_batch":
         return [PartitionSpec() for _ in shapes]
     if config == "data_parallel":
@@ -683,8 +684,11 @@ def _dataset_specs(config, shapes: list[tuple], mesh: Mesh | AbstractMesh) -> li
             seen.update(shape[:1])
         return specs
     if len(config) != len(shapes):
+        named = f" ({', '.join(paths)})" if paths else ""
         raise ValueError(f"dataset_strategy({config!r}): {len(config)} strategies for "
-                         f"{len(shapes)} data inputs; give one each.")
+                         f"{len(shapes)} data inputs{named}; give one each. The data inputs "
+                         "are the arguments not returned as carried state (nor nnx objects); "
+                         "AutoParallel(batch_argnums=...) names them instead.")
     dummies = tuple(jax.ShapeDtypeStruct(shape, "float32") for shape in shapes)
     try:
         specs = strat.parse_in_strategy(tuple(config), dummies, mesh)

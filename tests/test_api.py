@@ -803,6 +803,15 @@ def test_carried_pairs_match_state_returned_in_place():
     assert carried_pairs((params, state, x), {"loss": loss, "params": params, "state": state}) \
         == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
     assert carried_pairs((params, params, x), (loss, loss, params)) == []  # which? neither
+    # One array after data is data: per-example weights beside a per-example loss, a learning
+    # rate beside the loss (they were tied, so AutoParallel left them out of the batch and
+    # its dataset_strategy count). State of several leaves after data is still found.
+    w, wt = x, jax.ShapeDtypeStruct((8,), jnp.float32)
+    assert carried_pairs((w, x, x, wt), (w, wt)) == [(0, 0)]
+    assert carried_pairs((params, x, loss), (params, loss)) == [(0, 0), (1, 1)]
+    assert carried_pairs((x, params, state), (params, state, loss)) == \
+        [(1, 0), (2, 1), (3, 2), (4, 3), (5, 4)]
+    assert carried_pairs((x, wt), (loss, x)) == [(0, 1)]  # one array before any data: found
 
 
 def test_state_returned_after_the_loss_keeps_its_layout_for_the_next_call():

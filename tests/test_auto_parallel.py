@@ -130,6 +130,31 @@ def test_dataset_strategy_full_batch_and_split_counts(mlp_problem):
     assert spec.dims == (("d0",), ("d1", "d2"))
 
 
+def test_per_example_weights_beside_a_per_example_loss_are_data():
+    # wt (B,) has the structure of the returned per-example losses: it was tied as carried
+    # state, so semi_auto left it replicated and a dataset_strategy for x, y and wt was
+    # refused ("3 strategies for 2 data inputs", naming none).
+    def step(w, x, y, wt):
+        def loss(w):
+            per = jnp.mean((x @ w - y) ** 2, axis=1)
+            return jnp.sum(per * wt) / jnp.sum(wt), per
+        (_, per), g = jax.value_and_grad(loss, has_aux=True)(w)
+        return w - 0.1 * g, per
+
+    args = (jnp.full((16, 8), 0.1), jax.random.normal(jax.random.key(1), (64, 16)),
+            jnp.zeros((64, 8)), jnp.ones(64))
+    net = AutoParallel(step)
+    specs = net.plan(*args).in_specs
+    assert specs[3] == specs[1] == P(("d0", "d1", "d2"))
+    net.dataset_strategy(((8, 1), (8, 1), (8,)))
+    got = net(*args)
+    np.testing.assert_allclose(got[1], jax.jit(step)(*args)[1], rtol=1e-5)
+    net.dataset_strategy(((8, 1), (8, 1)))
+    with pytest.raises(ValueError, match=r"2 strategies for 3 data inputs \(x, y, wt\); give "
+                                         r"one each.*batch_argnums"):
+        net.plan(*args)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_nnx_gpt_trains_in_place_like_jit(mode):
     tx = optax.adamw(1e-3)
