@@ -121,11 +121,13 @@ class AutoParallel:
       parameter_plan: {parameter path: strategy}; an unknown path is an error listing the
         closest known paths.
       hardware, level, mem_coeff, memory_budget: as for `jaxpar.shard`; None takes the context's.
-      batch_argnums: positions of the data arguments (dataset_strategy applies to them). None:
-        the arguments that are neither carried state nor nnx objects; for a function with no
-        carried state, every argument but the first (`apply(params, *batch)`).
-      donate_argnums: arguments whose buffers a call may reuse (nnx objects' state always is:
-        it is replaced in place).
+      batch_argnums: positions of the data arguments (dataset_strategy applies to them),
+        counted in the network's own arguments (`train_step(model, optimizer, x, y)`: x is
+        2; an nnx Module's: its call's). None: the arguments that are neither carried state
+        nor nnx objects; for a function with no carried state, every argument but the first
+        (`apply(params, *batch)`).
+      donate_argnums: arguments whose buffers a call may reuse, counted so too (nnx objects'
+        state always is: it is replaced in place).
       context: the ParallelContext to read defaults from; default the current one
         (`set_auto_parallel_context`).
 
@@ -200,7 +202,12 @@ class AutoParallel:
             value = _checked_parameter_plan(value)
         elif name in ("batch_argnums", "donate_argnums"):
             value = _argnums(name, value) or (None if name == "batch_argnums" else ())
-        return value  # hardware, level, mem_coeff, memory_budget: checked by shard() when planned
+        elif name in ("hardware", "level", "mem_coeff", "memory_budget"):
+            settings = {k: getattr(self, k) for k in ("hardware", "level", "mem_coeff",
+                                                      "memory_budget")}
+            sharded(self.network, mesh=self.mesh, caller="AutoParallel",
+                    **(settings | {name: value}))  # as the constructor checks them
+        return value
 
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -376,14 +383,18 @@ class AutoParallel:
         paths = arg_paths(pure, args)
         shapes = [tuple(x.shape) for x in jax.tree_util.tree_leaves(args)]
         n_state = getattr(pure, "n_state", 0)
-        donate = tuple(range(n_state)) + tuple(i + n_state for i in self.donate_argnums)
+        user = getattr(pure, "user", None) or _UserArgs(
+            arg_names(pure, len(args)), {i: i for i in range(len(args))}, frozenset())
+        donate = tuple(range(n_state)) + tuple(  # (an nnx object's state is donated anyway)
+            user.place[i] for i in self._positions("donate_argnums", user)
+            if i not in user.objects)
         owner = leaf_owners(args)
         # From shapes alone: an array placed on Explicit axes would type the trace with its
         # sharding (JAX refused the step's ops there; jaxpar.shard moves such arguments).
         carried = {i for i, _ in carried_pairs(args, jax.eval_shape(
             pure, *jax.tree_util.tree_map(shape_only, args)))}
         state = set(range(n_state)) | {owner[i] for i in carried}
-        fixed = self._fixed(args, paths, shapes, self._batch_positions(args, n_state, state))
+        fixed = self._fixed(args, paths, shapes, self._batch_positions(args, user, state))
         sharded = self._shard(pure, fixed, donate)
         note = None if o.hsdp is None else _hsdp_note(*o.hsdp)
         if o.load_operator_file:
@@ -446,7 +457,7 @@ class AutoParallel:
                        search_mode=_SEARCH.get(self.parallel_mode, self.parallel_mode),
                        hardware=self.hardware, memory_budget=self.memory_budget,
                        mem_coeff=self.mem_coeff, donate_argnums=donate,
-                       fp32_communication=self._opts.fp32_communication)
+                       fp32_communication=self._opts.fp32_communication, caller="AutoParallel")
 
     def _fixed(self, args: tuple, paths: list[str], shapes: list[tuple],
                batch: set[int]) -> dict[str, Any]:
@@ -482,16 +493,31 @@ class AutoParallel:
             return config
         return None
 
-    def _batch_positions(self, args: tuple, n_state: int, state: set[int]) -> set[int]:
-        """Positions of the data arguments: batch_argnums (after the nnx states), else those
-        that are not state (nnx objects, carried), else all but the first."""
+    def _positions(self, name: str, user: _UserArgs) -> tuple[int, ...]:
+        """batch_argnums or donate_argnums (positions in the network's own arguments), each
+        naming an argument; a ValueError names those that do not."""
+        given = getattr(self, name) or ()
+        bad = [i for i in given if i >= len(user.names)]
+        if bad:
+            raise ValueError(
+                f"AutoParallel({name}={given}): {_name(self.network)} is called with "
+                f"{len(user.names)} positional argument(s) ({', '.join(user.names)}), so {bad} "
+                f"name(s) none; give positions from 0 to {len(user.names) - 1}.")
+        return tuple(given)
+
+    def _batch_positions(self, args: tuple, user: _UserArgs, state: set[int]) -> set[int]:
+        """Positions of the data arguments: batch_argnums (in the network's own arguments),
+        else those that are not state (nnx objects, carried), else all but the first."""
         if self.batch_argnums is not None:
-            bad = [i for i in self.batch_argnums if not 0 <= i < len(args) - n_state]
-            if bad:
-                raise ValueError(f"AutoParallel(batch_argnums={self.batch_argnums}): the "
-                                 f"network takes {len(args) - n_state} data arguments; "
-                                 f"{bad} is out of range.")
-            return {i + n_state for i in self.batch_argnums}
+            positions = self._positions("batch_argnums", user)
+            objects = [i for i in positions if i in user.objects]
+            if objects:
+                raise ValueError(
+                    f"AutoParallel(batch_argnums={self.batch_argnums}): "
+                    f"{', '.join(user.names[i] for i in objects)} (position(s) {objects}) "
+                    "is an nnx object, whose state is carried, not data; name the batch's "
+                    "arguments.")
+            return {user.place[i] for i in positions}
         if state:
             return {i for i in range(len(args)) if i not in state}
         return set(range(1, len(args)))
@@ -594,6 +620,8 @@ def _purify(network, args: tuple):
 
     _sign(pure, ["_and_".join(names[i] for i in g) for g in groups] + [names[i] for i in others])
     pure.n_state, pure.graphdefs = len(groups), graphdefs
+    pure.user = _UserArgs(names, {i: len(groups) + k for k, i in enumerate(others)},
+                          frozenset(objects))
 
     def unwrap(out, changed=None):
         flags = [True] * len(groups) if changed is None else changed
@@ -604,6 +632,17 @@ def _purify(network, args: tuple):
         return out[len(groups)]
 
     return pure, (*states, *(args[i] for i in others)), unwrap
+
+
+@dataclass(frozen=True)
+class _UserArgs:
+    """The arguments as the user passed them to a network holding nnx objects: their names,
+    where each that is no nnx object sits among the pure function's (after the objects'
+    states), and which are nnx objects. batch_argnums and donate_argnums count these."""
+
+    names: list[str]
+    place: dict[int, int]
+    objects: frozenset[int]
 
 
 def _shared(objects: list) -> bool:
@@ -636,6 +675,8 @@ def _module_call(module, args: tuple):
 
     _sign(pure, ["model"] + [f"arg{i}" for i in range(len(args))])
     pure.n_state, pure.graphdefs = 1, (graphdef,)
+    pure.user = _UserArgs([f"arg{i}" for i in range(len(args))],
+                          {i: 1 + i for i in range(len(args))}, frozenset())
 
     def unwrap(out, changed=None):
         if changed is None or changed[0] or _donated(module):

@@ -440,8 +440,9 @@ def _batch_partner(kwargs: dict[str, Any], ctx: ParallelContext) -> dict[str, An
     False is "data_parallel"); full_batch=False leaves split counts as they are."""
     full, split = kwargs.get("full_batch"), kwargs.get("dataset_strategy")
     if "full_batch" in kwargs and "dataset_strategy" in kwargs:
-        if full is False and split == "full_batch":  # ParallelContext sees True as given
-            raise _disagree(full, split)
+        if (full is False and split == "full_batch") or (full is True and
+                                                         split == "data_parallel"):
+            raise _disagree(full, split)  # (ParallelContext takes "data_parallel" for unset)
         return kwargs  # ParallelContext checks full_batch=True against split counts
     if "full_batch" not in kwargs and "dataset_strategy" not in kwargs:
         return kwargs

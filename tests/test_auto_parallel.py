@@ -741,6 +741,44 @@ def test_bad_arguments_are_refused(call, exc, match):
         call()
 
 
+@pytest.mark.parametrize("name, value, said", [
+    ("level", 7, r"^AutoParallel\(level=7\)"), ("mem_coeff", -1.0, r"^AutoParallel\(mem_coeff"),
+    ("memory_budget", -5, r"^AutoParallel\(memory_budget=-5\)"),
+    ("hardware", "h900", r"hardware='h900': no such profile")])
+def test_a_setting_assigned_later_is_checked_at_assignment(name, value, said):
+    # It was taken and failed at the first call, naming shard(), which the user never called.
+    net = AutoParallel(_step)
+    with pytest.raises(ValueError, match=said):
+        setattr(net, name, value)
+    assert getattr(net, name) != value
+
+
+def test_nnx_argument_positions_count_the_networks_own_arguments():
+    # batch_argnums and donate_argnums counted the arguments with the nnx objects left out
+    # (x of train_step(model, optimizer, x, y) was 0), and an error named shard(), the
+    # internal `pure` and positions the user never wrote (0, 1, 4), advising negative ones
+    # AutoParallel refuses.
+    model = nnx.Linear(16, 8, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    def train_step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    x, y = jnp.ones((16, 16)), jnp.zeros((16, 8))
+    net = AutoParallel(train_step, batch_argnums=(2, 3), donate_argnums=(2,))
+    specs = net.plan(model, optimizer, x, y).in_specs
+    assert specs[-2] == specs[-1] == P(("d0", "d1", "d2"))  # x and y: the batch
+    for kwargs, said in (({"batch_argnums": (0, 2)}, r"batch_argnums=\(0, 2\)\): model "
+                          r"\(position\(s\) \[0\]\) is an nnx object"),
+                         ({"donate_argnums": (5,)}, r"^AutoParallel\(donate_argnums=\(5,\)\): "
+                          r"train_step is called with 4 positional argument\(s\) \(model, "
+                          r"optimizer, x, y\), so \[5\] name\(s\) none")):
+        with pytest.raises(ValueError, match=said):
+            AutoParallel(train_step, **kwargs).plan(model, optimizer, x, y)
+
+
 def test_a_context_shard_size_the_mesh_cannot_make_is_refused_at_construction():
     # It was taken, and the first call failed naming hsdp(), which the user never called.
     jaxpar.set_auto_parallel_context(enable_parallel_optimizer=True, parallel_optimizer_config={

@@ -231,6 +231,11 @@ def test_full_batch_and_dataset_strategy_move_together(tmp_path):
         set_auto_parallel_context(full_batch=True, dataset_strategy=((8, 1),))
     with pytest.raises(ValueError, match="they disagree"):
         set_auto_parallel_context(full_batch=False, dataset_strategy="full_batch")
+    # full_batch=True beside an explicit "data_parallel" was taken as full batch, silently
+    with pytest.raises(ValueError, match="they disagree"):
+        set_auto_parallel_context(full_batch=True, dataset_strategy="data_parallel")
+    with pytest.raises(ValueError, match="they disagree"):
+        ParallelContext.from_dict({"full_batch": True, "dataset_strategy": "data_parallel"})
     assert current_context() == before
     assert ParallelContext(full_batch=True).dataset_strategy == "full_batch"
     assert ParallelContext(dataset_strategy="full_batch").full_batch is True
@@ -241,6 +246,9 @@ def test_full_batch_and_dataset_strategy_move_together(tmp_path):
     with pytest.raises(ValueError, match=r"p\.yaml: .*they disagree"):
         load_config(path)
     path.write_text("full_batch: false\ndataset_strategy: full_batch\n")
+    with pytest.raises(ValueError, match=r"p\.yaml: .*they disagree"):
+        load_config(path)
+    path.write_text("full_batch: true\ndataset_strategy: data_parallel\n")
     with pytest.raises(ValueError, match=r"p\.yaml: .*they disagree"):
         load_config(path)
 
