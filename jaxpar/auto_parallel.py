@@ -383,7 +383,7 @@ class AutoParallel:
         paths = arg_paths(pure, args)
         shapes = [tuple(x.shape) for x in jax.tree_util.tree_leaves(args)]
         n_state = getattr(pure, "n_state", 0)
-        user = getattr(pure, "user", None) or _UserArgs(
+        user = getattr(pure, "jaxpar_args", None) or _UserArgs(
             arg_names(pure, len(args)), {i: i for i in range(len(args))}, frozenset())
         donate = tuple(range(n_state)) + tuple(  # (an nnx object's state is donated anyway)
             user.place[i] for i in self._positions("donate_argnums", user)
@@ -620,7 +620,7 @@ def _purify(network, args: tuple):
 
     _sign(pure, ["_and_".join(names[i] for i in g) for g in groups] + [names[i] for i in others])
     pure.n_state, pure.graphdefs = len(groups), graphdefs
-    pure.user = _UserArgs(names, {i: len(groups) + k for k, i in enumerate(others)},
+    pure.jaxpar_args = _UserArgs(names, {i: len(groups) + k for k, i in enumerate(others)},
                           frozenset(objects))
 
     def unwrap(out, changed=None):
@@ -675,7 +675,7 @@ def _module_call(module, args: tuple):
 
     _sign(pure, ["model"] + [f"arg{i}" for i in range(len(args))])
     pure.n_state, pure.graphdefs = 1, (graphdef,)
-    pure.user = _UserArgs([f"arg{i}" for i in range(len(args))],
+    pure.jaxpar_args = _UserArgs([f"arg{i}" for i in range(len(args))],
                           {i: 1 + i for i in range(len(args))}, frozenset())
 
     def unwrap(out, changed=None):
