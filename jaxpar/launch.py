@@ -14,6 +14,7 @@ which is killed at the end: no process outlives the launch.
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import runpy
@@ -139,19 +140,29 @@ def free_port() -> int:
 
 def _bind(port: int) -> int:
     """Bind a TCP socket at `port` (0: one the system picks) on every address, as JAX's
-    coordinator binds it ([::], IPv4 too), then let it go; returns the port. OSError when
-    something holds it (a port in TIME_WAIT does not count: the coordinator reuses those)."""
-    try:
-        s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        host = "::"
-    except OSError:  # no IPv6 here
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        host = "0.0.0.0"
-    with s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, port))
-        return s.getsockname()[1]
+    coordinator binds it ([::], IPv4 too; IPv4 alone where IPv6 is off), then let it go;
+    returns the port. OSError when something holds it (a port in TIME_WAIT does not count:
+    the coordinator reuses those)."""
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            s = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no such address family here
+            continue
+        with s:
+            if family == socket.AF_INET6:
+                try:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                except OSError:
+                    pass
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as err:
+                if err.errno == errno.EADDRINUSE or family == socket.AF_INET:
+                    raise
+                continue  # IPv6 present but off: IPv4 alone
+            return s.getsockname()[1]
+    raise OSError(errno.EAFNOSUPPORT, "no TCP socket can be made here")
 
 
 def _check_int(name: str, value, least: int, most: int | None) -> None:
