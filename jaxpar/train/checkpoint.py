@@ -423,7 +423,7 @@ def _names(keypath: KeyPath) -> tuple[str, ...]:
 
 def _check_structure(leaves: list[tuple[KeyPath, Any]],
                      saved: dict[tuple[str, ...], tuple[KeyPath, Any]], directory: Path,
-                     target: Any = None) -> None:
+                     target: Any) -> None:
     target_names = {_names(keypath) for keypath, _ in leaves}
     empty = [_empty(target), _empty(_tree_metadata(directory))]
     for mine, theirs, how in ((empty[0], empty[1], "target has an empty entry at "),
