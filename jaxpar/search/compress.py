@@ -61,6 +61,12 @@ class Core:
     max_degree: int = 0                      # before elimination (2: chains)
     offset: float = 0.0                      # the optimum of parts eliminated entirely
 
+    def size(self) -> int:
+        """How many candidates (of alive variables) and class pairs (of edges) the core holds:
+        its LP relaxation's variables, less memory terms."""
+        return (sum(len(self.cost[v]) for v in self.alive) +
+                sum(e.K.size for e in self.edges.values()))
+
     def edge(self, i: int, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(K, i's classes, j's classes) of the edge between variables i and j."""
         return self.edges[(min(i, j), max(i, j))].toward(i < j)

@@ -180,8 +180,7 @@ def ascend(dual: DualAscent, search: LocalSearch, stop: float, rel_gap: float,
     the gap (the bound may creep up for a hundred sweeps where HiGHS takes a fraction of a
     second: one mesh axis of a 48-layer GPT step, 2.7 s against 0.8)."""
     best, upper, history = None, float("inf"), []
-    whole = (sum(len(dual.cost[v]) for v in dual.vars) +
-             sum(e.K.size for e in dual.core.edges.values()))
+    whole = dual.core.size()
     for it in itertools.count():
         dual.sweep(backward=bool(it % 2))
         if it % 4 != 3:

@@ -393,7 +393,7 @@ def _solve_core(problem: Problem, core: Core, deadline: float, rel_gap: float) -
     optimum when integral; else dual ascent, then reduced-cost fixing and the ILP unless the
     bound already meets the assignment."""
     scale = _scale(core)
-    if core.rows is None and _whole(core) <= FIX_SIZE:
+    if core.rows is None and core.size() <= FIX_SIZE:
         found = _integral_lp(problem, core, _everything(core), scale, deadline)
         if found is not None:
             return core.expand(found[0]), True, 0.0, "lp"
@@ -506,20 +506,13 @@ def _solve_ilp(problem: Problem, core: Core, keep: tuple[dict, dict], scale: flo
     upper = np.ones(nvar)  # (HiGHS can hang on integer variables without an upper bound)
     upper[nvar - (len(core.terms) if core.rows is not None else 0):] = np.inf
     load = ILP_LOAD_S_PER_VAR * nvar
-
-    def limit() -> float | None:
-        """HiGHS's time limit: ILP_SHARE of the time left less the load (at least 0.05 s),
-        or None when only the load would fit (HiGHS is then not started)."""
-        left = ILP_SHARE * (deadline - time.perf_counter()) - load
-        return None if left < 0.05 and load > 0.05 else max(left, 0.05)
-
-    seconds = limit()
+    seconds = _highs_seconds(deadline, load)
     # No memory rows: the LP relaxation is often integral already, and then the optimum.
     if seconds is not None and core.rows is None:
         found = _lp(c, constraints[0], cands, xoff, scale, seconds)
         if found is not None:
             return (*found, True)
-        seconds = limit()
+        seconds = _highs_seconds(deadline, load)  # what the LP left
     if seconds is None:
         return None, -np.inf, False
     res = milp(c, integrality=integrality, bounds=Bounds(0, upper), constraints=constraints,
@@ -537,12 +530,6 @@ def _solve_ilp(problem: Problem, core: Core, keep: tuple[dict, dict], scale: flo
     return found, bound, res.status == 0
 
 
-def _whole(core: Core) -> int:
-    """How many candidates and class pairs the core holds (its LP's variables)."""
-    return (sum(len(core.cost[v]) for v in core.alive) +
-            sum(e.K.size for e in core.edges.values()))
-
-
 def _everything(core: Core) -> tuple[dict, dict]:
     """Every candidate and class pair of the core, as fixing's `keep`."""
     return ({v: np.arange(len(core.cost[v])) for v in core.alive},
@@ -555,8 +542,16 @@ def _integral_lp(problem: Problem, core: Core, keep: tuple[dict, dict], scale: f
     integral optimum, else None (fractional, or no time for it)."""
     cands, pairs = keep
     c, constraints, xoff, nvar = _build_ilp(problem, core, cands, pairs, scale)
-    seconds = ILP_SHARE * (deadline - time.perf_counter()) - ILP_LOAD_S_PER_VAR * nvar
-    return _lp(c, constraints[0], cands, xoff, scale, seconds) if seconds > 0.05 else None
+    seconds = _highs_seconds(deadline, ILP_LOAD_S_PER_VAR * nvar)
+    return None if seconds is None else _lp(c, constraints[0], cands, xoff, scale, seconds)
+
+
+def _highs_seconds(deadline: float, load: float) -> float | None:
+    """HiGHS's time limit for a model that takes `load` seconds to load: ILP_SHARE of the
+    time left less the load (at least 0.05 s), or None when only the load would fit (HiGHS
+    is then not started)."""
+    left = ILP_SHARE * (deadline - time.perf_counter()) - load
+    return None if left < 0.05 and load > 0.05 else max(left, 0.05)
 
 
 def _lp(c: np.ndarray, eq: LinearConstraint, cands: dict, xoff: np.ndarray, scale: float,
