@@ -122,9 +122,10 @@ def restore_checkpoint(path: PathLike, target: Any, *, step: int | None = None,
         raise TypeError(f"restore_checkpoint: mesh={mesh!r} must be a jax.sharding.Mesh or None.")
     directory = _checkpoint_directory(_absolute(path, "path"), step)
     _verify_checksums(directory)
-    saved = _saved_leaves(directory)
+    tree = _tree_metadata(directory)
+    saved = _saved_leaves(tree, directory)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
-    _check_structure(leaves, saved, directory, target)
+    _check_structure(leaves, saved, directory, target, tree)
     placements = _explicit_shardings(treedef, leaves, shardings, mesh)
     restore_target = [_restore_leaf(keypath, leaf, saved[_names(keypath)][1], placement, mesh)
                       for (keypath, leaf), placement in zip(leaves, placements, strict=True)]
@@ -407,9 +408,9 @@ def _first_line(err: Exception) -> str:
     return (str(err).strip().splitlines() or [""])[0][:300]
 
 
-def _saved_leaves(directory: Path) -> dict[tuple[str, ...], tuple[KeyPath, Any]]:
-    """Saved leaves by normalized path: their orbax key path and value metadata."""
-    tree = _tree_metadata(directory)
+def _saved_leaves(tree: Any, directory: Path) -> dict[tuple[str, ...], tuple[KeyPath, Any]]:
+    """Saved leaves of the checkpoint in `directory` (its metadata `tree`) by normalized
+    path: their orbax key path and value metadata."""
     if tree is None:
         raise FileNotFoundError(f"restore_checkpoint: {directory} holds no checkpoint.")
     return {_names(keypath): (keypath, metadata)
@@ -423,9 +424,11 @@ def _names(keypath: KeyPath) -> tuple[str, ...]:
 
 def _check_structure(leaves: list[tuple[KeyPath, Any]],
                      saved: dict[tuple[str, ...], tuple[KeyPath, Any]], directory: Path,
-                     target: Any) -> None:
+                     target: Any, tree: Any) -> None:
+    """target's leaves (`leaves`) and empty entries against the checkpoint's (`saved`, its
+    metadata `tree`): a ValueError naming the first that differs."""
     target_names = {_names(keypath) for keypath, _ in leaves}
-    empty = [_empty(target), _empty(_tree_metadata(directory))]
+    empty = [_empty(target), _empty(tree)]
     for mine, theirs, how in ((empty[0], empty[1], "target has an empty entry at "),
                               (empty[1], empty[0], "the checkpoint holds an empty entry at ")):
         for names in sorted(mine - theirs):
