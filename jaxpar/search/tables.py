@@ -301,9 +301,7 @@ class _Builder:
             mem = self._parts.get(key)
             if mem is None:
                 mem = self._parts[key] = np.array(
-                    [sum(nbytes(info.out_shapes[j], info.out_dtypes[j]) /
-                         s.outs[j].shards(self.model.mesh) for j in js) for s in cands],
-                    dtype=float)
+                    [self._results_memory(info, s, js) for s in cands], dtype=float)
             if n == 0:
                 t.node_mem[node] = mem
                 t.spans[node] = (op.index, end)
@@ -313,10 +311,12 @@ class _Builder:
             self._group[extra] = self._group[node]
             t.spans[extra] = (op.index, end)
 
-    def _results_memory(self, info: OpInfo, s) -> float:
-        """Per device bytes of an op's results under strategy s."""
-        return sum(nbytes(sh, dt) / sp.shards(self.model.mesh) for sh, dt, sp in
-                   zip(info.out_shapes, info.out_dtypes, s.outs, strict=True))
+    def _results_memory(self, info: OpInfo, s, results: Sequence[int] | None = None) -> float:
+        """Per device bytes of an op's results (those at `results`; None: all) under
+        strategy s."""
+        js = range(len(s.outs)) if results is None else results
+        return sum(nbytes(info.out_shapes[j], info.out_dtypes[j]) /
+                   s.outs[j].shards(self.model.mesh) for j in js)
 
     def _while_running(self, node: int, index: int, memory: np.ndarray) -> None:
         """A node tied to region op `node` (same candidates) holding `memory`: what the op's
