@@ -203,10 +203,7 @@ class AutoParallel:
         elif name in ("batch_argnums", "donate_argnums"):
             value = _argnums(name, value) or (None if name == "batch_argnums" else ())
         elif name in ("hardware", "level", "mem_coeff", "memory_budget"):
-            settings = {k: getattr(self, k) for k in ("hardware", "level", "mem_coeff",
-                                                      "memory_budget")}
-            sharded(self.network, mesh=self.mesh, caller="AutoParallel",
-                    **(settings | {name: value}))  # as the constructor checks them
+            self._check_settings(**{name: value})
         return value
 
     # -- calling ---------------------------------------------------------------------------
@@ -360,10 +357,14 @@ class AutoParallel:
 
     def _check_now(self) -> None:
         _no_pipeline(self.context.pipeline_stages)
-        # shard() checks level, mem_coeff, memory_budget and hardware before any tracing.
-        sharded(self.network, level=self.level, mesh=self.mesh, hardware=self.hardware,
-                mem_coeff=self.mem_coeff, memory_budget=self.memory_budget,
-                caller="AutoParallel")
+        self._check_settings()
+
+    def _check_settings(self, **changed) -> None:
+        """shard()'s checks of level, mem_coeff, memory_budget and hardware (before any
+        tracing), of these settings with `changed` in place of theirs, naming AutoParallel."""
+        settings = {"level": self.level, "hardware": self.hardware, "mem_coeff": self.mem_coeff,
+                    "memory_budget": self.memory_budget} | changed
+        sharded(self.network, mesh=self.mesh, caller="AutoParallel", **settings)
 
     def _program(self, args: tuple) -> tuple[_Program, tuple]:
         pure, flat_args, unwrap = _purify(self.network, args)
