@@ -30,7 +30,12 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from jaxpar import progress
 from jaxpar.analysis import compiled_bytes
-from jaxpar.context import ParallelContext, current_context, is_finite
+from jaxpar.context import (
+    ParallelContext,
+    check_mem_coeff,
+    check_memory_budget,
+    current_context,
+)
 from jaxpar.cost.hardware import load_profile
 from jaxpar.cost.manual import off_mesh
 from jaxpar.cost.model import CostModel
@@ -212,20 +217,10 @@ def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, sea
                         "jaxpar.make_mesh(8), an AbstractMesh (plans only, any size), or None "
                         "for all devices.")
     check_auto_axes(mesh, f"{caller}(mesh=...)")
-    if isinstance(memory_budget, str) and memory_budget == "hardware":  # the profile's memory
+    memory_budget = check_memory_budget(memory_budget, caller)
+    if memory_budget == "hardware":  # the profile's memory
         memory_budget = load_profile(hardware).memory_bytes
-    if memory_budget is not None:
-        budget_rule = ("give a number of bytes per device, at least 1 (16e9 for 16 GB), "
-                       "'hardware' for the hardware profile's memory, or None for no budget.")
-        if not isinstance(memory_budget, numbers.Real) or isinstance(memory_budget, bool):
-            raise (ValueError if isinstance(memory_budget, str) else TypeError)(
-                f"{caller}(memory_budget={memory_budget!r}): {budget_rule}")
-        if not is_finite(memory_budget) or memory_budget < 1:
-            raise ValueError(f"{caller}(memory_budget={memory_budget!r}): {budget_rule}")
-    if not isinstance(mem_coeff, numbers.Real) or isinstance(mem_coeff, bool):
-        raise TypeError(f"{caller}(mem_coeff={mem_coeff!r}): must be a finite number >= 0.")
-    if not is_finite(mem_coeff) or mem_coeff < 0:
-        raise ValueError(f"{caller}(mem_coeff={mem_coeff!r}): must be a finite number >= 0.")
+    mem_coeff = check_mem_coeff(mem_coeff, caller)
     if parameter_plan is not None and not isinstance(parameter_plan, dict):
         raise TypeError(f"{caller}(parameter_plan={parameter_plan!r}): must be a dict mapping "
                         "parameter paths to strategies, e.g. {'params/w': (1, 8)}.")

@@ -175,7 +175,7 @@ def _yaml_hint(value: Any) -> str:
         float(value)
     except ValueError:
         return ""
-    return " (YAML reads 1e9 as text; write 1.0e+9.)"
+    return " (a number given as text: YAML reads 1e9 as text, write 1.0e+9; in Python, no quotes.)"
 
 
 def _is_int(value: Any) -> bool:
@@ -328,26 +328,31 @@ def is_finite(value) -> bool:
         return False
 
 
-def _mem_coeff(value: Any) -> float:
+def check_mem_coeff(value: Any, where: str = "set_auto_parallel_context") -> float:
+    """mem_coeff as a float; a TypeError/ValueError naming `where` (the caller: shard,
+    AutoParallel, set_auto_parallel_context) and the value otherwise."""
     rule = "must be a finite number >= 0 (larger favours model parallel, smaller data parallel)."
     if not _is_real(value):
-        raise _bad(TypeError, "mem_coeff", value, rule + _yaml_hint(value))
+        raise TypeError(f"{where}(mem_coeff={value!r}): {rule}{_yaml_hint(value)}")
     if not is_finite(value) or value < 0:
-        raise _bad(ValueError, "mem_coeff", value, rule)
+        raise ValueError(f"{where}(mem_coeff={value!r}): {rule}")
     return float(value)
 
 
-def _memory_budget(value: Any) -> int | float | str | None:
+def check_memory_budget(value: Any, where: str = "set_auto_parallel_context"
+                        ) -> int | float | str | None:
+    """memory_budget as given (None, 'hardware', or bytes per device: an int stays an int);
+    a TypeError/ValueError naming `where` and the value otherwise."""
     rule = ("must be a finite number of bytes per device, at least 1 (16e9 for 16 GB), "
             "'hardware' (the hardware profile's memory) or None (no budget).")
     if value is None or (isinstance(value, str) and value == "hardware"):
         return value
     if isinstance(value, str):
-        raise _bad(ValueError, "memory_budget", value, rule + _yaml_hint(value))
+        raise ValueError(f"{where}(memory_budget={value!r}): {rule}{_yaml_hint(value)}")
     if not _is_real(value):
-        raise _bad(TypeError, "memory_budget", value, rule)
+        raise TypeError(f"{where}(memory_budget={value!r}): {rule}")
     if not is_finite(value) or value < 1:
-        raise _bad(ValueError, "memory_budget", value, rule)
+        raise ValueError(f"{where}(memory_budget={value!r}): {rule}")
     return int(value) if _is_int(value) else float(value)
 
 
@@ -394,8 +399,8 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "pipeline_stages": partial(_int, "pipeline_stages", low=1),
     "grad_accumulation_step": partial(_int, "grad_accumulation_step", low=1),
     "comm_fusion": _comm_fusion,
-    "mem_coeff": _mem_coeff,
-    "memory_budget": _memory_budget,
+    "mem_coeff": check_mem_coeff,
+    "memory_budget": check_memory_budget,
     "hardware": _hardware,
     "parallel_config": _parallel_config,
 }

@@ -421,6 +421,26 @@ def test_malformed_options(kwargs, exc, match):
         jaxpar.shard(dense_relu, **kwargs)
 
 
+@pytest.mark.parametrize("key,value", [("memory_budget", "1e9"), ("memory_budget", True),
+                                       ("memory_budget", 0.5), ("mem_coeff", "0.1"),
+                                       ("mem_coeff", float("inf"))])
+def test_shard_and_the_context_refuse_a_budget_or_mem_coeff_alike(key, value):
+    # One rule for both (shard() had its own copy, with another wording and, for a number
+    # given as text, no word of it).
+    errors = []
+    for call in (lambda: jaxpar.shard(dense_relu, **{key: value}),
+                 lambda: jaxpar.set_auto_parallel_context(**{key: value})):
+        with pytest.raises((TypeError, ValueError)) as err:
+            call()
+        errors.append(err)
+    shard_err, context_err = errors
+    assert type(shard_err.value) is type(context_err.value)
+    assert str(shard_err.value).startswith(f"shard({key}={value!r}): ")
+    assert str(shard_err.value).removeprefix("shard") == \
+        str(context_err.value).removeprefix("set_auto_parallel_context")
+    jaxpar.reset_auto_parallel_context()
+
+
 def test_a_mesh_with_explicit_axes_is_refused_and_its_arrays_are_taken():
     # jax.make_mesh's default axes are Explicit: jaxpar's constraints failed deep inside JAX.
     explicit = jax.make_mesh((2, 4), ("a", "b"))
