@@ -305,3 +305,19 @@ def test_a_while_loop_counted_between_literals_is_priced_per_trip(mode):
         t = trace(fn, args)
         (loop,) = [op for op in build_graph(t.closed_jaxpr, t.in_paths).ops if op.name == "while"]
         assert known_trips(loop) == trips
+
+
+def test_a_while_loops_condition_is_priced_one_run_more_than_its_body():
+    """The condition of a while loop whose bound is traced runs twice for the body's one trip
+    (the test that ends the loop), as the compiled program's collectives count it; the plan
+    priced it once (an all-gather and an all-reduce of 8,192 and 4 bytes, against 16,384 and
+    8 measured), and verify failed on a plan that was right."""
+    def f(x):
+        return jax.lax.while_loop(lambda c: jnp.max(c @ c.T) < 10.0, lambda c: c * 2.0, x)
+
+    x = jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32) * 1e-4
+    f_sharded = jaxpar.shard(f, in_strategy=((8, 1),), out_strategy=((8, 1),))
+    np.testing.assert_allclose(f_sharded(x), jax.jit(f)(x), rtol=1e-6)
+    check = f_sharded.plan(x).verify(f_sharded.lower(x).compile())
+    assert check.measured["all-gather"]["count"] == 2, str(check)
+    assert check.predicted == check.measured and check.ok, str(check)

@@ -147,10 +147,11 @@ def _while(op: Op, info: OpInfo, known, model: CostModel, plan_body=_loop_body, 
         [plan.specs[v] for v in body.inputs[:bn]] + carry
     known_count = known_trips(op)
     trips = 1 if known_count is None else known_count  # unknown: priced as one trip
+    # The condition runs once more than the body (the test that ends the loop), as the
+    # compiled program's collectives count it (analysis: trip + 1) for an unknown count too.
     cost = body_cost(body, plan, model, dict(enumerate(carry)), trips=trips,
                      invariant=frozenset(body.inputs[:bn])) + \
-        body_cost(cond, cond_plan, model, trips=1 if known_count is None else trips + 1,
-                  invariant=frozenset(cond.inputs[:cn]))
+        body_cost(cond, cond_plan, model, trips=trips + 1, invariant=frozenset(cond.inputs[:cn]))
     return _strategy(ins, carry), (cond_plan, plan), cost, trips
 
 
