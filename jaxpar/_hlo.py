@@ -234,7 +234,8 @@ def parse_module(text: str) -> Module:
         elif current is not None and line:
             pending = f"{pending} {line}" if pending else line
     _flush(comps, current, pending, roots)
-    assert comps, "no HLO computation found in the text"
+    if not comps:
+        raise ValueError("no HLO computation found in the text")
     devices = max(num.values()) if num else None
     return Module(comps, entry or list(comps)[-1], devices, roots)
 

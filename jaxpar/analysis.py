@@ -85,18 +85,18 @@ _NO_DESCENT = {"async-update", "async-done"}
 _PASS_THROUGH = {"bitcast", "reshape", "copy", "get-tuple-element"}
 
 
-def _hlo_text(compiled: Any) -> str:
+def _hlo_text(compiled: Any, where: str = "collective_stats") -> str:
     if not isinstance(compiled, str) and not callable(getattr(compiled, "as_text", None)):
-        raise TypeError(f"compiled={type(compiled).__name__}: expected a compiled program "
-                        "(`jax.jit(f).lower(*args).compile()`, or a ShardedFunction's "
+        raise TypeError(f"{where}: compiled={type(compiled).__name__}: expected a compiled "
+                        "program (`jax.jit(f).lower(*args).compile()`, or a ShardedFunction's "
                         "`.lower(*args).compile()`) or its `as_text()`.")
     text = compiled if isinstance(compiled, str) else compiled.as_text()
     if text.lstrip().startswith("module"):
-        raise ValueError("collective_stats reads the partitioned HLO of a compiled program; got "
+        raise ValueError(f"{where} reads the partitioned HLO of a compiled program; got "
                          "StableHLO (a `Lowered`?). Pass `lowered.compile()` instead.")
     if "ENTRY" not in text:
-        raise ValueError(f"compiled={text[:40]!r}...: no HLO module in this text; pass a "
-                         "compiled program or its `as_text()`.")
+        raise ValueError(f"{where}: compiled={text[:40]!r}...: no HLO module in this text; pass "
+                         "a compiled program or its `as_text()`.")
     return text
 
 
@@ -166,9 +166,25 @@ def collective_ops(compiled: Any) -> list[CollectiveOp]:
     return module_collectives(program_module(compiled))
 
 
-def program_module(compiled: Any):
-    """The parsed HLO module (_hlo.parse_module) of a compiled program or its HLO text."""
-    return parse_module(_hlo_text(compiled))
+def program_module(compiled: Any, where: str = "collective_stats"):
+    """The parsed HLO module (_hlo.parse_module) of a compiled program or its HLO text; a
+    ValueError naming `where` (the caller) for text that holds no HLO module."""
+    text = _hlo_text(compiled, where)
+    try:
+        return parse_module(text)
+    except ValueError as err:
+        raise ValueError(f"{where}: compiled={text[:40]!r}...: {err}; pass a compiled program "
+                         "or its `as_text()`.") from None
+
+
+def program_devices(compiled: Any, module) -> int | None:
+    """How many devices a compiled program (`module`: its parsed HLO) runs on: the HLO's
+    partition or replica count; a compiled program whose HLO names none runs on one device
+    (XLA writes num_partitions only past one). None for HLO text that names none (text
+    written otherwise than by as_text() may leave it out)."""
+    if module.num_devices is not None:
+        return module.num_devices
+    return None if isinstance(compiled, str) else 1
 
 
 def module_collectives(module) -> list[CollectiveOp]:
@@ -408,7 +424,7 @@ def flops(compiled: Any) -> float:
     Example:
       >>> flops(jax.jit(jnp.dot).lower(a, b).compile())
     """
-    return _cost_sum(compiled, "flops") + library_gemm_flops(parse_module(_hlo_text(compiled)))
+    return _cost_sum(compiled, "flops") + library_gemm_flops(program_module(compiled, "flops"))
 
 
 # Custom calls XLA's GPU backend emits for a dot (cuBLAS, cuBLASLt, its fp8 variant).
@@ -485,9 +501,10 @@ def estimate_time(compiled: Any, mesh: Mesh | MeshInfo,
                         "MeshInfo) the program was compiled for, e.g. jaxpar.make_mesh(8).")
     info = mesh if isinstance(mesh, MeshInfo) else MeshInfo.of(mesh)
     profile = load_profile(hardware)
-    module = parse_module(_hlo_text(compiled))
-    if module.num_devices is not None and module.num_devices != info.size:
-        raise ValueError(f"estimate_time: the program runs on {module.num_devices} devices but "
+    module = program_module(compiled, "estimate_time")
+    devices = program_devices(compiled, module)
+    if devices is not None and devices != info.size:
+        raise ValueError(f"estimate_time: the program runs on {devices} devices but "
                          f"mesh={info.describe()} has {info.size}; pass the mesh it was compiled "
                          "for.")
     comm, notes = _comm_times(list(_comp_ops(module, module.entry, {})), info, profile), []

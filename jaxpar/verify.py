@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jaxpar.analysis import module_collectives, program_module, stats_by_kind
+import jax
+
+from jaxpar.analysis import module_collectives, program_devices, program_module, stats_by_kind
 from jaxpar.spec import Spec
 
 
 @dataclass
 class Verification:
-    """Result of `Plan.verify`: per-kind figures and any output whose sharding differs."""
+    """Result of `Plan.verify`: per-kind figures and any argument or output whose sharding
+    differs from the plan's."""
 
     predicted: dict[str, dict[str, float]]
     measured: dict[str, dict[str, int]]
@@ -53,29 +56,54 @@ class Verification:
             lines.append(f"{'widened, at most':<20}{'':>22}{self.widened:>22.0f}")
             lines.append("(XLA:CPU moved 16-bit floats as float32: on a GPU or TPU the "
                          "program moves between the total less the widened bytes and the total)")
-        lines += [f"output sharding differs: {s}" for s in self.sharding_mismatches]
+        lines += [f"sharding differs: {s}" for s in self.sharding_mismatches]
         return "\n".join(lines)
 
 
 def verify_plan(plan, compiled, rtol: float = 0.10) -> Verification:
-    module = program_module(compiled)  # the program's HLO read once
-    if module.num_devices is not None and module.num_devices != plan.mesh.size:
-        raise ValueError(f"Plan.verify: the program runs on {module.num_devices} devices but "
-                         f"the plan is for mesh {plan.mesh.describe()} ({plan.mesh.size}); "
-                         "pass the program compiled from this plan (f.lower(...).compile()).")
+    """`plan`'s predicted collectives against those `compiled` (a jax.stages.Compiled or its
+    HLO text) runs, and (a Compiled) its arguments' and outputs' shardings against the plan's
+    specs. A ValueError when `compiled` is not a program of this plan's: another device count,
+    or (a Compiled) other numbers or ranks of arguments or outputs."""
+    module = program_module(compiled, "Plan.verify")  # the program's HLO read once
+    devices = program_devices(compiled, module)
+    if devices is not None and devices != plan.mesh.size:
+        raise ValueError(f"Plan.verify: the program runs on {devices} device(s) but the plan "
+                         f"is for mesh {plan.mesh.describe()} ({plan.mesh.size}); pass the "
+                         "program compiled from this plan (f.lower(...).compile()).")
+    mismatches = [] if isinstance(compiled, str) else _sharding_mismatches(plan, compiled)
     ops = module_collectives(module)
-    measured = stats_by_kind(ops)
-    mismatches = []
-    try:
-        shardings = list(compiled.output_shardings)
-    except (AttributeError, TypeError):
-        shardings = []
-    import jax
-    for path, spec, sh in zip(plan.out_paths, plan.flat_out_specs, jax.tree_util.tree_leaves(
-            shardings), strict=False):
-        got = getattr(sh, "spec", None)
-        if got is not None and Spec.from_pspec(got, spec.rank) != spec.resolved():
-            mismatches.append(f"{path}: planned {spec.to_pspec()}, compiled {got}")
     widened = sum(op.widened * op.count for op in ops)
-    return Verification(plan.collectives, measured, mismatches, rtol, widened=widened)
+    return Verification(plan.collectives, stats_by_kind(ops), mismatches, rtol, widened=widened)
 
+
+def _sharding_mismatches(plan, compiled) -> list[str]:
+    """'path: planned P(...), compiled P(...)' for each argument and output of `compiled`
+    laid out otherwise than the plan says (leaf by leaf, whatever the pytree: one array, a
+    dict, a tuple); a ValueError when its arguments or outputs are not the plan's in number
+    and rank. Arguments the program does not read have no sharding in it (XLA drops them):
+    then only the outputs are compared."""
+    ins = jax.tree_util.tree_leaves(compiled.in_avals)
+    outs = jax.tree_util.tree_leaves(compiled.out_info)
+    for what, avals, specs, paths in (("arguments", ins, plan.flat_in_specs, plan.in_paths),
+                                      ("outputs", outs, plan.flat_out_specs, plan.out_paths)):
+        ranks = [len(a.shape) for a in avals]
+        if ranks != [s.rank for s in specs]:
+            shapes = ", ".join(str(tuple(a.shape)) for a in avals) or "none"
+            planned = ", ".join(f"{p} (rank {s.rank})" for p, s in zip(paths, specs,
+                                                                         strict=True)) or "none"
+            raise ValueError(f"Plan.verify: the compiled program's {what} are of shapes "
+                             f"{shapes}; the plan's are {planned}. It is another program: pass "
+                             "the one compiled from this plan (f.lower(...).compile()).")
+    out = []
+    pairs = [(plan.out_paths, plan.flat_out_specs,
+              jax.tree_util.tree_leaves(compiled.output_shardings))]
+    given = jax.tree_util.tree_leaves(compiled.input_shardings)
+    if len(given) == len(ins):
+        pairs.insert(0, (plan.in_paths, plan.flat_in_specs, given))
+    for paths, specs, shardings in pairs:
+        for path, spec, sh in zip(paths, specs, shardings, strict=True):
+            got = getattr(sh, "spec", None)
+            if got is not None and Spec.from_pspec(got, spec.rank) != spec.resolved():
+                out.append(f"{path}: planned {spec.to_pspec()}, compiled {got}")
+    return out

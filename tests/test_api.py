@@ -1001,9 +1001,39 @@ def test_a_program_compiled_for_another_device_count_is_not_verified():
     plan = jaxpar.shard(dense_relu).plan(X, W, B)
     mesh4 = jaxpar.make_mesh(4)
     other = jaxpar.shard(dense_relu, mesh=mesh4).lower(X, W, B).compile()
-    with pytest.raises(ValueError, match=r"Plan.verify: the program runs on 4 devices but the "
-                                         r"plan is for mesh d0=2 x d1=2 x d2=2 \(8\)"):
+    with pytest.raises(ValueError, match=r"Plan.verify: the program runs on 4 device\(s\) but "
+                                         r"the plan is for mesh d0=2 x d1=2 x d2=2 \(8\)"):
         plan.verify(other)
+    # a one-device program's HLO names no device count: it was compared (512 bytes against
+    # none moved); so was a program of another function with the same collectives' bytes
+    with pytest.raises(ValueError, match=r"runs on 1 device\(s\)"):
+        plan.verify(jax.jit(dense_relu).lower(X, W, B).compile())
+    other = jaxpar.shard(jnp.sin, in_strategy=((8,),)).lower(jnp.ones(128)).compile()
+    with pytest.raises(ValueError, match=r"arguments are of shapes \(128,\); the plan's are "
+                                         r"x \(rank 2\), weight \(rank 2\), bias \(rank 1\)\."):
+        plan.verify(other)
+
+
+@pytest.mark.parametrize("wrap,paths", [(lambda y: y, ["out"]),
+                                        (lambda y: {"a": y, "b": y + 1}, ["out/a", "out/b"])],
+                         ids=["one output", "a dict"])
+def test_verify_compares_the_sharding_of_a_single_or_dict_output(wrap, paths):
+    # One output's shardings came as a bare NamedSharding (list() of it failed and nothing was
+    # compared), a dict's as its keys: the check held only for tuples of outputs.
+    def f(x):
+        return wrap(jnp.sin(x) @ jnp.ones((8, 16)))
+
+    x = jnp.ones((64, 8))
+    planned = jaxpar.shard(f, in_strategy=((8, 1),), out_strategy=(P(("d0", "d1", "d2")),))
+    plan = planned.plan(x)
+    assert plan.verify(planned.lower(x).compile()).ok
+    mesh = planned.mesh
+    other = jax.jit(f, in_shardings=NamedSharding(mesh, P(("d0", "d1", "d2"))),
+                    out_shardings=NamedSharding(mesh, P(None, ("d0", "d1", "d2"))))
+    check = plan.verify(other.lower(x).compile())
+    assert not check.ok
+    assert [m.split(":")[0] for m in check.sharding_mismatches] == paths
+    assert "sharding differs: out" in str(check)
 
 
 def test_a_hardware_file_that_is_not_yaml_or_lacks_a_key_is_named(tmp_path):
