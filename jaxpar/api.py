@@ -759,6 +759,7 @@ def array_arguments(fn, args: tuple, leaves: list | None = None, tree=None
         leaves, tree = jax.tree_util.tree_flatten(args)
     for k, x in enumerate(leaves):  # numpy arrays JAX cannot hold: named before tracing
         if isinstance(x, np.ndarray | np.generic | jax.ShapeDtypeStruct) and \
+                not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) and \
                 np.dtype(x.dtype).kind in _NOT_JAX and \
                 not jnp.issubdtype(x.dtype, jnp.number):  # ml_dtypes' (bfloat16, ...) are 'V'
             what = "jax.ShapeDtypeStruct" if isinstance(x, jax.ShapeDtypeStruct) else \

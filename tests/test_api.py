@@ -997,6 +997,22 @@ def test_a_shape_dtype_struct_of_a_dtype_jax_cannot_hold_is_refused_before_traci
         jaxpar.shard(lambda x: x).plan(jax.ShapeDtypeStruct((8,), "U3"))
 
 
+def test_a_shape_dtype_struct_of_typed_prng_keys_is_planned_and_lowered():
+    # np.dtype(key<fry>) raised numpy's "Cannot interpret" before the check above could skip it
+    def noisy(keys, x):
+        return x + jax.vmap(lambda k: jax.random.normal(k, x.shape[1:]))(keys)
+
+    keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), 8))
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+    f = jaxpar.shard(noisy)
+    plan = f.plan(keys, x)
+    assert plan.in_paths == ["keys", "x"] and plan.flat_in_specs[0].rank == 1
+    f.lower(keys, x).compile()
+    real = jax.random.split(jax.random.key(0), 8)
+    np.testing.assert_allclose(f(real, jnp.ones((8, 16))),
+                               jax.jit(noisy)(real, jnp.ones((8, 16))), rtol=1e-6)
+
+
 def test_a_program_compiled_for_another_device_count_is_not_verified():
     plan = jaxpar.shard(dense_relu).plan(X, W, B)
     mesh4 = jaxpar.make_mesh(4)
