@@ -321,3 +321,22 @@ def test_a_while_loops_condition_is_priced_one_run_more_than_its_body():
     check = f_sharded.plan(x).verify(f_sharded.lower(x).compile())
     assert check.measured["all-gather"]["count"] == 2, str(check)
     assert check.predicted == check.measured and check.ok, str(check)
+
+
+@pytest.mark.parametrize("mode", ["sharding_propagation", "recursive_programming",
+                                  "dynamic_programming"])
+def test_a_vmapped_while_loop_stops_each_row_at_its_own_trip(mode):
+    """Under vmap a while loop whose test reads the mapped value tests each row (its
+    condition returns bool[8]); replayed through lax.while_loop, which takes a scalar test,
+    every mode failed with JAX's "cond_fun must return a boolean scalar"."""
+    def f(x, step):
+        def row(r):
+            return jax.lax.while_loop(lambda c: c[0].sum() < 50.0,
+                                      lambda c: (c[0] * 1.5 + step, c[1] + 1), (r, 0))
+        return jax.vmap(row)(jnp.abs(x))
+
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    got, want = jaxpar.shard(f, search_mode=mode)(x, 0.1), jax.jit(f)(x, 0.1)
+    assert len(set(np.asarray(want[1]).tolist())) > 1  # the rows stop at different trips
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)

@@ -156,19 +156,31 @@ def _scan(op: Op, plans, ins, mesh, fp32) -> list:
 
 
 def _while(op: Op, plans, ins, mesh, fp32) -> list:
+    """The loop, each body and condition replayed as planned. Under jax.vmap a condition
+    that reads the mapped value tests each lane (a predicate of shape (B,), every carry
+    mapped on its leading dims): the loop runs while any lane's test holds, and a lane whose
+    test failed keeps its carry (what XLA's lowering of such a while does; lax.while_loop
+    takes a scalar test only)."""
     cn, bn = op.params["cond_nconsts"], op.params["body_nconsts"]
     cconsts, bconsts, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
     (cond, body), (cond_plan, body_plan) = op.regions, plans
+    lanes = len(cond.shape(cond.outputs[0]))  # 0: one test for the whole loop
+
+    def test(c):
+        return replay(cond, cond_plan, mesh,
+                      _as_planned(cond.inputs, [*cconsts, *c], cond_plan, mesh), fp32)[0]
 
     def turn(c):
         outs = replay(body, body_plan, mesh,
                       _as_planned(body.inputs, [*bconsts, *c], body_plan, mesh), fp32)
-        return _as_planned(body.inputs[bn:], outs, body_plan, mesh)
+        outs = _as_planned(body.inputs[bn:], outs, body_plan, mesh)
+        if lanes:
+            going = test(c)
+            outs = [jnp.where(jax.lax.broadcast_in_dim(going, jnp.shape(new), range(lanes)),
+                              new, old) for new, old in zip(outs, c, strict=True)]
+        return outs
 
-    out = jax.lax.while_loop(
-        lambda c: replay(cond, cond_plan, mesh,
-                         _as_planned(cond.inputs, [*cconsts, *c], cond_plan, mesh), fp32)[0],
-        turn, list(init))
+    out = jax.lax.while_loop(lambda c: jnp.any(test(c)) if lanes else test(c), turn, list(init))
     return list(out)
 
 
