@@ -363,29 +363,39 @@ def _result_type(mod: Module, comp: str, ins: Instr) -> str:
 
 
 def _only_sliced(mod: Module, comp: str, value: str) -> bool:
-    """Every use of `value` in `comp` dynamic-slices it (the CPU reduce-scatter pattern)."""
+    """Every use of `value` in `comp` dynamic-slices it (the CPU reduce-scatter pattern),
+    through converts too: XLA:CPU converts an all-reduce it widened from 16-bit floats back
+    to them before slicing (and the slicing fusion may convert to float32 again)."""
     return _every_use(mod, comp, value, lambda user, v: user.opcode == "dynamic-slice" and
-                      user.operands[0] == v and v not in user.operands[1:])
+                      user.operands[0] == v and v not in user.operands[1:],
+                      _PASS_THROUGH | {"convert"})
 
 
-def _every_use(mod: Module, comp: str, value: str, does) -> bool:
+def _every_use(mod: Module, comp: str, value: str, does, through=_PASS_THROUGH,
+               out: tuple[str, str] | None = None) -> bool:
     """Every use of `value` in `comp` is one that `does(user, value)` accepts: directly,
-    through pass-through ops (bitcast, reshape, copy, get-tuple-element), or as the first thing
-    a fusion does with its parameter."""
+    through `through` ops (bitcast, reshape, copy, get-tuple-element), or as the first thing
+    a fusion does with its parameter. `out`: (computation, fusion) when `comp` is that
+    fusion's body: a value that is its ROOT is used as the fusion's result (a fusion that
+    only converts or reshapes passes its operand on)."""
     users = mod.users(comp, value)
-    return bool(users) and all(_use_does(mod, comp, value, u, does) for u in users)
+    if out is not None and mod.roots.get(comp) == value:
+        return all(_use_does(mod, comp, value, u, does, through, out) for u in users) and \
+            _every_use(mod, *out, does, through)
+    return bool(users) and all(_use_does(mod, comp, value, u, does, through, out) for u in users)
 
 
-def _use_does(mod: Module, comp: str, value: str, user: Instr, does) -> bool:
+def _use_does(mod: Module, comp: str, value: str, user: Instr, does, through, out) -> bool:
     if does(user, value):
         return True
-    if user.opcode in _PASS_THROUGH:
-        return _every_use(mod, comp, user.name, does)
+    if user.opcode in through:
+        return _every_use(mod, comp, user.name, does, through, out)
     if user.opcode != "fusion" or not user.attr_names("calls"):
         return False
     fused = user.attr_names("calls")[0]
     params = [mod.parameter(fused, i) for i, o in enumerate(user.operands) if o == value]
-    return all(p is not None and _every_use(mod, fused, p.name, does) for p in params)
+    return all(p is not None and _every_use(mod, fused, p.name, does, through, (comp, user.name))
+               for p in params)
 
 
 def memory_stats(compiled: Any) -> dict[str, int]:

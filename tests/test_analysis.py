@@ -295,6 +295,21 @@ def test_a_tuple_element_converted_to_bf16_after_its_all_reduce_is_widened():
     assert collective_ops(kept.replace("(bf16[64]", "(f32[64]"))[0].widened == 0
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_16bit_reduce_scatter_converted_back_before_its_slice_is_one(dtype):
+    # XLA:CPU reduces a bf16 matmul's partial sums in f32, converts the whole result back to
+    # bf16 (a fusion), and a second fusion converts to f32 again to slice it: the slice was
+    # not seen through the converts and the reduce-scatter was reported as an all-reduce.
+    mesh, ax = jaxpar.make_mesh(8), ("d0", "d1", "d2")
+    x, w = jnp.ones((64, 256), dtype), jnp.ones((256, 32), dtype)
+    compiled = jax.jit(lambda x, w: x @ w,
+                       in_shardings=(NamedSharding(mesh, P(None, ax)), NamedSharding(mesh, P(ax))),
+                       out_shardings=NamedSharding(mesh, P(ax))).lower(x, w).compile()
+    (op,) = collective_ops(compiled)
+    assert (op.kind, op.bytes) == ("reduce-scatter", 64 * 32 * F32)
+    assert op.widened == (64 * 32 * 2 if dtype == jnp.bfloat16 else 0)
+
+
 def test_a_bf16_weight_gradient_reduced_in_f32_passes_verify():
     # The weight's bf16 gradient is computed and reduced in f32, combined with the scale's f32
     # gradient under one f32 reducer (no `_promoted` clone), and converted back to bf16 after.
