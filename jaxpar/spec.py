@@ -73,6 +73,22 @@ class MeshInfo:
 _INTERNED: dict[tuple, Spec] = {}
 
 
+def _check_spec(dims, partial) -> None:
+    """A TypeError unless dims is a tuple of tuples of axis names and partial a tuple of
+    them, a ValueError when an axis is used twice (a str is no tuple of names: ("d0", ())
+    read "d0" as the axes "d" and "0")."""
+    def names(x) -> bool:
+        return isinstance(x, tuple) and all(isinstance(a, str) and a for a in x)
+    if not isinstance(dims, tuple) or not all(names(d) for d in dims) or not names(partial):
+        raise TypeError(f"Spec(dims={dims!r}, partial={partial!r}): dims must be a tuple with a "
+                        "tuple of mesh axis names per dimension (() for one not cut) and "
+                        "partial a tuple of axis names, e.g. Spec((('d0',), ())).")
+    used = [a for d in dims for a in d] + list(partial)
+    if len(set(used)) != len(used):
+        raise ValueError(f"Spec(dims={dims!r}, partial={partial!r}): a mesh axis cuts at most "
+                         "one dimension, once, and is not also partial.")
+
+
 @dataclass(frozen=True)
 class Spec:
     """Sharding of one array: `dims[i]` are the mesh axes that cut dimension i.
@@ -86,8 +102,12 @@ class Spec:
     partial: Axes = ()
 
     def __new__(cls, dims: tuple[Axes, ...], partial: Axes = ()):
-        hit = _INTERNED.get((dims, partial))
-        if hit is None:  # setdefault: two threads making one spec get one object
+        try:
+            hit = _INTERNED.get((dims, partial))
+        except TypeError:  # a list somewhere: unhashable, and no spec
+            hit = None
+        if hit is None:  # a spec not made before: checked once; setdefault: two threads
+            _check_spec(dims, partial)  # making one spec get one object
             hit = _INTERNED.setdefault((dims, partial), object.__new__(cls))
         return hit
 
@@ -103,6 +123,9 @@ class Spec:
 
     @staticmethod
     def from_pspec(pspec: P, rank: int) -> Spec:
+        if len(pspec) > rank:
+            raise ValueError(f"Spec.from_pspec: {pspec} has {len(pspec)} entries, more than "
+                             f"rank {rank}; give at most one entry per dimension.")
         entries = tuple(pspec) + (None,) * (rank - len(pspec))
         return Spec(tuple(_as_axes(e) for e in entries))
 
@@ -190,10 +213,12 @@ class Spec:
         if data and isinstance(data[-1], dict):
             partial = axes_from_json(data[-1].get("partial"), data)
             data = data[:-1]
-        spec = Spec(tuple(axes_from_json(d, data) for d in data), partial)
-        if len(set(spec.axes())) != len(spec.axes()):
-            raise ValueError(f"spec {spec} uses a mesh axis twice")
-        return spec
+        dims = tuple(axes_from_json(d, data) for d in data)
+        used = [a for d in dims for a in d] + list(partial)
+        if len(set(used)) != len(used):
+            body = ", ".join("+".join(d) if d else "-" for d in dims)
+            raise ValueError(f"spec [{body}] uses a mesh axis twice")
+        return Spec(dims, partial)
 
 
 def axes_from_json(entry, spec) -> Axes:

@@ -97,6 +97,13 @@ class Layout:
                              f"{tuple(f'a{i}' for i in range(len(dm)))}.")
         object.__setattr__(self, "device_matrix", tuple(int(d) for d in dm))
         object.__setattr__(self, "alias_names", tuple(names))
+        tm = self.tensor_map
+        if tm is not None:  # given directly, not by calling the layout
+            if not isinstance(tm, tuple | list):
+                raise TypeError(f"{where}: tensor_map={tm!r} must be a tuple with one entry per "
+                                "array dimension (an alias, a tuple of aliases, or 'None'); "
+                                "or call the layout: layout('dp', 'None').")
+            object.__setattr__(self, "tensor_map", tuple(self._entry(e) for e in tm))
 
     def __call__(self, *tensor_map: str | tuple[str, ...] | None) -> Layout:
         return Layout(self.device_matrix, self.alias_names,
@@ -109,7 +116,8 @@ class Layout:
             return (entry,)
         if isinstance(entry, tuple) and all(isinstance(a, str) and a != "None" for a in entry):
             return entry
-        raise TypeError(f"{self!r}({entry!r}): each entry is an alias from {self.alias_names}, "
+        raise TypeError(f"Layout({self.device_matrix}, {self.alias_names})({entry!r}): each "
+                        f"entry is an alias from {self.alias_names}, "
                         "a tuple of aliases, or 'None' for a dimension that is not cut.")
 
     def __repr__(self) -> str:

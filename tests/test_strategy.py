@@ -121,10 +121,37 @@ def test_layout_repr_and_equality():
     (lambda: Layout((2, 4), ("a",)), ValueError, "one distinct alias"),
     (lambda: Layout((2, 4), ("a", "None")), ValueError, "none of them 'None'"),
     (lambda: LAYOUT(3, "dp"), TypeError, rx("(3)", "each entry is an alias")),
+    # a tensor_map given directly was taken as it came: repr failed on it, and planning with
+    # it raised "object of type 'int' has no len()"
+    (lambda: Layout((2, 4), ("dp", "mp"), tensor_map=5), TypeError,
+     "tensor_map=5 must be a tuple"),
+    (lambda: Layout((2, 4), ("dp", "mp"), tensor_map=("dp", 3)), TypeError,
+     rx("(3)", "each entry is an alias")),
 ])
 def test_layout_construction_errors(make, exc, pattern):
     with pytest.raises(exc, match=pattern):
         make()
+
+
+def test_a_layout_given_its_tensor_map_directly_is_the_one_called_so():
+    direct = Layout((2, 4), ("dp", "mp"), tensor_map=["dp", None])
+    assert direct == LAYOUT("dp", None) and repr(direct) == repr(LAYOUT("dp", "None"))
+
+
+@pytest.mark.parametrize("make, exc, pattern", [
+    # a string is no tuple of axis names: ("d0", ()) was the spec [d+0, -]
+    (lambda: Spec(("d0", ())), TypeError, "dims must be a tuple with a tuple of mesh axis"),
+    (lambda: Spec(5), TypeError, "Spec\\(dims=5"),
+    (lambda: Spec([["d0"], []]), TypeError, "dims must be a tuple"),
+    (lambda: Spec((("d0",),), "d1"), TypeError, "partial a tuple of axis names"),
+    (lambda: Spec((("d0",), ("d0",))), ValueError, "a mesh axis cuts at most one dimension"),
+    (lambda: Spec((("d0",),), ("d0",)), ValueError, "is not also partial"),
+    (lambda: Spec.from_pspec(P("d0", "d1", "d2"), 2), ValueError, "3 entries, more than rank 2"),
+])
+def test_a_malformed_spec_is_refused(make, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        make()
+    assert Spec((("d0",), ())) is Spec.from_pspec(P("d0"), 2)  # well formed: one object
 
 
 # --- pytree prefixes -------------------------------------------------------------------------
