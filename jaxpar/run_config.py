@@ -506,10 +506,18 @@ def build_problem(run: RunConfig) -> Problem:
       ('params/0/b', 'params/0/w')
     """
     import jax
+    import jax.numpy as jnp
 
     from jaxpar.api import leaf_owners
     from jaxpar.ir import arg_paths
 
+    dtype = getattr(run.model.config, "dtype", None)
+    if dtype is not None and jnp.dtype(dtype).itemsize == 8 and not jax.config.jax_enable_x64:
+        # JAX would make every array float32 (with a warning each) and the plan's figures
+        # would be float32's under a float64 heading
+        raise ValueError(f"model.dtype={jnp.dtype(dtype).name!r} needs JAX's 64-bit mode, which "
+                         "is off: run with JAX_ENABLE_X64=1 (or jax.config.update("
+                         "'jax_enable_x64', True) first), or use float32.")
     step, args = _BUILDERS[run.model.name](run.model.config, run.train)
     paths = tuple(arg_paths(step, args))
     leaves = jax.tree_util.tree_leaves(args)

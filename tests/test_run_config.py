@@ -308,3 +308,21 @@ def test_data_parallel_mode_keeps_the_better_of_two_propagations():
     assert plan.cost.total_s < 450e-6, plan.cost
     assert all(s == Spec(((),) * s.rank) for p, s in zip(plan.in_paths, plan.flat_in_specs,
                                                          strict=True) if p.startswith("params"))
+
+
+def test_a_float64_model_needs_jax_64_bit_mode():
+    # Without it JAX made every array float32 (a warning each) and `jaxpar plan` printed
+    # float32's figures under "dtype float64": half the memory of the model asked for.
+    run = run_config_from_mapping({"model": {"name": "gpt", "layers": 1, "d_model": 16,
+                                             "heads": 2, "vocab": 32, "seq": 8,
+                                             "dtype": "float64"}}, "run.yaml")
+    with pytest.raises(ValueError, match=r"model.dtype='float64' needs JAX's 64-bit mode.*"
+                                         r"JAX_ENABLE_X64=1"):
+        build_problem(run)
+    jax.config.update("jax_enable_x64", True)
+    try:
+        leaves = jax.tree_util.tree_leaves(build_problem(run).args)
+    finally:
+        jax.config.update("jax_enable_x64", False)
+    assert {str(x.dtype) for x in leaves if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)} \
+        == {"float64"}
