@@ -116,6 +116,7 @@ class RunConfig:
     hardware: str | None = None
     context: ParallelContext = field(default_factory=ParallelContext)
     source: str = "<run config>"
+    use_parallel: bool | None = None  # MindFormers' key as the file gave it (None: not given)
 
     def plan_mode(self, mode: str | None = None) -> str:
         """The planning mode: `mode` when given, else the one the context's parallel_mode
@@ -127,6 +128,10 @@ class RunConfig:
             return ctx.search_mode
         if ctx.parallel_mode in _FROM_PARALLEL_MODE:
             return _FROM_PARALLEL_MODE[ctx.parallel_mode]
+        if self.use_parallel is False:  # it overrides parallel.parallel_mode, as MindFormers'
+            raise ValueError(f"{self.source}: use_parallel: false runs stand-alone whatever "
+                             "parallel.parallel_mode says, and plans nothing; set use_parallel: "
+                             f"true, or give a mode ({list(PLAN_MODES)}).")
         raise ValueError(f"{self.source}: parallel_mode is {ctx.parallel_mode!r}, which plans "
                          "nothing; set parallel.parallel_mode to auto_parallel (2), "
                          "semi_auto_parallel (1) or data_parallel (0), or give a mode "
@@ -256,7 +261,7 @@ def run_config_from_mapping(data: Any, where: str = "<run config>") -> RunConfig
     run = RunConfig(model=_model(data["model"], where), train=_train(data.get("train"), where),
                     mesh=_mesh(data.get("mesh"), where),
                     hardware=_hardware(data.get("hardware"), where), context=context,
-                    source=where)
+                    source=where, use_parallel=data.get("use_parallel"))
     _check_counts(run)
     if context.pipeline_stages > 1:  # before tracing: AutoParallel would refuse it there
         raise ValueError(f"{where}: pipeline_stages={context.pipeline_stages} "

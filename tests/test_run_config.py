@@ -61,7 +61,12 @@ def test_auto_parallel_takes_the_search_mode_and_an_override_wins():
 
 def test_stand_alone_plans_nothing():
     with pytest.raises(ValueError, match="run.yaml: parallel_mode is 'stand_alone'"):
-        _run(use_parallel=False).plan_mode()
+        _run(parallel={"parallel_mode": "stand_alone"}).plan_mode()
+    # use_parallel: false overrides parallel_mode 2: the error advised setting it to 2
+    with pytest.raises(ValueError, match="run.yaml: use_parallel: false runs stand-alone "
+                                         "whatever parallel.parallel_mode says.*use_parallel: "
+                                         "true"):
+        _run(use_parallel=False, parallel={"parallel_mode": 2}).plan_mode()
 
 
 @pytest.mark.parametrize("data, match", [
