@@ -46,11 +46,11 @@ from jaxpar.context import (
     is_finite,
     read_yaml,
 )
+from jaxpar.models._checks import MODEL_DTYPES
 
 MODELS = ("gpt", "mlp", "nnx_gpt")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 ACTIVATIONS = ("relu", "gelu", "tanh", "none")
-MODEL_DTYPES = ("float32", "bfloat16", "float16", "float64")
 PLAN_MODES = ("semi_auto", "data_parallel", "sharding_propagation", "recursive_programming",
               "dynamic_programming")
 AUTOMATIC_MODES = ("recursive_programming", "dynamic_programming")

@@ -11,7 +11,7 @@ from jax.tree_util import DictKey, GetAttrKey
 
 import jaxpar
 from jaxpar.ir.trace import leaf_paths
-from jaxpar.models import gpt, nnx_gpt
+from jaxpar.models import gpt, moe, nnx_gpt, vit
 from jaxpar.models.mlp import (
     NNXMLP,
     init_mlp,
@@ -281,3 +281,46 @@ def test_the_abstract_gpt_step_runs_no_optimizer_init():
                for x in jax.tree_util.tree_leaves((params, opt_state)))
     out = jax.eval_shape(step, params, opt_state, tok, tok)
     assert jax.tree_util.tree_structure(out[1]) == jax.tree_util.tree_structure(opt_state)
+
+
+@pytest.mark.parametrize("name,value,rule", [
+    ("capacity_factor", float("inf"), "> 0"), ("capacity_factor", float("nan"), "> 0"),
+    ("capacity_factor", 0, "> 0"), ("capacity_factor", -1.0, "> 0"),
+    pytest.param("capacity_factor", 10**400, "> 0", id="capacity_factor-10**400"),
+    ("aux_loss_coef", float("inf"), ">= 0"),
+    ("aux_loss_coef", float("nan"), ">= 0"), ("aux_loss_coef", -0.5, ">= 0")])
+def test_moe_config_refuses_a_non_finite_or_non_positive_factor(name, value, rule):
+    # inf and nan were accepted; `capacity` then raised OverflowError / "cannot convert NaN".
+    with pytest.raises(ValueError, match=rf"MoEConfig\({name}=.*finite number {rule}, e\.g\."):
+        moe.MoEConfig(**{name: value})
+    assert moe.MoEConfig(capacity_factor=0.01, aux_loss_coef=0).capacity == 1
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"dtype": "bogus"}, r"dtype='bogus'\): .*need one of \['float32', 'bfloat16'"),
+    ({"dtype": "int32"}, r"dtype='int32'\)"), ({"dtype": None}, r"dtype=None\)"),
+    ({"dtype": jnp.complex64}, r"dtype=.*complex64"),
+    ({"scan_layers": 1}, r"scan_layers=1\): must be True or False"),
+    ({"scan_layers": "no"}, r"scan_layers='no'\)")])
+def test_gpt_config_refuses_a_bad_dtype_or_scan_layers(kwargs, match):
+    with pytest.raises(ValueError, match=rf"GPTConfig\({match}"):
+        gpt.GPTConfig(**kwargs)
+    for dtype in ("bfloat16", jnp.float16, np.dtype("float32")):  # what a model can train in
+        assert gpt.GPTConfig(dtype=dtype, scan_layers=True).dtype == dtype
+
+
+@pytest.mark.parametrize("module,cfg,arg", [
+    (gpt, CFG, "batch_size"), (moe, moe.MoEConfig(d_model=8, d_ff=8, group_size=4), "groups"),
+    (vit, vit.ViTConfig(image=8, d_model=8, heads=2, layers=1), "batch_size")])
+@pytest.mark.parametrize("value", [-1, 0, 2.5, True, None])
+def test_a_bad_batch_size_is_refused_before_tracing(module, cfg, arg, value):
+    # -1 made a ShapeDtypeStruct of shape (-1, ...) that failed only inside the planner.
+    for fn in (module.abstract_train_step, module.batch):
+        with pytest.raises(ValueError, match=rf"{fn.__name__}\({arg}={value!r}\): .*positive"):
+            fn(cfg, value)
+    assert module.abstract_train_step(cfg, np.int64(2))[1][2].shape[0] == 2
+
+
+def test_sgd_rejects_an_infinite_learning_rate():
+    with pytest.raises(ValueError, match=r"lr=inf: .*finite positive number"):
+        make_sgd_step(float("inf"))

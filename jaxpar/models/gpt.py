@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxpar.models._checks import MODEL_DTYPES, check_count
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -42,6 +44,22 @@ class GPTConfig:
         if self.d_model % self.heads:
             raise ValueError(f"GPTConfig(d_model={self.d_model}, heads={self.heads}): d_model "
                              "must be a multiple of heads.")
+        if not isinstance(self.scan_layers, bool):  # 1 or "no" would pick a layout by truth
+            raise ValueError(f"GPTConfig(scan_layers={self.scan_layers!r}): must be True or "
+                             "False.")
+        if _dtype_name(self.dtype) not in MODEL_DTYPES:  # as a run config's model.dtype
+            raise ValueError(f"GPTConfig(dtype={self.dtype!r}): the parameters and activations "
+                             f"need one of {list(MODEL_DTYPES)}, e.g. jnp.bfloat16.")
+
+
+def _dtype_name(dtype) -> str | None:
+    """The name of jnp.dtype(dtype); None for what is not a dtype (None itself reads float64)."""
+    if dtype is None:
+        return None
+    try:
+        return jnp.dtype(dtype).name
+    except (TypeError, ValueError):
+        return None
 
 
 def _layer_params(cfg: GPTConfig, key) -> dict:
@@ -143,6 +161,7 @@ def _step(cfg: GPTConfig, opt: optax.GradientTransformation):
 
 def batch(cfg: GPTConfig, batch_size: int, seed: int = 0):
     """Random (tokens, targets), int32 (batch_size, seq)."""
+    check_count("batch", "batch_size", batch_size)
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, cfg.vocab, (batch_size, cfg.seq), dtype=np.int32)
     return jnp.asarray(tokens), jnp.asarray(np.roll(tokens, -1, axis=1))
@@ -150,6 +169,7 @@ def batch(cfg: GPTConfig, batch_size: int, seed: int = 0):
 
 def abstract_train_step(cfg: GPTConfig, batch_size: int, optimizer=None):
     """(step, (params, opt_state, tokens, targets) as ShapeDtypeStructs): plan without memory."""
+    check_count("abstract_train_step", "batch_size", batch_size)
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     opt = optimizer if optimizer is not None else optax.adam(1e-3)
     opt_state = jax.eval_shape(opt.init, params)  # (opt.init on the structs made real zeros)

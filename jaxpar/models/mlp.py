@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxpar.context import is_finite
+
 Activation = Callable[[jax.Array], jax.Array] | None
 
 
@@ -35,8 +37,10 @@ def _check_sizes(owner: str, sizes) -> list[int]:
 
 
 def _check_lr(lr) -> None:
-    if not isinstance(lr, numbers.Real) or isinstance(lr, bool) or not lr > 0:
-        raise ValueError(f"lr={lr!r}: the learning rate must be a positive number, e.g. 0.1.")
+    # inf passed `lr > 0` and turned every parameter into inf/nan after one step.
+    if not isinstance(lr, numbers.Real) or isinstance(lr, bool) or not lr > 0 or not is_finite(lr):
+        raise ValueError(f"lr={lr!r}: the learning rate must be a finite positive number, "
+                         "e.g. 0.1.")
 
 
 def init_mlp(key: jax.Array, sizes: Sequence[int], bias: bool = True) -> list[dict]:

@@ -31,6 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxpar.context import is_finite
+from jaxpar.models._checks import check_count
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -49,15 +52,23 @@ class MoEConfig:
         if self.experts < 2:
             raise ValueError(f"MoEConfig(experts={self.experts}): top-2 routing needs at least "
                              "2 experts.")
-        for name in ("capacity_factor", "aux_loss_coef"):
-            value = getattr(self, name)
-            if not isinstance(value, numbers.Real) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"MoEConfig({name}={value!r}): must be a number >= 0.")
+        # `capacity` rounds factor * 2 * S / experts up: inf and nan failed there, at trace
+        # time, naming no field (OverflowError for inf), and a factor of 0 still gave one slot.
+        _check_number("capacity_factor", self.capacity_factor, positive=True)
+        _check_number("aux_loss_coef", self.aux_loss_coef, positive=False)
 
     @property
     def capacity(self) -> int:
         """Slots per expert and group: at least one."""
         return max(1, math.ceil(self.capacity_factor * 2 * self.group_size / self.experts))
+
+
+def _check_number(name: str, value, positive: bool) -> None:
+    if (not isinstance(value, numbers.Real) or isinstance(value, bool) or not is_finite(value)
+            or value < 0 or (positive and value == 0)):
+        raise ValueError(f"MoEConfig({name}={value!r}): must be a finite number "
+                         f"{'> 0' if positive else '>= 0'}, e.g. {getattr(MoEConfig, name)} "
+                         "(the default).")
 
 
 def init_params(cfg: MoEConfig, key) -> dict:
@@ -151,6 +162,7 @@ def make_train_step(cfg: MoEConfig, params: dict, optimizer: optax.GradientTrans
 
 def batch(cfg: MoEConfig, groups: int, seed: int = 0):
     """Random (x, y), float32 (groups, group_size, d_model)."""
+    check_count("batch", "groups", groups)
     rng = np.random.default_rng(seed)
     shape = (groups, cfg.group_size, cfg.d_model)
     return (jnp.asarray(rng.standard_normal(shape), jnp.float32),
@@ -159,6 +171,7 @@ def batch(cfg: MoEConfig, groups: int, seed: int = 0):
 
 def abstract_train_step(cfg: MoEConfig, groups: int, optimizer=None):
     """(step, (params, opt_state, x, y) as ShapeDtypeStructs): plan without memory."""
+    check_count("abstract_train_step", "groups", groups)
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     opt = optimizer if optimizer is not None else optax.adam(1e-3)
     step, _ = make_train_step(cfg, params, opt)

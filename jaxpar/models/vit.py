@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxpar.models._checks import check_count
+
 
 @dataclass(frozen=True)
 class ViTConfig:
@@ -149,6 +151,7 @@ def make_train_step(cfg: ViTConfig, params: dict, optimizer: optax.GradientTrans
 
 def batch(cfg: ViTConfig, batch_size: int, seed: int = 0):
     """Random (images float32 (batch, image, image, channels), labels int32 (batch,))."""
+    check_count("batch", "batch_size", batch_size)
     rng = np.random.default_rng(seed)
     images = rng.standard_normal((batch_size, cfg.image, cfg.image, cfg.channels))
     labels = rng.integers(0, cfg.classes, (batch_size,), dtype=np.int32)
@@ -157,6 +160,7 @@ def batch(cfg: ViTConfig, batch_size: int, seed: int = 0):
 
 def abstract_train_step(cfg: ViTConfig, batch_size: int, optimizer=None):
     """(step, (params, opt_state, images, labels) as ShapeDtypeStructs): plan without memory."""
+    check_count("abstract_train_step", "batch_size", batch_size)
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     opt = optimizer if optimizer is not None else optax.adam(1e-3)
     step, _ = make_train_step(cfg, params, opt)
