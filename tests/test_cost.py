@@ -61,6 +61,12 @@ def test_bad_profiles_are_rejected(tmp_path):
             profile_from_dict(good | {key: value})
     with pytest.raises(ValueError, match=r"intra: bandwidth=inf must be a finite"):
         profile_from_dict(good | {"intra": good["intra"] | {"bandwidth": float("inf")}})
+    # a latency of 1e308 passed and priced a collective at inf: the search then failed with
+    # "node_cost[0][2]=inf must be finite", naming no profile or field
+    with pytest.raises(ValueError, match=r"intra: latency=1e\+308 must be a number of seconds "
+                                         r"from 0 to 3600"):
+        profile_from_dict(good | {"intra": good["intra"] | {"latency": 1e308}})
+    assert profile_from_dict(good | {"intra": good["intra"] | {"latency": 3600.0}})
     three = profile_from_dict(good | {"nodes": 3})  # fine alone; not on 8 devices
     assert three.devices_in_node(MeshInfo(("a",), (3,))) == 1
     with pytest.raises(ValueError, match=r"nodes=3 does not split a mesh of 8 devices evenly"):

@@ -297,6 +297,9 @@ def _collectives(data, where: str) -> dict[str, dict[str, float]]:
     return out
 
 
+MAX_LATENCY = 3600.0  # seconds: no link's latency is longer, and prices stay finite
+
+
 def _number(value, where: str, zero: bool = False) -> float:
     """A float of at least 1 (non-negative with zero=True) from YAML, where 5e9 reads as a
     string."""
@@ -305,13 +308,14 @@ def _number(value, where: str, zero: bool = False) -> float:
     except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond 1.8e308
         x = float("nan")
     # A latency may be 0; a rate or a size is divided by, and below 1 (byte/s, flop/s) its
-    # prices overflow to inf (1e-300 bytes/s passed, and failed deep in the search).
-    if not (x >= 0 if zero else x >= 1) or not math.isfinite(x):
+    # prices overflow to inf (1e-300 bytes/s passed, and failed deep in the search). A
+    # latency is added per collective and per trip: 1e308 s overflowed to inf the same way.
+    if not (x >= 0 if zero else x >= 1) or not math.isfinite(x) or (zero and x > MAX_LATENCY):
         raise ValueError(
-            f"{where}={_show(value)} must be a finite "
-            + ("non-negative number of seconds" if zero else
-               "positive number of at least 1 (bytes, bytes/s or flop/s: prices divide by it)")
-            + " below 1.8e+308, e.g. " + ("5.0e-6." if zero else "5.0e+9."))
+            f"{where}={_show(value)} must be a "
+            + (f"number of seconds from 0 to {MAX_LATENCY:g} (an hour), e.g. 5.0e-6."
+               if zero else "finite positive number of at least 1 (bytes, bytes/s or flop/s: "
+               "prices divide by it) below 1.8e+308, e.g. 5.0e+9."))
     return x
 
 
