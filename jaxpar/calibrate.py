@@ -52,6 +52,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import progress
+from jaxpar.context import MAX_DEVICES
 from jaxpar.cost.hardware import (
     COLLECTIVE_KINDS,
     HardwareProfile,
@@ -510,8 +511,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def _parse_mesh(mesh: str | None, names: str | None,
                 devices: int | None) -> tuple[tuple[int, ...] | None, tuple[str, ...] | None]:
-    if devices is not None and devices < 1:
-        raise ValueError(f"--devices {devices}: must be a positive device count.")
+    # Checked before JAX starts: _start_backend asks for that many simulated CPU devices, and
+    # 100000 of them took 19 GB and never came back.
+    if devices is not None and not 1 <= devices <= MAX_DEVICES:
+        raise ValueError(f"--devices {devices}: must be a positive device count of at most "
+                         f"{MAX_DEVICES} (jaxpar's limit, as for jaxpar plan and launch).")
     shape = None
     if mesh is not None:
         try:
@@ -519,6 +523,11 @@ def _parse_mesh(mesh: str | None, names: str | None,
         except ValueError:
             raise ValueError(f"--mesh {mesh!r}: use comma-separated axis sizes, e.g. 2,4.") \
                 from None
+        if min(shape) < 1:
+            raise ValueError(f"--mesh {mesh}: axis sizes must be positive, e.g. 2,4.")
+        if math.prod(shape) > MAX_DEVICES:
+            raise ValueError(f"--mesh {mesh} has {math.prod(shape)} devices; at most "
+                             f"{MAX_DEVICES} (jaxpar's limit, as for jaxpar plan and launch).")
         if devices is not None and math.prod(shape) != devices:
             raise ValueError(f"--mesh {mesh} has {math.prod(shape)} devices but --devices is "
                              f"{devices}; make them agree (e.g. --devices {math.prod(shape)}).")

@@ -122,6 +122,23 @@ def test_a_mesh_alone_asks_for_as_many_devices(tmp_path, monkeypatch, capsys):
     assert asked == [9, 9, None]
 
 
+
+@pytest.mark.parametrize("argv,match", [
+    (["--devices", "100000"], "--devices 100000: must be a positive device count of at most 4096"),
+    (["--mesh", "100000"], "--mesh 100000 has 100000 devices; at most 4096"),
+    (["--mesh", "1000,1000", "--devices", "8"], "--mesh 1000,1000 has 1000000 devices; at most"),
+    (["--mesh", "0,4"], "--mesh 0,4: axis sizes must be positive"),
+])
+def test_device_counts_past_the_cap_are_refused_before_jax_starts(argv, match, monkeypatch,
+                                                                    capsys, tmp_path):
+    # --devices 100000 went on to ask JAX for 100000 simulated CPU devices: 19 GB, no output.
+    import jaxpar.calibrate as cal
+
+    monkeypatch.setattr(cal, "_start_backend", lambda *a: pytest.fail("started JAX"))
+    assert main(argv + ["--out", str(tmp_path / "p.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxpar calibrate: error: ") and err.count("\n") == 1 and match in err
+
 def test_an_output_path_that_cannot_be_written_is_refused_before_measuring(tmp_path, capsys):
     # (it had measured for a while, then failed inside pathlib)
     assert main(["--mesh", "2,4", "--out", str(tmp_path / "missing" / "p.yaml")]) == 2
