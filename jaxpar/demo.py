@@ -19,6 +19,7 @@ written to disk. `dense_relu` and `three_blocks` are MindSpore's reference examp
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -66,7 +67,8 @@ QUICK = DemoSize(layers=1, d_model=32, heads=2, vocab=64, seq=8, batch=16, steps
 
 def ensure_devices(n: int = 8) -> None:
     """Ask XLA for n simulated CPU devices; must run before JAX initialises its backends.
-    The demo then builds its meshes from `jax.devices("cpu")`, whatever the default backend."""
+    The demo then builds its meshes from `jax.devices("cpu")`, whatever the default backend.
+    A count the environment already sets is left alone (the demo's error names it)."""
     flag = f"--xla_force_host_platform_device_count={n}"
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
@@ -81,6 +83,32 @@ def ensure_devices(n: int = 8) -> None:
         return
     os.environ["JAX_PLATFORMS"] = wanted
     jax.config.update("jax_platforms", wanted)
+
+
+def _too_few_devices() -> str:
+    """Why JAX has fewer than DEVICES CPU devices: a count in the environment (which
+    ensure_devices leaves alone), else a JAX the caller started before ensure_devices ran."""
+    fixed = _environment_device_count()
+    if fixed is not None and fixed[1] < DEVICES:
+        what, count = fixed
+        return (f": the environment fixes the CPU device count to {count} ({what}); unset it "
+                f"or set it to at least {DEVICES}.")
+    return (f". Run it in a fresh process (`jaxpar demo`), which asks XLA for {DEVICES} "
+            "simulated CPU devices before JAX starts.")
+
+
+def _environment_device_count() -> tuple[str, int] | None:
+    """The CPU device count the environment sets, as (where, count), or None: JAX_NUM_CPU_DEVICES
+    (JAX prefers it; -1 is its default), else XLA_FLAGS's last
+    --xla_force_host_platform_device_count (XLA reads the last of a repeated flag)."""
+    count = os.environ.get("JAX_NUM_CPU_DEVICES", "").strip()
+    if count.isdigit():
+        return f"JAX_NUM_CPU_DEVICES={count}", int(count)
+    flags = re.findall(r"--xla_force_host_platform_device_count=(\d+)",
+                       os.environ.get("XLA_FLAGS", ""))
+    if flags:
+        return f"XLA_FLAGS's --xla_force_host_platform_device_count={flags[-1]}", int(flags[-1])
+    return None
 
 
 def dense_relu(x, weight, bias):
@@ -138,9 +166,8 @@ class _Demo:
     def __init__(self, size: DemoSize, hardware: str, mode: str, console):
         cpus = len(jax.devices("cpu"))
         if cpus < DEVICES:
-            raise ValueError(f"the demo needs {DEVICES} CPU devices; JAX has {cpus}. "
-                             "Run it in a fresh process (`jaxpar demo`), which asks XLA for 8 "
-                             "simulated CPU devices before JAX starts.")
+            raise ValueError(f"the demo needs {DEVICES} CPU devices; JAX has {cpus}"
+                             + _too_few_devices())
         self.size, self.hardware, self.mode, self.console = size, hardware, mode, console
         self.cfg = gpt.GPTConfig(layers=size.layers, d_model=size.d_model, heads=size.heads,
                                  vocab=size.vocab, seq=size.seq)

@@ -190,3 +190,25 @@ def test_a_mismatch_exits_1(capsys, monkeypatch):
     monkeypatch.setattr(demo, "_Demo", Mismatch)
     status, out, _ = _main(capsys, "demo", "--quick")
     assert status == 1
+
+
+@pytest.mark.parametrize("env,cpus,want", [
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}, 4,
+     "the environment fixes the CPU device count to 4 (XLA_FLAGS's "
+     "--xla_force_host_platform_device_count=4); unset it or set it to at least 8."),
+    ({"JAX_NUM_CPU_DEVICES": "2"}, 2,  # JAX takes it over XLA_FLAGS's count (conftest's 8)
+     "the environment fixes the CPU device count to 2 (JAX_NUM_CPU_DEVICES=2); unset it or set "
+     "it to at least 8."),
+    ({"XLA_FLAGS": ""}, 4, "Run it in a fresh process (`jaxpar demo`)"),  # JAX started earlier
+])
+def test_too_few_demo_devices_name_what_fixed_their_count(env, cpus, want, monkeypatch, capsys):
+    # A fresh `jaxpar demo` under XLA_FLAGS=--xla_force_host_platform_device_count=4 was told
+    # to run in a fresh `jaxpar demo`: ensure_devices leaves a count in the environment alone.
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    some = demo.jax.devices("cpu")[:cpus]
+    monkeypatch.setattr(demo.jax, "devices", lambda *platform: some)
+    status, _, err = _main(capsys, "demo", "--quick")
+    assert status == 2 and err.count("\n") == 1
+    assert err.startswith(f"jaxpar demo: error: the demo needs 8 CPU devices; JAX has {cpus}")
+    assert want in err
