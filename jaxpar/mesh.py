@@ -143,7 +143,7 @@ def abstract_mesh(shape: int | Sequence[int], axis_names: Sequence[str] | None =
       >>> abstract_mesh(64).axis_sizes  # (2, 2, 2, 2, 2, 2)
     """
     dims = _mesh_shape(shape)
-    return AbstractMesh(dims, _axis_names(axis_names, dims),
+    return AbstractMesh(dims, _axis_names(axis_names, dims, "abstract_mesh"),
                         axis_types=(AxisType.Auto,) * len(dims))
 
 
@@ -232,7 +232,7 @@ def make_hybrid_mesh(ici_shape: Sequence[int], dcn_shape: Sequence[int],
                          "must have one entry per mesh axis each, e.g. (1, 4) and (2, 1).")
     _check_dcn_outside(ici, dcn)
     dims = tuple(a * b for a, b in zip(ici, dcn, strict=True))
-    names = _axis_names(axis_names, dims, suggest=False)
+    names = _axis_names(axis_names, dims, "make_hybrid_mesh", suggest=False)
     grid = hybrid_grid(mesh_devices(device), ici, dcn)
     return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(dims))
 
@@ -317,20 +317,27 @@ def _mesh_shape(shape: int | Sequence[int], what: str = "make_mesh shape") -> tu
     return dims
 
 
-def _axis_names(names: Sequence[str] | None, dims: tuple[int, ...], suggest: bool = True
-                ) -> tuple[str, ...]:
-    """The mesh's axis names; suggest: a wrong count's error shows make_mesh's call for it."""
+def _axis_names(names: Sequence[str] | None, dims: tuple[int, ...], who: str = "make_mesh",
+                suggest: bool = True) -> tuple[str, ...]:
+    """The mesh's axis names; who: the function named in errors; suggest: a wrong count's error
+    shows who's call with a shape for it."""
     rank = len(dims)
+    example = tuple(f"d{i}" for i in range(rank))
     if names is None:
-        return tuple(f"d{i}" for i in range(rank))
-    if isinstance(names, str) or len(names) != rank:
-        k = 0 if isinstance(names, str) else len(names)
+        return example
+    # An ordered, reusable sequence: a set's order varies from run to run (and so would the
+    # axes' order), a generator is used up once read.
+    if not isinstance(names, tuple | list):
+        raise TypeError(f"{who} axis_names={names!r} must be a tuple or list of strings, one per "
+                        f"mesh axis, e.g. {example}.")
+    if len(names) != rank:
+        k = len(names)
         shape = (math.prod(dims[:rank - k + 1]), *dims[rank - k + 1:]) \
             if suggest and 0 < k < rank else ()
-        one = f" For fewer axes, give the shape too: make_mesh({shape}, {tuple(names)!r})." \
+        one = f" For fewer axes, give the shape too: {who}({shape}, {tuple(names)!r})." \
             if shape else ""
-        raise ValueError(f"make_mesh axis_names={names!r} must name each of the {rank} mesh axes, "
-                         f"e.g. {tuple(f'd{i}' for i in range(rank))}.{one}")
-    if len(set(names)) != rank or not all(isinstance(n, str) and n for n in names):
-        raise ValueError(f"make_mesh axis_names={names!r} must be distinct non-empty strings.")
+        raise ValueError(f"{who} axis_names={names!r} must name each of the {rank} mesh axes, "
+                         f"e.g. {example}.{one}")
+    if not all(isinstance(n, str) and n for n in names) or len(set(names)) != rank:
+        raise ValueError(f"{who} axis_names={names!r} must be distinct non-empty strings.")
     return tuple(names)

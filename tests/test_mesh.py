@@ -80,6 +80,23 @@ def test_errors(args, kwargs, exc, match):
         make_mesh(*args, **kwargs)
 
 
+@pytest.mark.parametrize("names", [(n for n in ("dp", "tp")), {"dp", "tp"}, "dp"])
+def test_axis_names_must_be_a_tuple_or_list(names):
+    # A set's order varies between runs (so would the axes'); a generator has no length.
+    with pytest.raises(TypeError, match=r"make_mesh axis_names=.* must be a tuple or list of "
+                                        r"strings, one per mesh axis, e.g. \('d0', 'd1'\)"):
+        make_mesh((4, 2), names)
+    assert make_mesh((4, 2), ["dp", "tp"]).axis_names == ("dp", "tp")
+
+
+def test_hybrid_mesh_axis_name_errors_name_make_hybrid_mesh():
+    with pytest.raises(ValueError, match=r"^make_hybrid_mesh axis_names=\('node',\) must name "
+                                         r"each of the 2 mesh axes"):
+        make_hybrid_mesh((1, 4), (2, 1), ("node",))
+    with pytest.raises(TypeError, match=r"^make_hybrid_mesh axis_names=\{'node'\}"):
+        make_hybrid_mesh((4,), (2,), {"node"})
+
+
 def test_hybrid_mesh_puts_granules_on_the_outer_axis():
     mesh = make_hybrid_mesh((1, 4), (2, 1), ("node", "gpu"))
     assert dict(mesh.shape) == {"node": 2, "gpu": 4}
