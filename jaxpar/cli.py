@@ -194,17 +194,24 @@ def plan_tables(plan, shapes: dict[str, tuple] | None = None, top: int = 10) -> 
 
 
 def _ops_table(plan, top: int):
+    """Ops by kind: how many, how many run cut, how many have no rule, and their modelled
+    time (compute and the op's own collectives; the step's time adds the resharding between
+    ops; a loop's time holds its body's ops). Not the search's scores, which weigh memory too
+    (level, mem_coeff): summed, those read as a time several times the step's."""
     from rich.table import Table
 
     by_op: dict[str, list] = {}
     for row in plan.rows:
         by_op.setdefault(row.op, []).append(row)
     stats = sorted(((op, len(rows), sum(_cuts(plan, r.path) for r in rows),
-                     sum(r.note.startswith("no rule") for r in rows), sum(r.cost_s for r in rows))
+                     sum(r.note.startswith("no rule") for r in rows),
+                     sum(_time(plan, r.path) for r in rows))
                     for op, rows in by_op.items()), key=lambda s: -s[4])
     layout = f", as {plan.layout}" if plan.layout else ""
-    t = Table(title=f"plan: {plan.search_mode} on {plan.mesh.describe()}{layout}")
-    for col in ("op", "count", "sharded", "no rule", "modeled cost"):
+    nested = any("." in r.path for r in plan.rows)
+    t = Table(title=f"plan: {plan.search_mode} on {plan.mesh.describe()}{layout}",
+              caption="ops inside a loop or cond: timed in its row" if nested else None)
+    for col in ("op", "count", "sharded", "no rule", "modeled time"):
         t.add_column(col, justify="left" if col == "op" else "right")
     for op, n, cut, norule, cost in stats[:top]:
         t.add_row(op, str(n), str(cut), str(norule or ""), fmt_seconds(cost))
@@ -216,13 +223,28 @@ def _ops_table(plan, top: int):
     return t
 
 
-def _cuts(plan, path: str) -> bool:
-    """Whether the op at `path` ("3", or "3.0.5" inside a region) runs cut over some axis."""
+def _choice(plan, path: str):
+    """The Choice of the op at `path` ("3", or "3.0.5" inside a region)."""
     parts = [int(p) for p in path.split(".")]
     choice = plan.graph_plan.choices[parts[0]]
     for region, op in zip(parts[1::2], parts[2::2], strict=True):
         choice = choice.regions[region].choices[op]
-    return any(d for s in (*choice.strategy.ins, *choice.strategy.outs) for d in s.dims)
+    return choice
+
+
+def _cuts(plan, path: str) -> bool:
+    """Whether the op at `path` runs cut over some axis."""
+    strategy = _choice(plan, path).strategy
+    return any(d for s in (*strategy.ins, *strategy.outs) for d in s.dims)
+
+
+def _time(plan, path: str) -> float:
+    """The modelled seconds of the top-level op at `path`; 0 for an op inside a loop or cond
+    body (its loop's or cond's time holds it, over every trip)."""
+    if "." in path:
+        return 0.0
+    cost = _choice(plan, path).cost
+    return cost.compute_s + cost.comm_s
 
 
 def _args_table(plan, shapes: dict[str, tuple]):
