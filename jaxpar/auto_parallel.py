@@ -454,11 +454,14 @@ class AutoParallel:
                                         params=carried - set(follows))
 
     def _shard(self, pure, fixed: dict[str, Any], donate: tuple[int, ...]) -> ShardedFunction:
-        return sharded(pure, parameter_plan=fixed or None, level=self.level, mesh=self.mesh,
-                       search_mode=_SEARCH.get(self.parallel_mode, self.parallel_mode),
-                       hardware=self.hardware, memory_budget=self.memory_budget,
-                       mem_coeff=self.mem_coeff, donate_argnums=donate,
-                       fp32_communication=self._opts.fp32_communication, caller="AutoParallel")
+        with warnings.catch_warnings():  # _check_settings warned of these settings already
+            warnings.simplefilter("ignore", UserWarning)
+            return sharded(pure, parameter_plan=fixed or None, level=self.level, mesh=self.mesh,
+                           search_mode=_SEARCH.get(self.parallel_mode, self.parallel_mode),
+                           hardware=self.hardware, memory_budget=self.memory_budget,
+                           mem_coeff=self.mem_coeff, donate_argnums=donate,
+                           fp32_communication=self._opts.fp32_communication,
+                           caller="AutoParallel")
 
     def _fixed(self, args: tuple, paths: list[str], shapes: list[tuple],
                batch: set[int]) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Cost model: hardware profiles, collective times, and resharding checked against compiled HLO."""
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -603,6 +604,13 @@ def test_devices_per_node_must_split_the_mesh_and_measured_axes_must_be_on_it():
     mesh = make_mesh((2, 4), ("node", "gpu"))
     with pytest.warns(UserWarning, match=r"measured links are for axes \['nosuch'\]"):
         jaxpar.shard(lambda x: x, hardware=measured, mesh=mesh)
+    # AutoParallel checked its settings with shard()'s rules, then made its shard() call:
+    # the same warning twice
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        auto = jaxpar.AutoParallel(lambda x: x * 2, hardware=measured, mesh=mesh)
+        auto.plan(jnp.ones((8, 4)))
+    assert [str(w.message).count("measured links are for axes") for w in seen] == [1]
 
 def test_measured_collectives_and_a_null_inter_still_load():
     good = profile_to_dict(load_profile("cpu"))
