@@ -708,7 +708,9 @@ def check_writable(path, where: str) -> None:
     _check_path(path, where)
     target = Path(path)
     folder = target.parent
-    if target.is_dir():
+    if not str(path):
+        problem = "the path is empty"
+    elif target.is_dir():
         problem = "is a directory"
     elif not folder.is_dir():
         problem = f"its directory {str(folder)!r} does not exist"

@@ -907,6 +907,8 @@ def test_plan_methods_and_estimate_time_refuse_bad_arguments(tmp_path):
         plan.save(tmp_path / "missing" / "plan.json")
     with pytest.raises(ValueError, match="Plan.save .*is a directory"):
         plan.save(tmp_path)
+    with pytest.raises(ValueError, match="Plan.save '': .*the path is empty"):  # was "is a
+        plan.save("")                                                        # directory"
     for width in (0, -5, "wide", 1.5, True):
         with pytest.raises(ValueError, match="width="):
             plan.explain(width=width)
