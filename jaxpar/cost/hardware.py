@@ -109,13 +109,18 @@ class HardwareProfile:
             if mesh.size > self.devices_per_node and mesh.size % self.devices_per_node:
                 raise ValueError(
                     f"hardware profile {self.name!r}: devices_per_node={self.devices_per_node} "
-                    f"does not split a mesh of {mesh.size} devices into whole nodes; give a "
-                    f"divisor of {mesh.size}, or {mesh.size} or more (one node holds it).")
+                    f"does not split a mesh of {mesh.size} devices into whole nodes; use a "
+                    f"multiple of {self.devices_per_node} devices (or at most "
+                    f"{self.devices_per_node}), or a profile whose devices_per_node divides "
+                    f"{mesh.size} or is {mesh.size} or more (a copy of this one's YAML with "
+                    "that changed).")
             return self.devices_per_node
         if mesh.size > self.nodes and mesh.size % self.nodes:
             raise ValueError(f"hardware profile {self.name!r}: nodes={self.nodes} does not split "
-                             f"a mesh of {mesh.size} devices evenly; give it a divisor of "
-                             f"{mesh.size}, or devices_per_node (devices in each node).")
+                             f"a mesh of {mesh.size} devices evenly; use a multiple of "
+                             f"{self.nodes} devices, or a profile whose nodes divides "
+                             f"{mesh.size} or that gives devices_per_node (devices in each "
+                             "node).")
         return max(1, mesh.size // max(1, self.nodes))
 
     def crossing_axes(self, mesh: MeshInfo) -> tuple[str, ...]:
