@@ -289,9 +289,14 @@ def cost_text(plan, memory_bytes: float | None = None) -> str:
     of = f" of {fmt_bytes(memory_bytes)}" if memory_bytes else ""
     cols = ", ".join(f"{k} x{v['count']:g} ({fmt_bytes(v['bytes'])})"
                      for k, v in plan.collectives.items()) or "none"
+    over = ""
+    if memory_bytes and c.peak_memory_bytes > memory_bytes:  # planned without a budget
+        over = (f"\nthe peak is over the device's {fmt_bytes(memory_bytes)}: it does not fit; "
+                "plan within it with memory_budget: hardware (a run config's parallel block; "
+                "memory_budget=\"hardware\" in Python), or over more devices")
     return (f"per device (modeled): compute {fmt_seconds(c.compute_s)}, communication "
             f"{fmt_seconds(c.comm_s)} ({fmt_bytes(c.comm_bytes)}), peak memory "
-            f"{fmt_bytes(c.peak_memory_bytes)}{of}; step time {fmt_seconds(c.total_s)}\n"
+            f"{fmt_bytes(c.peak_memory_bytes)}{of}; step time {fmt_seconds(c.total_s)}{over}\n"
             f"predicted collectives: {cols}")
 
 

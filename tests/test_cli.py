@@ -241,3 +241,17 @@ def test_the_op_table_shows_modelled_time_not_the_search_score(monkeypatch):
     rows = dict(zip(table.columns[0]._cells, table.columns[-1]._cells, strict=True))
     assert float(rows["dot_general"]) == 0.0 and float(rows["scan"]) > 0  # the body's
     assert table.caption == "ops inside a loop or cond: timed in its row"
+
+
+def test_a_peak_over_the_devices_memory_is_said_to_not_fit():
+    # "peak memory 281 GB of 80 GB" was printed as any other figure
+    import jax
+
+    import jaxpar
+
+    plan = jaxpar.shard(lambda x: x * 2).plan(jax.ShapeDtypeStruct((1024, 1024), "float32"))
+    peak = plan.cost.peak_memory_bytes
+    assert "does not fit" not in cli.cost_text(plan, peak)
+    text = cli.cost_text(plan, peak / 2)
+    assert f"of {cli.fmt_bytes(peak / 2)}; step time" in text
+    assert "the peak is over the device's" in text and "memory_budget: hardware" in text
