@@ -603,6 +603,21 @@ def tensor_parallel_specs(model: str, paths, axis: str = TP_AXIS) -> dict[str, A
     return out
 
 
+def _check_model_parallel(run: RunConfig, mp: int, specs: dict[str, Any],
+                          shapes: dict[str, tuple[int, ...]]) -> None:
+    """A ValueError naming parallel_config.model_parallel when it does not divide a dimension
+    Megatron's layout cuts over it (the parameter_plan it makes is the config's, not the
+    user's: its own error named a parameter_plan nobody wrote)."""
+    for path, spec in specs.items():
+        for dim, entry in enumerate(spec):
+            if entry is not None and shapes[path][dim] % mp:
+                raise ValueError(
+                    f"{run.source}: parallel_config.model_parallel={mp} does not divide dim "
+                    f"{dim} of {path} (shape {shapes[path]}), which Megatron's layout cuts "
+                    f"over it; use a model_parallel that divides the model's cut dimensions "
+                    "(heads, 3 x d_model, the MLP width and vocab for a GPT), or change them.")
+
+
 def _leaf_name(path: str) -> str:
     parts = [p for p in path.split("/") if p != "value"]  # nnx: ".../wqkv/value"
     return parts[-1]
@@ -671,10 +686,13 @@ def plan_run(run: RunConfig, mode: str | None = None, devices: int | None = None
     start = time.perf_counter()
     mp = run.tensor_parallel(mode)
     params = [p for p, owner in zip(problem.paths, problem.owners, strict=True) if owner == 0]
+    megatron = tensor_parallel_specs(run.model.name, params) if mp > 1 else None
+    if megatron:
+        _check_model_parallel(run, mp, megatron, dict(zip(problem.paths, problem.shapes,
+                                                          strict=True)))
     net = AutoParallel(problem.step, "semi_auto" if mode == "data_parallel" else mode,
                        mesh=mesh, hardware=hw, donate_argnums=(0, 1), context=run.context,
-                       parameter_plan=tensor_parallel_specs(run.model.name, params)
-                       if mp > 1 else None)
+                       parameter_plan=megatron)
     ctx = run.context
     if mp > 1 and not ctx.full_batch and ctx.dataset_strategy == "data_parallel":
         data = tuple(a for a in names if a != TP_AXIS)

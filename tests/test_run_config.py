@@ -331,3 +331,16 @@ def test_a_float64_model_needs_jax_64_bit_mode():
         jax.config.update("jax_enable_x64", False)
     assert {str(x.dtype) for x in leaves if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)} \
         == {"float64"}
+
+
+def test_a_model_parallel_degree_that_does_not_divide_a_cut_dim_names_parallel_config():
+    # The error named parameter_plan['params/wte'], which run configs make for the user.
+    data = {"model": {"name": "gpt", "layers": 1, "d_model": 16, "heads": 4, "vocab": 250,
+                      "seq": 8},
+            "train": {"batch_size": 8}, "parallel": {"parallel_mode": 1},
+            "parallel_config": {"data_parallel": 2, "model_parallel": 4}}
+    with pytest.raises(ValueError, match=r"run.yaml: parallel_config.model_parallel=4 does not "
+                                         r"divide dim 0 of params/wte \(shape \(250, 16\)\)"):
+        plan_run(run_config_from_mapping(data, "run.yaml"))
+    data["model"]["vocab"] = 256
+    assert plan_run(run_config_from_mapping(data, "run.yaml")).plan.mesh.size == 8
