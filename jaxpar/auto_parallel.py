@@ -92,6 +92,9 @@ class _Options:
 
     dataset_strategy: Any = None          # None: the mode's default (module docstring)
     hsdp: tuple[int, int, str] | None = None  # (shard_size, threshold KB, level)
+    # What set hsdp and load_operator_file, as errors name them ({}: the settings, the path)
+    hsdp_by: str = "hsdp({})"
+    load_by: str = "load_operator_strategy_file({!r})"
     gradients_mean: bool = False
     fp32_communication: bool = True
     load_operator_file: str = ""
@@ -231,7 +234,7 @@ class AutoParallel:
         (-1: every data-parallel axis). See `jaxpar.train.optimizer_parallel`."""
         check_hsdp_args(shard_size, threshold, optimizer_level)
         check_shard_size(shard_size, MeshInfo.of(self.mesh))
-        self._set(hsdp=(shard_size, threshold, optimizer_level))
+        self._set(hsdp=(shard_size, threshold, optimizer_level), hsdp_by="hsdp({})")
 
     def dataset_strategy(self, config) -> None:
         """How the data arguments are cut: "data_parallel" (batch dim over every device),
@@ -272,7 +275,7 @@ class AutoParallel:
         path = _strategy_path("load_operator_strategy_file", file_path)
         if not Path(path).is_file():
             raise ValueError(f"load_operator_strategy_file(file_path={path!r}): no such file.")
-        self._set(load_operator_file=path)
+        self._set(load_operator_file=path, load_by="load_operator_strategy_file({!r})")
 
     def save_param_strategy_file(self, file_path: str) -> None:
         """Save the planned strategy of every parameter (carried state) as JSON at file_path:
@@ -404,19 +407,20 @@ class AutoParallel:
             loaded = sharded.plan(*args)
             made = [n for n in loaded.notes if n.startswith(_HSDP_NOTE)]
             if o.hsdp is not None and made and note not in made:
+                hsdp = o.hsdp_by.format(f"shard_size={o.hsdp[0]}, threshold={o.hsdp[1]}, "
+                                        f"optimizer_level={o.hsdp[2]!r}")
                 raise ValueError(
-                    f"hsdp(shard_size={o.hsdp[0]}, threshold={o.hsdp[1]}, optimizer_level="
-                    f"{o.hsdp[2]!r}) and load_operator_strategy_file("
-                    f"{o.load_operator_file!r}): the plan was saved under other hsdp settings "
-                    f"({made[0][len(_HSDP_NOTE):]}), and a loaded plan is used as it is. "
-                    "Set hsdp as it was when the plan was saved, or drop one of the two.")
+                    f"{hsdp} and {o.load_by.format(o.load_operator_file)}: the plan was saved "
+                    f"under other optimizer parallel settings ({made[0][len(_HSDP_NOTE):]}), "
+                    "and a loaded plan is used as it is. Set them as they were when the plan "
+                    "was saved, or drop one of the two.")
             if o.hsdp is not None and not made and self._optimizer_parallel(
                     loaded, paths, shapes, args, carried):
+                hsdp = o.hsdp_by.format(f"optimizer_level={o.hsdp[2]!r}")
                 raise ValueError(
-                    f"hsdp(optimizer_level={o.hsdp[2]!r}) and load_operator_strategy_file("
-                    f"{o.load_operator_file!r}): the loaded plan does not cut the optimizer "
-                    "state as hsdp asks, and a loaded plan is used as it is. Save the plan "
-                    "with hsdp set, or drop one of the two.")
+                    f"{hsdp} and {o.load_by.format(o.load_operator_file)}: the loaded plan does "
+                    "not cut the optimizer state as optimizer parallel asks, and a loaded plan "
+                    "is used as it is. Save the plan with it on, or drop one of the two.")
         elif o.hsdp is not None:
             more = self._optimizer_parallel(sharded.plan(*args), paths, shapes, args, carried)
             if more:
@@ -850,8 +854,11 @@ def _options_from_context(ctx: ParallelContext) -> _Options:
         cfg = ctx.parallel_optimizer_config
         o.hsdp = (cfg["optimizer_weight_shard_size"], cfg["parallel_optimizer_threshold"],
                   "level1")
+        o.hsdp_by = ("set_auto_parallel_context(enable_parallel_optimizer=True, "
+                     "parallel_optimizer_config giving {})")
     if ctx.strategy_ckpt_load_file:
         o.load_operator_file = ctx.strategy_ckpt_load_file
+        o.load_by = "set_auto_parallel_context(strategy_ckpt_load_file={!r})"
     if ctx.strategy_ckpt_save_file:
         o.save_operator_file = ctx.strategy_ckpt_save_file
     return o

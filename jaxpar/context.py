@@ -95,6 +95,7 @@ class ParallelContext:
     # from configs but without effect: XLA's partitioner emits the all-to-alls jaxpar prices.
     enable_alltoall: bool = False
     # Gradient indices that split all-reduce fusion groups, strictly increasing; () = no fusion.
+    # Checked and kept for MindSpore configs, without effect: XLA's combiner fuses collectives.
     all_reduce_fusion_config: tuple[int, ...] = ()
     # Number of pipeline stages the devices are divided into.
     pipeline_stages: int = 1
@@ -102,6 +103,7 @@ class ParallelContext:
     grad_accumulation_step: int = 1
     # {"allreduce"|"allgather"|"reducescatter": {"mode": "auto"|"size"|"index", "config": ...}};
     # auto: config None (64 MB threshold); size: MB >= 0; index (allreduce only): indices.
+    # Checked and kept for MindSpore configs, without effect: XLA's combiner fuses collectives.
     comm_fusion: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Weight of per-device memory against time in the search (MindFormers' default 0.1).
     mem_coeff: float = 0.1

@@ -521,9 +521,34 @@ def test_a_plan_saved_with_hsdp_of_a_shard_size_reloads_with_it(mlp_problem, tmp
     other = AutoParallel(step)
     other.hsdp(shard_size=4, threshold=0, optimizer_level="level3")
     other.load_operator_strategy_file(path)
-    with pytest.raises(ValueError, match=r"saved under other hsdp settings \(optimizer_level="
-                                         r"'level3', shard_size=2, threshold=0 KB\)"):
+    with pytest.raises(ValueError, match=r"^hsdp\(shard_size=4, .* and load_operator_strategy_"
+                                         r"file\(.*saved under other optimizer parallel "
+                                         r"settings \(optimizer_level='level3', shard_size=2, "
+                                         r"threshold=0 KB\)"):
         other(*args)
+
+
+def test_a_plan_saved_under_other_context_optimizer_settings_names_the_context(mlp_problem,
+                                                                             tmp_path):
+    # Set by the context, the error named hsdp(...) and load_operator_strategy_file(...), which
+    # the user never called, and said "Set hsdp as it was".
+    step, args, _, _ = mlp_problem
+    path = str(tmp_path / "saved.json")
+    try:
+        jaxpar.set_auto_parallel_context(
+            strategy_ckpt_save_file=path, enable_parallel_optimizer=True,
+            parallel_optimizer_config={"parallel_optimizer_threshold": 0})
+        AutoParallel(step).plan(*args)
+        jaxpar.reset_auto_parallel_context()
+        jaxpar.set_auto_parallel_context(strategy_ckpt_load_file=path,
+                                         enable_parallel_optimizer=True)
+        with pytest.raises(ValueError, match=r"^set_auto_parallel_context\(enable_parallel_"
+                                             r"optimizer=True, parallel_optimizer_config giving "
+                                             r"shard_size=-1, threshold=64, .*\) and set_auto_"
+                                             r"parallel_context\(strategy_ckpt_load_file="):
+            AutoParallel(step).plan(*args)
+    finally:
+        jaxpar.reset_auto_parallel_context()
 
 
 def test_hsdp_never_leaves_optimizer_state_less_cut_than_planned():
