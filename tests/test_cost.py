@@ -497,6 +497,13 @@ REDUCED_OVER_TWO_DIMS = [
     ("sum", P(("d0", "d1"), "d2"), P()),
     ("sum", P("d0", ("d1", "d2")), P("d0")),
     ("sum", P("d0", ("d1", "d2")), P(("d1", "d2"))),
+    # both dims' axes scattered: the first dim's reduce-scattered at full size, the other's
+    # all-reduced before it (priced after the slice, at a quarter or half of its bytes)
+    ("sum", P(("d0", "d1"), "d2"), P(("d0", "d1", "d2"))),
+    ("sum", P("d0", ("d1", "d2")), P(("d0", "d1", "d2"))),
+    ("sum", P("d2", ("d0", "d1")), P(("d0", "d1", "d2"))),
+    ("sum", P("d0", "d1"), P(("d0", "d1"))),
+    ("sum", P("d1", "d0"), P(("d0", "d1"))),
 ]
 
 

@@ -418,6 +418,16 @@ def reduction_steps(s: OpStrategy, matmul: bool = True) -> list[tuple[int, Spec,
         scattered = [g for g in groups if set(g) & set(out.axes())]
         if len(groups) > 1 and not scattered:
             steps += [(j, Spec(out.dims, g), out) for g in groups]
+        elif len(groups) > 1 and not matmul and len(scattered) > 1:
+            # Several groups scattered: XLA all-reduces every group but that of the operand's
+            # first dim, then reduce-scatters that one at the result's full size and slices
+            # its pieces for the others' axes (a sum over (0, 1) of [d2, d0+d1] into
+            # [d0+d1+d2]: an all-reduce over d0+d1 and a reduce-scatter over d2, 256 bytes
+            # each; the scatter was priced after the slice, at a quarter of its bytes).
+            first = min(scattered, key=lambda g: _operand_dim(s, g[0]))
+            steps += [(j, Spec(dims, g), Spec(dims)) for g in groups if g != first]
+            kept = tuple(tuple(a for a in d if a in first or a not in p) for d in out.dims)
+            steps.append((j, Spec(dims, first), Spec(kept)))
         elif len(groups) > 1 and not matmul:
             last = scattered[-1]
             steps += [(j, Spec(dims, g), Spec(dims)) for g in groups if g != last]
@@ -441,10 +451,14 @@ def _partial_groups(s: OpStrategy, partial: tuple[str, ...]) -> list[tuple[str, 
     """The partial axes grouped by the operand dim each cuts (the first operand cutting it)."""
     groups: dict[tuple[int, int] | None, list[str]] = {}
     for a in partial:
-        key = next(((k, d) for k, sp in enumerate(s.ins) if (d := sp.dim_of(a)) is not None),
-                   None)
-        groups.setdefault(key, []).append(a)
+        groups.setdefault(_operand_dim(s, a), []).append(a)
     return [tuple(g) for g in groups.values()]
+
+
+def _operand_dim(s: OpStrategy, axis: str) -> tuple[int, int] | None:
+    """(operand, dim) of the first operand of `s` that `axis` cuts, or None."""
+    return next(((k, d) for k, sp in enumerate(s.ins) if (d := sp.dim_of(axis)) is not None),
+                None)
 
 
 class _Io:
