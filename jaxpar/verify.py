@@ -71,7 +71,8 @@ def verify_plan(plan, compiled, rtol: float = 0.10) -> Verification:
         raise ValueError(f"Plan.verify: the program runs on {devices} device(s) but the plan "
                          f"is for mesh {plan.mesh.describe()} ({plan.mesh.size}); pass the "
                          "program compiled from this plan (f.lower(...).compile()).")
-    mismatches = [] if isinstance(compiled, str) else _sharding_mismatches(plan, compiled)
+    typed = not isinstance(compiled, str) and hasattr(compiled, "in_avals")  # a jax Compiled
+    mismatches = _sharding_mismatches(plan, compiled) if typed else []
     ops = module_collectives(module)
     widened = sum(op.widened * op.count for op in ops)
     return Verification(plan.collectives, stats_by_kind(ops), mismatches, rtol, widened=widened)
