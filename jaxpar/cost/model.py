@@ -424,7 +424,7 @@ def reduction_steps(s: OpStrategy, matmul: bool = True) -> list[tuple[int, Spec,
             # its pieces for the others' axes (a sum over (0, 1) of [d2, d0+d1] into
             # [d0+d1+d2]: an all-reduce over d0+d1 and a reduce-scatter over d2, 256 bytes
             # each; the scatter was priced after the slice, at a quarter of its bytes).
-            first = min(scattered, key=lambda g: _operand_dim(s, g[0]))
+            first = min(scattered, key=lambda g: _operand_dim(s, g[0]) or (len(s.ins), 0))
             steps += [(j, Spec(dims, g), Spec(dims)) for g in groups if g != first]
             kept = tuple(tuple(a for a in d if a in first or a not in p) for d in out.dims)
             steps.append((j, Spec(dims, first), Spec(kept)))
