@@ -85,8 +85,8 @@ def _check_spec(dims, partial) -> None:
                         "partial a tuple of axis names, e.g. Spec((('d0',), ())).")
     used = [a for d in dims for a in d] + list(partial)
     if len(set(used)) != len(used):
-        raise ValueError(f"Spec(dims={dims!r}, partial={partial!r}): a mesh axis cuts at most "
-                         "one dimension, once, and is not also partial.")
+        raise ValueError(f"Spec(dims={dims!r}, partial={partial!r}) uses a mesh axis twice; a "
+                         "mesh axis cuts at most one dimension, once, and is not also partial.")
 
 
 @dataclass(frozen=True)
@@ -213,12 +213,7 @@ class Spec:
         if data and isinstance(data[-1], dict):
             partial = axes_from_json(data[-1].get("partial"), data)
             data = data[:-1]
-        dims = tuple(axes_from_json(d, data) for d in data)
-        used = [a for d in dims for a in d] + list(partial)
-        if len(set(used)) != len(used):
-            body = ", ".join("+".join(d) if d else "-" for d in dims)
-            raise ValueError(f"spec [{body}] uses a mesh axis twice")
-        return Spec(dims, partial)
+        return Spec(tuple(axes_from_json(d, data) for d in data), partial)
 
 
 def axes_from_json(entry, spec) -> Axes:
