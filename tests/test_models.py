@@ -255,6 +255,15 @@ def test_mlp_rejects_bad_sizes(sizes):
         init_mlp(jax.random.key(0), sizes)
 
 
+@pytest.mark.parametrize("bias", ["no", 0, None])
+def test_mlp_rejects_a_bias_flag_that_is_not_a_bool(bias):
+    # "no" is truthy: init_mlp had made biases the caller asked to leave out.
+    with pytest.raises(ValueError, match=r"init_mlp\(bias=.*must be True or False"):
+        init_mlp(jax.random.key(0), [4, 2], bias=bias)
+    with pytest.raises(ValueError, match=r"NNXMLP\(bias=.*must be True or False"):
+        NNXMLP([4, 2], bias=bias, rngs=nnx.Rngs(0))
+
+
 @pytest.mark.parametrize("lr", [0, -0.1, "0.1", None, float("nan")])
 def test_sgd_rejects_a_bad_learning_rate(lr):
     with pytest.raises(ValueError, match=r"lr=.*positive number"):

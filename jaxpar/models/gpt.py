@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxpar.models._checks import MODEL_DTYPES, check_count
+from jaxpar.models._checks import MODEL_DTYPES, check_count, check_flag
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,7 @@ class GPTConfig:
         if self.d_model % self.heads:
             raise ValueError(f"GPTConfig(d_model={self.d_model}, heads={self.heads}): d_model "
                              "must be a multiple of heads.")
-        if not isinstance(self.scan_layers, bool):  # 1 or "no" would pick a layout by truth
-            raise ValueError(f"GPTConfig(scan_layers={self.scan_layers!r}): must be True or "
-                             "False.")
+        check_flag("GPTConfig", "scan_layers", self.scan_layers)
         if _dtype_name(self.dtype) not in MODEL_DTYPES:  # as a run config's model.dtype
             raise ValueError(f"GPTConfig(dtype={self.dtype!r}): the parameters and activations "
                              f"need one of {list(MODEL_DTYPES)}, e.g. jnp.bfloat16.")

@@ -23,6 +23,7 @@ import optax
 from flax import nnx
 
 from jaxpar.context import is_finite
+from jaxpar.models._checks import check_flag
 
 Activation = Callable[[jax.Array], jax.Array] | None
 
@@ -60,6 +61,7 @@ def init_mlp(key: jax.Array, sizes: Sequence[int], bias: bool = True) -> list[di
       params = init_mlp(jax.random.key(0), [32] * 7)  # Alpa's 6 layers of 32 with bias
     """
     sizes = _check_sizes("init_mlp", sizes)
+    check_flag("init_mlp", "bias", bias)
     keys = jax.random.split(key, len(sizes) - 1)
     layers = []
     for k, n_in, n_out in zip(keys, sizes[:-1], sizes[1:], strict=True):
@@ -171,6 +173,7 @@ class NNXMLP(nnx.Module):
     def __init__(self, sizes: Sequence[int], *, bias: bool = True,
                  activation: Activation = jax.nn.relu, rngs: nnx.Rngs):
         sizes = _check_sizes("NNXMLP", sizes)
+        check_flag("NNXMLP", "bias", bias)
         self.activation = activation
         self.layers = nnx.List([nnx.Linear(n_in, n_out, use_bias=bias, rngs=rngs)
                                 for n_in, n_out in zip(sizes[:-1], sizes[1:], strict=True)])
