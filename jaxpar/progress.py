@@ -8,9 +8,11 @@ bar where the number of steps is known, rather than silence:
 
 The line appears only once the work has run DELAY seconds (a quick plan shows nothing), goes
 to stderr, and is erased when the work ends. JAXPAR_PROGRESS decides whether it shows: "1"
-always, "0" never; unset, when stderr is a terminal, the "jaxpar" logger is not at debug level
-(recursive_programming's decisions are logged there: the log is the progress then) and this is
-the first process of a multi-process run (the others plan the same program at the same time).
+always (where stderr is no terminal, a log file or a CI job's output, as plain lines: one per
+step, and one when the work ends), "0" never; unset, when stderr is a terminal, the "jaxpar"
+logger is not at debug level (recursive_programming's decisions are logged there: the log is the
+progress then) and this is the first process of a multi-process run (the others plan the same
+program at the same time).
 
 Code drawing its own live display (a training loop's progress bar, whose first step plans and
 compiles) keeps jaxpar's line off it with `with progress.quiet(): ...`.
@@ -146,6 +148,7 @@ class _Activity:
     def __post_init__(self):
         self._lock = threading.Lock()
         self._progress: Progress | None = None
+        self._lines: str | None = None  # no terminal: the last line printed (None: none yet)
         self._task = None
         self._closed = False
         self._timer = threading.Timer(DELAY, self._show)
@@ -163,7 +166,7 @@ class _Activity:
     def pop(self) -> None:
         with self._lock:
             self.stages.pop()
-            self._draw()
+            self._draw(ended=True)
 
     def begin(self, name: str) -> None:
         with self._lock:
@@ -190,6 +193,9 @@ class _Activity:
         with self._lock:
             if self._closed:
                 return
+            if not self.console.is_terminal:  # a live line would never be drawn: plain lines
+                self._line()
+                return
             self._progress = Progress(
                 SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20),
                 _Count(), _Elapsed(self.start), console=self.console, transient=True,
@@ -198,7 +204,29 @@ class _Activity:
             self._task = self._progress.add_task(self.text(), total=total, completed=completed)
             self._progress.start()
 
-    def _draw(self) -> None:
+    def _line(self, end: bool = False) -> None:
+        """No terminal: the line as plain text, printed when it changes (`end`: the work's
+        last line, with its time)."""
+        text = self.text()
+        total, completed = self.bar()
+        if total is not None:
+            text += f" {completed}/{total}"
+        if end:
+            text = f"{self.title} · done"
+        elif text == self._lines:
+            return
+        self._lines = text
+        elapsed = time.perf_counter() - self.start
+        self.console.print(f"{text} ({elapsed:.1f} s)", markup=False, highlight=False,
+                           soft_wrap=True)
+
+    def _draw(self, ended: bool = False) -> None:
+        """The line as it now stands (`ended`: a stage has just ended, which a plain line
+        does not report: the next stage's will)."""
+        if self._lines is not None:
+            if not ended:
+                self._line()
+            return
         if self._progress is None:
             return
         total, completed = self.bar()
@@ -213,6 +241,8 @@ class _Activity:
         self._timer.cancel()  # (a timer never started cancels too)
         with self._lock:
             self._closed = True
+            if self._lines is not None:
+                self._line(end=True)
             if self._progress is not None:
                 self._progress.stop()
                 self._progress = None

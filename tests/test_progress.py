@@ -156,6 +156,23 @@ def test_forced_on_it_shows_off_a_terminal_and_with_a_debug_log(monkeypatch, deb
     assert progress.enabled(Console(file=io.StringIO(), force_terminal=False))
 
 
+def test_forced_on_off_a_terminal_it_prints_plain_lines(monkeypatch):
+    # A live line on a log file was never drawn: JAXPAR_PROGRESS=1 2>log left one newline.
+    log = io.StringIO()
+    monkeypatch.setattr(progress, "_console",
+                        lambda: Console(file=log, force_terminal=False, width=300))
+    monkeypatch.setattr(progress, "DELAY", 0.0)
+    monkeypatch.setenv(progress.ENV, "1")
+    step, args = _sgd_problem()
+    jaxpar.shard(step, search_mode="recursive_programming").plan(*args)
+    lines = log.getvalue().splitlines()
+    assert "\x1b" not in log.getvalue()  # no cursor moves or styles
+    assert any(re.fullmatch(r"planning \S+ · searching \(recursive_programming\) · axis d0, "
+                            r"pass 1 of 2 \d+/\d+ \(\d+\.\d s\)", line) for line in lines), lines
+    assert len(lines) == len(set(lines))  # a line only when it changes
+    assert re.fullmatch(r"planning \S+ · done \(\d+\.\d s\)", lines[-1])
+
+
 def test_a_bad_setting_is_a_clear_error_before_tracing(terminal, monkeypatch):
     monkeypatch.setenv(progress.ENV, "yes")
 
