@@ -58,6 +58,19 @@ def test_default_mesh_and_pytree_batch():
     assert len(out["x"].sharding.mesh.devices.flat) == len(jax.devices())
 
 
+def test_by_default_the_context_dataset_strategy_places_the_batch(mesh):
+    # The README had said so, and shard_batch placed the rows data parallel whatever was set.
+    jaxpar.set_auto_parallel_context(dataset_strategy="full_batch")
+    try:
+        x, y = shard_batch(batch(), mesh)
+        assert x.sharding.spec == P() and y.sharding.spec == P()
+        x, _ = shard_batch(batch(), mesh, "data_parallel")  # given: it wins
+        assert x.sharding.spec == P(ALL)
+    finally:
+        jaxpar.reset_auto_parallel_context()
+    assert shard_batch(batch(), mesh)[0].sharding.spec == P(ALL)
+
+
 def test_named_mesh_data_parallel_uses_every_axis():
     mesh = jaxpar.make_mesh((4, 2), ("dp", "tp"))
     (x,) = shard_batch((batch()[0],), mesh)

@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.context import current_context
 from jaxpar.distributed import digest, gather_rows
 from jaxpar.mesh import make_mesh
 from jaxpar.strategy import Layout, parse_in_strategy
@@ -65,8 +66,9 @@ def parse_dataset_strategy(config: str | tuple, batch: Any,
 
 
 def shard_batch(batch: Any, mesh: Mesh | None = None,
-                dataset_strategy: str | tuple = "data_parallel") -> Any:
-    """Put a batch on the mesh as `dataset_strategy` says.
+                dataset_strategy: str | tuple | None = None) -> Any:
+    """Put a batch on the mesh as `dataset_strategy` says (by default, as the parallel
+    context's does).
 
     One process: `batch` is the global batch and goes to the devices with `jax.device_put`.
     Several processes (`jax.process_count() > 1`): each passes its process-local data (its
@@ -80,8 +82,10 @@ def shard_batch(batch: Any, mesh: Mesh | None = None,
       batch: a pytree of arrays (numpy or jax; with several processes, arrays on this
         process's devices: a global jax.Array is a TypeError).
       mesh: the device mesh; default `make_mesh(len(jax.devices()))`.
-      dataset_strategy: "data_parallel" (default), "full_batch" or a tuple of per-input
-        strategies (see `parse_dataset_strategy`).
+      dataset_strategy: "data_parallel", "full_batch" or a tuple of per-input strategies (see
+        `parse_dataset_strategy`); None (default): the context's
+        (`set_auto_parallel_context(dataset_strategy=...)`, "data_parallel" unless set), as
+        AutoParallel reads it.
 
     Returns:
       The same pytree of `jax.Array`s with `NamedSharding`s on `mesh`.
@@ -92,6 +96,8 @@ def shard_batch(batch: Any, mesh: Mesh | None = None,
       PartitionSpec(('d0', 'd1', 'd2'),)
     """
     mesh = _default_mesh(mesh)
+    if dataset_strategy is None:
+        dataset_strategy = current_context().dataset_strategy
     if jax.process_count() == 1:
         leaves, treedef = jax.tree_util.tree_flatten(batch)
         specs = _batch_specs(dataset_strategy, leaves, mesh, uneven=True)
