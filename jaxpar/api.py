@@ -41,7 +41,7 @@ from jaxpar.cost.manual import off_mesh
 from jaxpar.cost.model import CostModel
 from jaxpar.distributed import check_joined, digest, gather_rows
 from jaxpar.ir import arg_paths, build_graph, trace
-from jaxpar.lower.jit import build_callable, placeable
+from jaxpar.lower.jit import build_callable, placeable, tracer_consts
 from jaxpar.mesh import abstract_mesh, make_mesh, mesh_devices, planning_shape
 from jaxpar.plan import Plan, build_plan
 from jaxpar.search import paused_gc
@@ -82,6 +82,9 @@ class _Compiled:
     shardings: tuple | None = None  # the inputs' NamedShardings, made on the first call
     called: bool = False  # the first call compiles
     donate: tuple[int, ...] = ()  # the leaves whose buffers a call hands over
+    # (value, NamedSharding) of each constant that is a tracer (lower.jit.tracer_consts): the
+    # traced program takes them after the inputs, and every call is then a traced one.
+    lifted: tuple = ()
 
     @property
     def jitted(self):
@@ -299,7 +302,7 @@ class ShardedFunction:
         if foreign:  # traced values typed on the caller's mesh first (see _onto)
             args = jax.tree_util.tree_map(_replicated_here, args)
         with _on_own_mesh(self.mesh, ambient):
-            out = self._call(args, kwargs, foreign)
+            out = self._call(args, kwargs, ambient if foreign else None)
         if foreign and any(isinstance(y, jax.core.Tracer)
                            for y in jax.tree_util.tree_leaves(out)):
             # Traced under the caller's jax.set_mesh over another mesh: the results, laid out
@@ -309,7 +312,10 @@ class ShardedFunction:
                                          out)
         return out
 
-    def _call(self, args: tuple, kwargs: dict, foreign: bool = False):
+    def _call(self, args: tuple, kwargs: dict, caller: AbstractMesh | None = None):
+        """The call, on the plan's mesh; `caller`: the caller's mesh context where it is
+        another mesh (jax.set_mesh), on which the traced arguments are typed already."""
+        foreign = caller is not None
         self._check_concrete("call")
         args = positional_arguments(self.fn, args, kwargs)
         leaves, tree = jax.tree_util.tree_flatten(args)
@@ -323,10 +329,16 @@ class ShardedFunction:
         if c.shardings is None:
             c.shardings = tuple(NamedSharding(self.mesh, s.to_pspec())
                                 for s in c.plan.flat_in_specs)
-        if "tracer" in _kinds(leaves):
+        if c.lifted or "tracer" in _kinds(leaves):
             # Inside jax.jit, grad, vmap...: the program is one more jitted call in the
-            # caller's trace, its operands constrained to the plan's specs inside it.
-            flat = [_onto(x, s, foreign) for x, s in zip(leaves, c.shardings, strict=True)]
+            # caller's trace, its operands (and the tracers fn captured) constrained to the
+            # plan's specs inside it.
+            lifted = c.lifted
+            if foreign and lifted:  # typed on the caller's mesh, as the arguments are
+                with jax.sharding.use_abstract_mesh(caller):
+                    lifted = [(_replicated_here(x), s) for x, s in lifted]
+            flat = [_onto(x, s, foreign) for x, s in
+                    [*zip(leaves, c.shardings, strict=True), *lifted]]
             try:
                 out = c.traced(*flat)
             except ValueError as err:
@@ -536,15 +548,16 @@ class ShardedFunction:
         if plan.in_tree is None:  # a loaded plan: bound to these arguments' structure (its
             plan.in_tree, plan.out_tree = traced.in_tree, traced.out_tree  # own was checked)
         donate = tuple(i for i, owner in enumerate(leaf_owners(args)) if owner in donated)
-        in_tree, out_tree, fn = traced.in_tree, traced.out_tree, self.fn
-
-        def source(*flat):  # fn of the flat inputs, returning its flat outputs
-            out = fn(*jax.tree_util.tree_unflatten(in_tree, list(flat)))
-            return out_tree.flatten_up_to(out)
-
+        lifted = tracer_consts(graph)
+        source = _source(traced.closed_jaxpr, [graph.consts[v] for v in lifted])
+        specs = plan.graph_plan.specs
+        consts = tuple((graph.consts[v], NamedSharding(self.mesh, specs[v].to_pspec()
+                                                       if v in specs else PartitionSpec()))
+                       for v in lifted)
         return _Compiled(plan, lambda traced: build_callable(
             graph, plan.graph_plan, self.mesh, plan.flat_in_specs, plan.flat_out_specs, donate,
-            self.opts.fp32_communication, traced, source), donate=donate)
+            self.opts.fp32_communication, traced, source, lifted if traced else ()),
+            donate=donate, lifted=consts)
 
     def _donated(self, n_args: int) -> set[int]:
         """The positions donate_argnums names among n_args arguments (negative ones count
@@ -564,6 +577,19 @@ class ShardedFunction:
                              f"{self.mesh.size} devices: it only plans (`.plan(...)`). Shard it "
                              "over a Mesh of real devices (jaxpar.make_mesh) to run it.")
 
+
+
+def _source(closed_jaxpr, lifted: list):
+    """The traced program as a function of its flat inputs, then values for the constants
+    `lifted` (tracers it captured, which a traced call passes as arguments), returning its
+    flat outputs: evaluated eqn by eqn, its custom_jvp and custom_vjp calls keep their rules
+    (lower.jit.build_callable's `source`)."""
+    def source(*flat):
+        n = len(flat) - len(lifted)
+        given = {id(x): value for x, value in zip(lifted, flat[n:], strict=True)}
+        consts = [given.get(id(c), c) for c in closed_jaxpr.consts]
+        return jax_core.eval_jaxpr(closed_jaxpr.jaxpr, consts, *flat[:n])
+    return source
 
 
 def _refuse_ordered_effects(fn, closed_jaxpr, devices: int) -> None:

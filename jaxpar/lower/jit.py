@@ -39,10 +39,12 @@ _LOW = (jnp.bfloat16, jnp.float16)
 _WIDE_REDUCTIONS = {"dot_general": "preferred_element_type", "reduce_sum": None}
 
 
-def replay(graph: OpGraph, plan: GraphPlan, mesh: Mesh, args: list, fp32: bool = False) -> list:
-    """Evaluate graph on args (traced or concrete) following plan."""
+def replay(graph: OpGraph, plan: GraphPlan, mesh: Mesh, args: list, fp32: bool = False,
+           consts: dict[int, object] | None = None) -> list:
+    """Evaluate graph on args (traced or concrete) following plan; `consts`: values for some
+    of its constants (the lifted ones, see tracer_consts)."""
     env: dict[int, object] = dict(zip(graph.inputs, args, strict=True))
-    for v, value in graph.consts.items():
+    for v, value in (graph.consts | (consts or {})).items():
         env[v] = _constrain(value, plan.specs[v], mesh) if v in plan.specs else value
 
     def read(v: int | Lit, need: Spec | None = None):
@@ -211,10 +213,19 @@ def placeable(graph: OpGraph, out_specs: list[Spec]) -> list[Spec]:
             for v, s in zip(graph.outputs, out_specs, strict=True)]
 
 
+def tracer_consts(graph: OpGraph) -> tuple[int, ...]:
+    """The graph's constants that are tracers: values fn closes over that a transformation
+    around the call carries (`jax.grad(lambda w: shard(lambda x: f(x, w))(x))`). The call is
+    then inside that transformation, whatever its arguments are: the program takes them as
+    arguments after its inputs (build_callable's `lifted`), so that the transformation sees
+    them pass through it, the program's custom derivative rule included."""
+    return tuple(v for v, x in graph.consts.items() if isinstance(x, jax.core.Tracer))
+
+
 def build_callable(graph: OpGraph, plan: GraphPlan, mesh: Mesh, in_specs: list[Spec],
                    out_specs: list[Spec], donate: tuple[int, ...] = (),
                    fp32_communication: bool = False, traced: bool = False,
-                   source: Callable | None = None) -> Callable:
+                   source: Callable | None = None, lifted: tuple[int, ...] = ()) -> Callable:
     """A jitted function of the flat inputs returning the flat outputs, placed per the specs
     (fp32_communication: see the module docstring).
 
@@ -223,24 +234,29 @@ def build_callable(graph: OpGraph, plan: GraphPlan, mesh: Mesh, in_specs: list[S
     in_shardings, which jit checks against the concrete values a transformation carries (a
     committed array laid out otherwise would be refused), and nothing is donated.
 
-    source: the function of the flat inputs the graph was traced from. Where the graph holds
-    custom derivative rules (graph.custom_derivatives: its ops are inlined as the primal
-    computes), the traced program's derivative is the source's (a custom_jvp whose rule is
-    jax.jvp of it, its inputs and outputs laid out as planned; reverse mode transposes it):
-    differentiated from outside, the replay would give the primal's derivative instead
-    (jax.nn.relu's at 0, a gradient clip's identity)."""
+    lifted: with traced, constants of the graph (tracer_consts) the program takes as
+    arguments after the inputs, in this order, in place of the values the graph holds.
+
+    source: the function of the flat inputs, then the lifted constants, that the graph was
+    traced from. Where the graph holds custom derivative rules (graph.custom_derivatives: its
+    ops are inlined as the primal computes), the traced program's derivative is the source's
+    (a custom_jvp whose rule is jax.jvp of it, its inputs and outputs laid out as planned;
+    reverse mode transposes it): differentiated from outside, the replay would give the
+    primal's derivative instead (jax.nn.relu's at 0, a gradient clip's identity)."""
+    assert traced or not lifted, "constants are lifted into traced programs only"
     out_specs = placeable(graph, out_specs)
     in_sh = tuple(NamedSharding(mesh, s.to_pspec()) for s in in_specs)
     out_sh = tuple(NamedSharding(mesh, s.to_pspec()) for s in out_specs)
+    n = len(in_specs)
 
     def placed(xs, specs):
         return [_constrain(x, s, mesh) for x, s in zip(xs, specs, strict=True)]
 
     def run(*flat):
         if traced:
-            flat = placed(flat, in_specs)
-            return tuple(placed(replay(graph, plan, mesh, list(flat), fp32_communication),
-                                out_specs))
+            outs = replay(graph, plan, mesh, placed(flat[:n], in_specs), fp32_communication,
+                          dict(zip(lifted, flat[n:], strict=True)))
+            return tuple(placed(outs, out_specs))
         return tuple(replay(graph, plan, mesh, list(flat), fp32_communication))
 
     # Traced, the results are laid out by constraints inside the program, not out_shardings:
@@ -249,7 +265,7 @@ def build_callable(graph: OpGraph, plan: GraphPlan, mesh: Mesh, in_specs: list[S
         program = jax.custom_jvp(run)
 
         def exact(*xs):
-            return tuple(placed(source(*placed(xs, in_specs)), out_specs))
+            return tuple(placed(source(*placed(xs[:n], in_specs), *xs[n:]), out_specs))
 
         program.defjvp(lambda primals, tangents: jax.jvp(exact, primals, tangents))
         return jax.jit(program)

@@ -1,0 +1,81 @@
+"""jaxpar.shard functions inside JAX transformations: values fn closes over that the caller
+differentiates or batches, arrays placed elsewhere under jax.vmap, keyword arguments and
+meshes set by the caller, donated arrays. Each checked against jax.jit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpar
+
+MODES = ["sharding_propagation", "dynamic_programming", "recursive_programming"]
+X = jnp.zeros((8, 16)).at[:4].set(1.0)  # half the rows 0: relu at exactly 0 below
+W = jnp.ones((16, 8))
+
+
+@jax.custom_vjp
+def clip_gradient(x):
+    return x
+
+
+clip_gradient.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -0.1, 0.1),))
+
+
+@jax.custom_vjp
+def ste_round(x):  # a straight-through estimator (quantization-aware training)
+    return jnp.round(x)
+
+
+ste_round.defvjp(lambda x: (jnp.round(x), None), lambda _, g: (g,))
+
+BODIES = {
+    "custom_vjp clip": lambda x, w: jnp.sum(3.0 * clip_gradient(x @ w)),
+    "custom_jvp relu at 0": lambda x, w: jnp.sum(jax.nn.relu(x @ w - x @ jnp.ones((16, 8)))
+                                                 + x @ w),
+    "custom_vjp round": lambda x, w: jnp.sum(ste_round(x @ w * 0.3) ** 2),
+}
+
+
+def close(got, want):
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want),
+                    strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("body", BODIES)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_differentiated_value_fn_closes_over_keeps_custom_derivatives(mode, body):
+    """fn closing over the value the caller differentiates, with concrete arguments: the call
+    took the direct path, whose program had no custom rule, and jax.grad got the primal's
+    derivative (a clip's identity: 1536 where 51.2; relu's at 0; round's 0), silently."""
+    def outer(wrap, w):
+        return wrap(lambda x: BODIES[body](x, w))(X)
+
+    close(jax.grad(lambda w: outer(lambda f: jaxpar.shard(f, search_mode=mode), w))(W),
+          jax.grad(lambda w: outer(jax.jit, w))(W))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_value_fn_closes_over_is_batched_and_differentiated_as_under_jit(mode):
+    relu, ws = BODIES["custom_jvp relu at 0"], jnp.stack([W, -W])
+    for transform in (lambda f: jax.jvp(f, (W,), (W,)), lambda f: jax.vmap(f)(ws),
+                      lambda f: jax.vmap(jax.grad(f))(ws), lambda f: jax.jit(jax.grad(f))(W)):
+        close(transform(lambda w: jaxpar.shard(lambda x: relu(x, w), search_mode=mode)(X)),
+              transform(lambda w: jax.jit(lambda x: relu(x, w))(X)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_differentiated_value_fn_closes_over_beside_traced_arguments(mode):
+    """The same with an argument traced too: the traced program, wrapped in its custom rule,
+    held the caller's tracer as a constant ("No constant handler for type
+    LinearizeTracer")."""
+    body = BODIES["custom_vjp clip"]
+
+    def outer(wrap, w):
+        return wrap(lambda x: body(x, w))(X * jnp.ones(()) + 0 * jnp.sum(w))
+
+    want = jax.grad(lambda w: outer(jax.jit, w))(W)
+    close(jax.grad(lambda w: outer(lambda f: jaxpar.shard(f, search_mode=mode), w))(W), want)
+    w_on_one = jax.device_put(W, jax.devices()[3])  # moved onto the mesh as arguments are
+    close(jax.grad(lambda w: outer(jaxpar.shard, w))(w_on_one), want)
