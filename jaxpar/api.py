@@ -334,8 +334,10 @@ class ShardedFunction:
             # caller's trace, its operands (and the tracers fn captured) constrained to the
             # plan's specs inside it.
             lifted = c.lifted
-            if foreign and lifted:  # typed on the caller's mesh, as the arguments are
-                with jax.sharding.use_abstract_mesh(caller):
+            with jax.sharding.use_abstract_mesh(caller) if foreign else \
+                    contextlib.nullcontext():  # read as the caller's mesh lays them out
+                _check_mapped_axes(self.fn, self.mesh, [*leaves, *(x for x, _ in lifted)])
+                if foreign:  # typed on the caller's mesh, as the arguments are
                     lifted = [(_replicated_here(x), s) for x, s in lifted]
             flat = [_onto(x, s, foreign) for x, s in
                     [*zip(leaves, c.shardings, strict=True), *lifted]]
@@ -1037,24 +1039,61 @@ def _placed(x, sharding: NamedSharding):
 def _onto(x, sharding: NamedSharding, foreign: bool = False):
     """A leaf for the program traced inside a caller's transformation, on the plan's mesh: a
     concrete array committed elsewhere (one device, another mesh) is moved as a direct call
-    moves it, and so is a tracer typed with another mesh's sharding (its Explicit axes) or,
-    under jvp and grad, carrying an array on other devices (committed to one): jit and the
-    sharding constraints on the plan's mesh refused both (an uncommitted one jit moves itself;
-    moved here inside a loop under grad, its cotangent went back to one device inside the
-    loop's transpose, beside operands on the mesh). `foreign`: traced under a caller's
+    moves it, and so is a tracer typed with another mesh's sharding (its Explicit axes) or
+    carrying an array on other devices (committed to one) under jvp, grad or vmap: jit and
+    the sharding constraints on the plan's mesh refused both (an uncommitted one jit moves
+    itself; moved here inside a loop under grad, its cotangent went back to one device inside
+    the loop's transpose, beside operands on the mesh). `foreign`: traced under a caller's
     jax.set_mesh over another mesh, every tracer is moved, so that its cotangent goes back to
-    the caller's mesh (it came back typed on the plan's, which the caller's next op refused)."""
+    the caller's mesh (it came back typed on the plan's, which the caller's next op refused).
+    A tracer vmap batches is moved replicated: the plan's spec, put on it, would cut its batch
+    dim instead of the dims it names (the program places it as planned)."""
     if not isinstance(x, jax.core.Tracer):
         return _placed(x, sharding)
-    if isinstance(x, BatchTracer):
-        return x  # vmap's: a sharding put on it would miss its batch dim
+    held, batched = _carried(x)
     mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-    primal = getattr(x, "primal", None)  # jvp and grad carry the concrete array
     if foreign or (mesh is not None and not mesh.empty and mesh != _abstract(sharding.mesh)) or (
-            isinstance(primal, jax.Array) and not isinstance(primal, jax.core.Tracer)
-            and primal.committed and primal.sharding.device_set != sharding.device_set):
-        return jax.device_put(x, sharding)
+            isinstance(held, jax.Array) and held.committed
+            and held.sharding.device_set != sharding.device_set):
+        return jax.device_put(x, NamedSharding(sharding.mesh, PartitionSpec()) if batched
+                              else sharding)
     return x
+
+
+def _carried(x) -> tuple[Any, bool]:
+    """(the value under a tracer's layers: the concrete array, or None where a trace holds
+    none (jit's); whether vmap batches it at some layer)."""
+    layers = list(_layers(x))
+    return layers[-1], any(isinstance(t, BatchTracer) for t in layers)
+
+
+def _layers(x):
+    """x and the values under it, layer by layer: the primal jvp and grad carry, the batched
+    value vmap does, down to a concrete array (or None: a trace that holds no value, jit's)."""
+    yield x
+    while isinstance(x, jax.core.Tracer):
+        x = x.val if isinstance(x, BatchTracer) else getattr(x, "primal", None)
+        yield x
+
+
+def _check_mapped_axes(fn, mesh: Mesh, leaves: list) -> None:
+    """A ValueError where a jax.vmap around the call maps a dim that an Explicit mesh's axes
+    cut (the mapped array placed so): vmap lays out that dim on those axes in every op it
+    batches, the plan's sharding constraints included, and the plan's mesh lacks them (it
+    failed inside JAX: "Resource axis: b ... is not found in mesh")."""
+    for x in leaves:
+        for t in _layers(x):
+            if not isinstance(t, BatchTracer):
+                continue
+            axes = t._trace.axis_data.explicit_mesh_axis or ()
+            missing = [a for a in axes if a not in mesh.axis_names]
+            if missing:
+                raise ValueError(
+                    f"{_name(fn)}: called under jax.vmap over a dim laid out on the Explicit "
+                    f"mesh axes {missing}; vmap lays out the mapped dim on them in every op, "
+                    f"and the plan's mesh ({MeshInfo.of(mesh).describe()}) has none of them. "
+                    "Map over an array whose mapped dim is not cut (jax.sharding.reshard(xs, "
+                    "P(None, ...))), or plan the batched function: jaxpar.shard(jax.vmap(fn)).")
 
 
 def _explicit(sharding) -> bool:
