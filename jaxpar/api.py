@@ -300,7 +300,7 @@ class ShardedFunction:
                 "function inside it.")
         foreign = not ambient.empty and ambient != _abstract(self.mesh)
         if foreign:  # traced values typed on the caller's mesh first (see _onto)
-            args = jax.tree_util.tree_map(_replicated_here, args)
+            args, kwargs = jax.tree_util.tree_map(_replicated_here, (args, kwargs))
         with _on_own_mesh(self.mesh, ambient):
             out = self._call(args, kwargs, ambient if foreign else None)
         if foreign and any(isinstance(y, jax.core.Tracer)

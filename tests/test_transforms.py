@@ -125,3 +125,19 @@ def test_vmap_moves_arrays_placed_on_another_mesh_onto_the_plans(axis_type, set_
         with pytest.raises(ValueError, match=r"jax.vmap over a dim laid out on the Explicit "
                            r"mesh axes \['b'\].*jaxpar.shard\(jax.vmap\(fn\)\)"):
             jax.vmap(f, in_axes=(None, 0))(W, cut)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_keyword_arguments_under_a_callers_set_mesh_are_typed_as_positional_ones(mode):
+    """Under jax.set_mesh over another (Explicit) mesh, a gradient taken through a keyword
+    argument came back typed on the plan's mesh, and the caller's next op refused it
+    ("context mesh ... should match the aval mesh"): only positional arguments were typed on
+    the caller's mesh first."""
+    def loss(x, w, b):
+        return jnp.sum(jnp.tanh(x @ w + b) ** 2)
+
+    f, b = jaxpar.shard(loss, search_mode=mode), jnp.ones((8,))
+    want = 2.0 * jax.grad(loss, argnums=1)(X, W, b)
+    with jax.set_mesh(jax.make_mesh((2, 4), ("a", "b"))):
+        for call in (lambda w: f(X, w, b), lambda w: f(X, w=w, b=b)):
+            close(jax.jit(lambda w, call=call: jax.grad(call)(w) * 2.0)(W), want)
