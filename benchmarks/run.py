@@ -21,8 +21,8 @@ Figures per row (all per device, from the compiled program, never from the plan'
   roofline_step_s; XLA's CPU backend fuses less than a GPU/TPU one, so its byte counts, and
   with them the memory-bound time, are inflated alike for every strategy.
 - hlo_comm_bytes: bytes of every collective in the HLO (`collective_stats`, loops counted).
-- peak_memory_bytes: `jaxpar.analysis.memory_stats(compiled)["peak_bytes"]`, XLA's own peak
-  where it reports one, else arguments + outputs + temporaries - aliased (as gpt_plans.py).
+- peak_memory_bytes: `jaxpar.analysis.memory_stats(compiled)["peak_bytes"]`: arguments +
+  outputs + temporaries - aliased, or XLA's own peak where larger (as gpt_plans.py).
 - search_s: the time of `ShardedFunction.plan` (trace, graph, search); 0 for baselines.
   predicted_comm_bytes and plan_modeled_s: the plan's own figures (jaxpar rows only).
 - wall_s (`--wall` only): median time of a few executed steps on the 8 simulated CPU devices.

@@ -21,6 +21,7 @@ from jaxpar.analysis import (
     KINDS,
     collective_ops,
     collective_stats,
+    compiled_bytes,
     estimate_time,
     flops,
     library_gemm_flops,
@@ -205,6 +206,19 @@ def test_memory_stats_and_flops_are_per_device():
     assert set(mem) == {"argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
                         "generated_code_bytes", "peak_bytes"}
     assert flops(c) == 2 * (64 // 8) * 32 * 16
+
+
+def test_memory_stats_peak_counts_temporaries():
+    # XLA:CPU's peak_memory_in_bytes is arguments + outputs - aliased (4 MiB + 4 B here):
+    # the 8 MiB of temporaries the two matmuls' results take were left out.
+    def f(x):
+        a = jnp.sin(x) @ x
+        return jnp.sum(jnp.cos(a) @ a)
+
+    c = jax.jit(f).lower(jax.ShapeDtypeStruct((512, 512), jnp.float32)).compile()
+    mem = memory_stats(c)
+    assert mem["temp_bytes"] >= 512 * 512 * F32
+    assert mem["peak_bytes"] == compiled_bytes(c)
 
 
 def test_flops_accepts_a_list_of_dicts():
