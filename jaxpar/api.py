@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jax_core
+from jax._src import mesh as jax_mesh
 from jax._src.interpreters.batching import BatchTracer
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -957,14 +958,14 @@ def _check_devices(fn, graph, mesh: Mesh | AbstractMesh) -> None:
     devices in the same order under other axis names or another shape run (replicated)."""
     if not isinstance(mesh, Mesh):
         return  # an AbstractMesh only plans
-    own = tuple(int(d.id) for d in mesh.devices.flat)
+    own = _device_ids(mesh)
     for _, op in graph.walk():
         meshes = [op.params.get("mesh"), getattr(op.params.get("sharding"), "mesh", None)]
         meshes += [getattr(d, "mesh", None) for d in op.params.get("devices", ()) or ()]
         for other in meshes:
             if not isinstance(other, Mesh):
                 continue
-            ids = tuple(int(d.id) for d in other.devices.flat)
+            ids = _device_ids(other)
             if ids != own:
                 what = {"shard_map": "jax.shard_map", "sharding_constraint":
                         "with_sharding_constraint"}.get(op.name, op.name)
@@ -988,23 +989,43 @@ def _same_structure(arg, out) -> bool:
 def _on_own_mesh(mesh: Mesh | AbstractMesh, ambient: AbstractMesh | None = None):
     """A context in which jaxpar traces, compiles and runs on its own mesh. Under a user's
     jax.set_mesh over another mesh its programs would be traced against that one (on Explicit
-    axes every sharding constraint becomes an assert, and the plan's axes are not there).
-    No context when no other mesh is set: the common case costs nothing. ambient: the mesh
-    context, where the caller has read it already."""
+    axes every sharding constraint becomes an assert, and the plan's axes are not there) and
+    compiled over its devices in its order. No context when no other mesh is set: the common
+    case costs nothing. Outside a trace the plan's mesh is set; inside one (where jax.set_mesh
+    is refused) only its axes, which serves where the caller's mesh has the plan's devices in
+    the plan's order and a ValueError says why elsewhere. ambient: the mesh context, where the
+    caller has read it already."""
     ambient = jax.sharding.get_abstract_mesh() if ambient is None else ambient
     own = _abstract(mesh)
-    if ambient.empty or ambient == own:
+    held = jax_mesh.get_concrete_mesh()  # the mesh a jax.set_mesh holds (empty: none)
+    theirs = () if held.empty else _device_ids(held)
+    apart = isinstance(mesh, Mesh) and bool(theirs) and theirs != _device_ids(mesh)
+    if (ambient.empty or ambient == own) and not apart:
         return contextlib.nullcontext()
-    if ambient.size == own.size:  # works inside a trace too, where jax.set_mesh is refused
-        return jax.sharding.use_abstract_mesh(own)
     if isinstance(mesh, Mesh) and jax_core.trace_state_clean():
         return jax.set_mesh(mesh)
+    resized = not ambient.empty and ambient.size != own.size
+    if not (resized or apart):
+        return jax.sharding.use_abstract_mesh(own)
+    if resized:
+        raise ValueError(
+            f"a jaxpar function over {own.size} devices ({MeshInfo.of(own).describe()}) called "
+            f"under jax.set_mesh over {ambient.size} ({MeshInfo.of(ambient).describe()})"
+            + (" inside a transformation" if isinstance(mesh, Mesh) else "")
+            + ": JAX cannot switch to a mesh of another size there. Call it outside the "
+            "set_mesh block, or give jaxpar.shard(mesh=...) that mesh.")
     raise ValueError(
-        f"a jaxpar function over {own.size} devices ({MeshInfo.of(own).describe()}) called under "
-        f"jax.set_mesh over {ambient.size} ({MeshInfo.of(ambient).describe()})"
-        + (" inside a transformation" if isinstance(mesh, Mesh) else "")
-        + ": JAX cannot switch to a mesh of another size there. Call it outside the "
-        "set_mesh block, or give jaxpar.shard(mesh=...) that mesh.")
+        f"a jaxpar function over devices {list(_device_ids(mesh))} called inside a "
+        f"transformation under jax.set_mesh over devices {list(theirs)}, in that order: JAX "
+        "traces the program over the devices of the mesh set there and cannot switch to "
+        "another list of devices inside it. Call it outside the transformation (a direct call "
+        "runs on its own mesh), set a mesh of the plan's devices in the plan's order, or give "
+        "jaxpar.shard(mesh=...) a mesh of your mesh's devices in its order.")
+
+
+def _device_ids(mesh: Mesh) -> tuple[int, ...]:
+    """The ids of a mesh's devices in its order (the order JAX runs a program over them)."""
+    return tuple(int(d.id) for d in mesh.devices.flat)
 
 
 def _replicated_here(x):

@@ -141,3 +141,25 @@ def test_keyword_arguments_under_a_callers_set_mesh_are_typed_as_positional_ones
     with jax.set_mesh(jax.make_mesh((2, 4), ("a", "b"))):
         for call in (lambda w: f(X, w, b), lambda w: f(X, w=w, b=b)):
             close(jax.jit(lambda w, call=call: jax.grad(call)(w) * 2.0)(W), want)
+
+
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_a_callers_set_mesh_over_the_devices_in_another_order(axis_type):
+    """Under jax.set_mesh over the plan's devices in another order a direct call failed
+    inside JAX (jit's context mesh [7, ..., 0] against the arguments' [0, ..., 7]): only the
+    axes were switched. It now runs on the plan's mesh; inside a transformation, where JAX
+    cannot switch devices, it is refused in words before anything is traced."""
+    def fn(x, w):
+        return jnp.sum(jnp.tanh(x @ w))
+
+    f = jaxpar.shard(fn)
+    theirs = jax.make_mesh((4, 2), ("a", "b"), devices=jax.devices()[::-1],
+                           axis_types=(getattr(AxisType, axis_type),) * 2)
+    with jax.set_mesh(theirs):
+        for x in (X, jax.device_put(X, NamedSharding(theirs, P("a")))):
+            close(f(x, W), jax.jit(fn)(X, W))
+        for transform in (jax.jit, jax.grad):
+            with pytest.raises(ValueError, match=r"devices \[0, 1, .*\] called inside a "
+                               r"transformation under jax.set_mesh over devices \[7, 6, .*"
+                               r"in that order"):
+                transform(f)(X, W)
