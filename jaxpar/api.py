@@ -356,6 +356,7 @@ class ShardedFunction:
         if not c.called and jax.process_count() > 1:  # before placing: it needs them alike
             _check_processes_agree(c.plan, leaves, _name(self.fn))
         if c.donate:  # before placing: placed replicas of one array may share its buffer
+            _check_not_deleted(self.fn, args, leaves, c.donate)
             leaves = _own_buffers(leaves, c.donate)
         flat = [_placed(x, s) for x, s in zip(leaves, c.shardings, strict=True)]
         if c.called:
@@ -1127,6 +1128,20 @@ def _all_auto(mesh) -> bool:
     """Whether every axis of `mesh` is AxisType.Auto (True for None or a mesh without
     types)."""
     return all(t == AxisType.Auto for t in getattr(mesh, "axis_types", None) or ())
+
+
+def _check_not_deleted(fn, args: tuple, leaves: list, donate: tuple[int, ...]) -> None:
+    """A RuntimeError (JAX's kind, for a deleted array) where a leaf to donate was deleted:
+    donated to an earlier call, its buffer reused. Passed again to a donating program laid out
+    as it is (nothing moves it first), XLA crashed the process (a segmentation fault), as
+    under jax.jit."""
+    dead = [i for i in donate if isinstance(leaves[i], jax.Array) and leaves[i].is_deleted()]
+    if dead:
+        x, path = leaves[dead[0]], arg_paths(fn, args)[dead[0]]
+        raise RuntimeError(
+            f"{_name(fn)}({path}=...): the array ({x.dtype}{list(x.shape)}) has been deleted: "
+            "it was donated to an earlier call (donate_argnums), which reused its buffer. Pass "
+            "a new array, such as that call's result.")
 
 
 def _own_buffers(flat: list, donate: tuple[int, ...]) -> list:

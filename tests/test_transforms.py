@@ -163,3 +163,18 @@ def test_a_callers_set_mesh_over_the_devices_in_another_order(axis_type):
                                r"transformation under jax.set_mesh over devices \[7, 6, .*"
                                r"in that order"):
                 transform(f)(X, W)
+
+
+def test_a_donated_array_passed_again_is_refused_in_words():
+    """An array donated to a call and passed to the same donating program again crashed the
+    process (a segmentation fault inside XLA, as under jax.jit)."""
+    def update(params, x):
+        return {"w": _update(params["w"], x)}
+
+    f = jaxpar.shard(update, donate_argnums=0)
+    first = f({"w": W}, X)
+    f(first, X)
+    assert first["w"].is_deleted()
+    with pytest.raises(RuntimeError, match=r"update\(params/w=\.\.\.\): the array "
+                       r"\(float32\[16, 8\]\) has been deleted: it was donated"):
+        f(first, X)
