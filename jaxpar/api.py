@@ -745,12 +745,57 @@ def positional_arguments(fn, args: tuple, kwargs: dict) -> tuple:
             break
         out.append(left.pop(p.name))
     if left:
-        raise TypeError(
-            f"{name}(...): keyword argument(s) {sorted(left)} do not follow the arguments "
-            f"before them in {name}'s signature {sig}. jaxpar passes arguments by position "
-            "(in_strategy counts them so): give every parameter before them too, or bind "
-            "settings into the function with functools.partial.")
+        raise TypeError(f"{name}(...): {_unplaceable(fn, sig, sorted(left), len(out))}")
     return tuple(out)
+
+
+def _unplaceable(fn, sig: inspect.Signature, names: list[str], placed: int) -> str:
+    """Why keyword arguments `names` cannot be passed by position after the `placed` first
+    parameters of fn's signature `sig`, and what works."""
+    params, name = sig.parameters, _name(fn)
+    how = "jaxpar passes arguments by position (in_strategy counts them so)"
+    through = ("call it through a function that takes them by position (`lambda x, w: "
+               f"{name}(x, w=w)`)")
+    extra = [k for k in names if k not in params]
+    if extra:
+        var = next(p.name for p in params.values() if p.kind is p.VAR_KEYWORD)
+        return (f"keyword argument(s) {extra} go to **{var} in {name}'s signature {sig}, and "
+                f"{how}: give the function parameters of those names, or {through}.")
+    if not any(params[k].kind is params[k].KEYWORD_ONLY for k in names):
+        skipped = [p.name for p in list(params.values())[placed:] if p.name not in names]
+        return (f"keyword argument(s) {names} follow parameters not given ({skipped}) in "
+                f"{name}'s signature {sig}, and {how}: give every parameter before them too.")
+    said = f"keyword argument(s) {names} are keyword-only in {name}'s signature {sig}"
+    if isinstance(fn, functools.partial) and _bound_in_the_middle(fn):
+        return (f"{said}: functools.partial bound {_bound_in_the_middle(fn)} by keyword, which "
+                f"makes the parameters after them keyword-only, and {how}. Bind them in a "
+                f"lambda that takes the others by position instead: `{_as_lambda(fn)}`.")
+    return f"{said}, and {how}: {through}, or bind a setting (not data) into it with " \
+        "functools.partial."
+
+
+def _bound_in_the_middle(fn: functools.partial) -> list[str]:
+    """The parameters a partial binds by keyword that its function takes by position too."""
+    try:
+        params = inspect.signature(fn.func).parameters
+    except (TypeError, ValueError):
+        return []
+    return [k for k in fn.keywords if k in params and
+            params[k].kind is params[k].POSITIONAL_OR_KEYWORD]
+
+
+def _as_lambda(fn: functools.partial) -> str:
+    """The partial as a lambda of the parameters it leaves, each bound one in its place
+    (`lambda x, w, b: layer(x, 4, w, b)`; a bound value that is not a Python scalar shows
+    as its parameter's name)."""
+    params = [p.name for p in inspect.signature(fn.func).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    bound = dict(zip(params, fn.args, strict=False)) | {
+        k: v for k, v in fn.keywords.items() if k in params}
+    shown = [repr(bound[k]) if isinstance(bound.get(k), bool | int | float | str) else k
+             for k in params]
+    free = [k for k in params if k not in bound]
+    return f"lambda {', '.join(free)}: {_name(fn.func)}({', '.join(shown)})"
 
 
 _KINDS: dict[type, str] = {bool: "scalar", int: "scalar", float: "scalar", complex: "scalar"}

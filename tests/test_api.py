@@ -592,13 +592,30 @@ def _scaled(x, w=None, *, scale=1.0):
     return x @ w * scale
 
 
+def _gapped(x, w=None, scale=1.0):
+    return x @ w * scale
+
+
+def _chunked(x, n_chunks, w, b):
+    return sum(jnp.sum(c @ w + b) for c in jnp.split(x, n_chunks))
+
+
 @pytest.mark.parametrize("call,match", [
     (lambda f: f(X, W, weight=W), r"multiple values for argument 'weight'"),
     (lambda f: f(X, W, bais=B), r"dense_relu\(\.\.\.\) got unexpected keyword argument\(s\) "
      r"\['bais'\] \(did you mean 'bias'\?\)"),  # named before the missing one, as Python does
     (lambda f: f(X, W, B, bais=B), r"unexpected keyword argument\(s\) \['bais'\]"),
     (lambda f: jaxpar.shard(_scaled)(X, W, scale=2.0), r"\['scale'\].*functools.partial"),
-    (lambda f: jaxpar.shard(_scaled)(X, scale=2.0), r"\['scale'\].*give every parameter"),
+    (lambda f: jaxpar.shard(_scaled)(X, scale=2.0), r"\['scale'\] are keyword-only"),
+    (lambda f: jaxpar.shard(_gapped)(X, scale=2.0),
+     r"\['scale'\] follow parameters not given \(\['w'\]\).*give every parameter"),
+    # a partial binding a middle parameter by keyword makes those after it keyword-only: the
+    # advice was to use functools.partial
+    (lambda f: jaxpar.shard(functools.partial(_chunked, n_chunks=4))(X, w=W, b=B),
+     r"\['b', 'w'\] are keyword-only.*functools.partial bound \['n_chunks'\] by keyword.*"
+     r"`lambda x, w, b: _chunked\(x, 4, w, b\)`"),
+    (lambda f: jaxpar.shard(lambda x, **kw: x @ kw["w"])(X, w=W),
+     r"\['w'\] go to \*\*kw in <lambda>'s signature.*give the function parameters"),
 ])
 def test_keyword_arguments_that_cannot_be_placed_are_named(call, match):
     with pytest.raises(TypeError, match=match):
