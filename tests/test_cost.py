@@ -357,7 +357,10 @@ def test_placed_as_is_where_resharding_moves_nothing():
 
 
 def test_reduce_scatter_when_destination_cuts_the_partial_axis():
-    cs = reshard(S(None, None, partial=("d0",)), S("d0", None), 1024, MESH)
+    # On 4 x 2 devices the idle d1 cuts fewer ways than d0: a reduce-scatter (on 2 x 2 x 2,
+    # XLA splits over an idle axis instead: test_a_matmul_scattered_onto_a_dim_its_...).
+    cs = reshard(S(None, None, partial=("d0",)), S("d0", None), 1024,
+                 MeshInfo(("d0", "d1"), (4, 2)))
     assert [(c.kind, c.bytes) for c in cs] == [("reduce-scatter", 1024)]
 
 
@@ -412,6 +415,73 @@ def test_partial_sum_over_two_axes_resolved_as_compiled(part, out, rows, cols):
     # all-reduce over both, then sliced (a reduce-scatter and an all-reduce predicted).
     predicted, measured = _partial_product(part, out, rows, cols)
     assert predicted == measured
+
+
+def _matmul_strategy(ins: tuple, out, batched: bool, mesh_shape=(2, 2, 2)
+                     ) -> tuple[dict, dict]:
+    """(predicted, measured) bytes by kind of one matmul candidate: x @ w (64x32 @ 32x128) or,
+    batched, einsum('bij,bjk->bik') (8x32x16, 8x16x64), its operands laid out as `ins` and
+    its result as `out` (PartitionSpecs), on `mesh_shape` devices. Predicted: CostModel.op of
+    the candidate (its operand gathers and its own reductions)."""
+    from jax import lax
+
+    mesh = make_mesh(mesh_shape, K[:len(mesh_shape)])
+    shapes = ((8, 32, 16), (8, 16, 64)) if batched else ((64, 32), (32, 128))
+    fn = (lambda x, w: jnp.einsum("bij,bjk->bik", x, w)) if batched else (lambda x, w: x @ w)
+    f = jax.jit(fn, in_shardings=tuple(NamedSharding(mesh, P(*spec)) for spec in ins),
+                out_shardings=NamedSharding(mesh, P(*out)))
+    compiled = f.lower(*(jax.ShapeDtypeStruct(sh, jnp.float32) for sh in shapes)).compile()
+    f32 = np.dtype("float32")
+    batch = ((0,), (0,)) if batched else ((), ())
+    numbers = (((len(shapes[0]) - 1,), (len(batch[1]),)), batch)
+    info = OpInfo(lax.dot_general_p, {"dimension_numbers": numbers, "precision": None,
+                                      "preferred_element_type": f32},
+                  shapes, ((8, 32, 64) if batched else (64, 128),), (f32, f32), (f32,))
+    model = CostModel(MeshInfo.of(mesh), load_profile("h100-nvlink"))
+    specs = tuple(Spec.from_pspec(P(*spec), len(sh)) for spec, sh in zip(ins, shapes,
+                                                                         strict=True))
+    result = Spec.from_pspec(P(*out), len(shapes[0]))
+    strategy = next(c for c in model.options(info)[0] if c.ins == specs and c.outs == (result,))
+    predicted = {}
+    for c in model.op(info, strategy).collectives:
+        predicted[c.kind] = predicted.get(c.kind, 0) + c.bytes
+    return predicted, {k: v["bytes"] for k, v in collective_stats(compiled).items()}
+
+
+@pytest.mark.parametrize("ins, out, batched", [
+    # A free dim cut by the lhs, the partial axis landing ahead of its axes: XLA gathers the
+    # lhs, multiplies and reduce-scatters the product whole along that dim (384 B of a
+    # reduce-scatter and a permute had been predicted for c_dot1's 32x64 @ 64x8: 5120 moved).
+    (((("d1", "d2"), "d0"), ("d0", None)), (K, None), False),
+    ((("d2", "d0"), ("d0", "d1")), ("d2", ("d0", "d1")), False),
+    ((("d1", "d0"), ("d0", "d2")), (("d0", "d1"), "d2"), False),
+    ((((None, "d1", "d0")), (None, "d0", "d2")), (None, ("d0", "d1"), "d2"), True),
+    # ... partial over two axes, one scattered ahead, one reduced: the whole product
+    # reduce-scattered over both, then renumbered.
+    ((("d1", ("d0", "d2")), (("d0", "d2"), None)), (("d0", "d1"), None), False),
+    # A batch dim: whatever the order, XLA all-reduces the product and gathers it along the
+    # batch dim before slicing (8 KB predicted, 40 KB moved).
+    (((("d0", "d1"), None, "d2"), (("d0", "d1"), "d2", None)), (K, None, None), True),
+    ((("d0", None, "d1"), ("d0", "d1", "d2")), (("d0", "d1"), None, "d2"), True),
+    # One partial axis scattered beside an idle axis: XLA splits over the idle axis,
+    # all-reduces the half and renumbers it (a reduce-scatter of the whole predicted).
+    ((("d2", "d0"), ("d0", None)), ("d2", "d0"), False),
+    ((("d1", "d0"), ("d0", None)), (("d0", "d1"), None), False),
+    (((None, None, "d0"), (None, "d0", "d2")), ("d0", None, "d2"), True),
+    # Three partial axes onto three dims: the two later dims all-reduced one at a time.
+    (((None, None, K), (None, K, None)), ("d0", "d1", "d2"), True),
+], ids=str)
+def test_a_matmul_scattered_onto_a_dim_its_product_cuts_is_priced_as_compiled(ins, out,
+                                                                             batched):
+    predicted, measured = _matmul_strategy(ins, out, batched)
+    assert predicted == measured
+
+
+def test_a_product_scattered_beside_a_larger_idle_axis_is_split_over_it():
+    # On 4 x 2 devices the idle d0 (4) cuts twice d1's ways: split over it all the same.
+    predicted, measured = _matmul_strategy(((None, "d1"), ("d1", None)), ("d1", None), False,
+                                           (4, 2))
+    assert predicted == measured == {"all-reduce": 16384, "collective-permute": 16384}
 
 
 def _summed(part: tuple, out: tuple, other=None, mesh_shape=(2, 2, 2)) -> tuple[dict, dict]:
