@@ -272,6 +272,40 @@ def test_a_dimensions_axes_dropped_for_anothers(shape, src, dst, expected):
     assert _as_planned(src, dst, (16,) * src.rank, mesh) == expected
 
 
+@pytest.mark.parametrize("shape, src, dst, expected", [
+    # Axes moved down one dimension, new ones on the last, in mesh order: XLA all-to-alls
+    # the whole local piece, then slices (a quarter of it had been predicted).
+    ((16, 32, 64), S(None, "d0", None), S("d0", None, ("d1", "d2")), {"all-to-all": 65536}),
+    ((8, 16, 32, 16), S(None, None, "d0", None), S(None, "d0", None, ("d1", "d2")),
+     {"all-to-all": 131072}),
+    ((16, 32, 64), S(None, ("d0", "d1"), None), S(("d1", "d0"), None, "d2"),
+     {"all-to-all": 32768, "collective-permute": 16384}),
+    # ... elsewhere, sliced first.
+    ((8, 16, 32, 16), S(None, "d0", None, None), S("d0", None, ("d1", "d2"), None),
+     {"all-to-all": 32768}),
+    # Axes between two pairs of dimensions: one all-to-all per pair, pieces renumbered
+    # unless whole dimensions trade places (c_rand35: one all-to-all predicted, 2x short).
+    ((16, 32, 64), S("d0", None, ("d1", "d2")), S(None, ("d0", "d2"), "d1"),
+     {"all-to-all": 32768, "collective-permute": 16384}),
+    ((16, 32, 64), S(("d1", "d0"), "d2", None), S(None, ("d2", "d0"), "d1"),
+     {"all-to-all": 32768, "collective-permute": 16384}),
+    ((16, 32, 64), S("d0", None, ("d1", "d2")), S(("d1", "d2"), "d0", None),
+     {"all-to-all": 32768}),
+    # ... a dimension cut as many ways after: one all-to-all, the pieces renumbered.
+    ((16, 32, 64), S("d1", None, "d2"), S(None, "d2", "d1"),
+     {"all-to-all": 32768, "collective-permute": 32768}),
+    # A new axis before the moved one and another on a third dimension: renumbered.
+    ((16, 32, 64), S(None, "d0", None), S(("d1", "d0"), None, "d2"),
+     {"all-to-all": 16384, "collective-permute": 16384}),
+], ids=str)
+def test_axes_moved_between_dimensions_of_an_array(shape, src, dst, expected):
+    predicted = {}
+    for c in reshard(src, dst, 4.0 * float(np.prod(shape)), MESH):
+        predicted[c.kind] = predicted.get(c.kind, 0) + c.bytes
+    assert predicted == expected
+    assert _as_planned(src, dst, shape) == expected
+
+
 def test_model_prices_one_layout_change_alike_at_every_size():
     # CostModel works out a spec pair's collectives once, per byte, and scales them by each
     # array's size: the same collectives, bytes and seconds as pricing each array afresh.

@@ -131,6 +131,9 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo,
     three = _three_into_two(src, dst, local, mesh)
     if three is not None:
         return three
+    down = _moved_down_whole(src, dst, nbytes, mesh)
+    if down is not None:
+        return down
     new = [a for d, axes in enumerate(dst.dims) for a in axes
            if a not in src.axes() and a not in src.dims[d]]
     out: list[Collective] = []
@@ -183,12 +186,14 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo,
             local *= mesh.group_size(gone)
             out.append(Collective("all-gather", gone, local))
         gathers = []
-    if moved:
-        out.append(Collective("all-to-all", moved, local))
+    pairs = _all_to_alls(src, dst, moved, mesh) if moved else []
+    out += [Collective("all-to-all", axes, local) for axes in pairs]
     renumbered = _renumbered(src, dst)
-    if moved and not renumbered and (_misplaced(src, dst, mesh, ahead=not first) or
-                                     _uneven_swap(src, dst, moved, mesh) or
-                                     (first and _split(src, dst))):
+    regrouped = _regrouped(src, dst, moved, len(pairs)) if moved else False
+    if moved and not renumbered and (regrouped if regrouped is not None else (
+            _misplaced(src, dst, mesh, ahead=not first) or
+            _uneven_swap(src, dst, moved, mesh) or (first and _split(src, dst)) or
+            _sliced_around(src, dst, moved))):
         renumbered = moved
     if renumbered:
         out.append(Collective("collective-permute", renumbered, local))
@@ -322,6 +327,101 @@ def _three_into_two(src: Spec, dst: Spec, local: float, mesh: MeshInfo
     if not in_order:
         out.append(Collective("collective-permute", moved, local))
     return out
+
+
+def _moved_down_whole(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo
+                      ) -> list[Collective] | None:
+    """src cuts one dimension, a (not the first), and dst moves all its axes into dimension
+    a - 1 and cuts the last dimension with axes src does not use, in mesh order, and nothing
+    else ([-, d0, -] -> [d0, -, d1+d2]). XLA then runs the all-to-all on the whole local
+    piece and slices it after (not the piece sliced first: 4x the bytes on 2 x 2 x 2
+    devices), and renumbers the pieces where the moved axes land in another order. Every
+    such pair of rank 3 and 4 on 2 x 2 x 2 compiles so, whatever the sizes
+    (tests/test_cost.py); with the axes out of mesh order, into another dimension, or the
+    new ones elsewhere, XLA slices first (reshard's general rule). None for other pairs."""
+    cut = [d for d, axes in enumerate(src.dims) if axes]
+    into = [d for d, axes in enumerate(dst.dims) if axes]
+    last = len(dst.dims) - 1
+    if src.partial or len(cut) != 1 or cut[0] in (0, last) or into != [cut[0] - 1, last]:
+        return None
+    moved, new = src.dims[cut[0]], dst.dims[last]
+    if sorted(dst.dims[cut[0] - 1]) != sorted(moved) or \
+            any(src.dim_of(a) is not None for a in new) or mesh.order(new) != new:
+        return None
+    out = [Collective("all-to-all", moved, nbytes / src.shards(mesh))]
+    if dst.dims[cut[0] - 1] != moved:
+        out.append(Collective("collective-permute", dst.axes(), nbytes / dst.shards(mesh)))
+    return out
+
+
+def _all_to_alls(src: Spec, dst: Spec, moved: Axes, mesh: MeshInfo) -> list[Axes]:
+    """The mesh axes of each all-to-all XLA runs to move `moved` between dimensions. Where
+    dst adds no axis src does not use, XLA pairs the dimensions by how many pieces the
+    moved axes cut each into: each dimension they leave (cut fewer ways after) with one
+    they enter (cut more ways), equal ratios first, then the largest split; one all-to-all
+    per pair ([d1+d0, d2, -] -> [-, d2+d0, d1]: dimension 0 to 1 and 0 to 2, two), none
+    for a dimension cut as many ways before and after ([d1, -, d2] -> [-, d2, d1]: one,
+    from 0 to 1). Every such pair of rank 3 in a sample of 500 on 2 x 2 x 2 devices
+    compiles so (tests/test_cost.py; one all-to-all had been predicted for all). Where dst
+    adds or drops axes, one all-to-all of every moved axis."""
+    if set(src.axes()) != set(dst.axes()):
+        return [moved]
+    ratios = []
+    for d, (a, b) in enumerate(zip(src.dims, dst.dims, strict=True)):
+        out = mesh.group_size(tuple(x for x in a if x in moved))
+        into = mesh.group_size(tuple(x for x in b if x in moved))
+        ratios.append((out // into, d) if out > into else (-(into // out), d))
+    sources = sorted(([r, d] for r, d in ratios if r > 1), reverse=True)
+    targets = sorted(([-r, d] for r, d in ratios if r < -1), reverse=True)
+    pairs = []
+    for s in list(sources):  # equal ratios pair first
+        t = next((t for t in targets if t[0] == s[0]), None)
+        if t is not None:
+            pairs.append((s[1], t[1]))
+            sources.remove(s)
+            targets.remove(t)
+    while sources and targets:  # then the largest, split by the other
+        s, t = sources[0], targets[0]
+        n = min(s[0], t[0])
+        pairs.append((s[1], t[1]))
+        s[0], t[0] = s[0] // n, t[0] // n
+        sources = sorted(x for x in sources if x[0] > 1)[::-1]
+        targets = sorted(x for x in targets if x[0] > 1)[::-1]
+    if len(pairs) <= 1:
+        return [moved] if pairs else []
+    return [tuple(a for a in moved if src.dim_of(a) == s and dst.dim_of(a) == t) or
+            tuple(a for a in moved if src.dim_of(a) == s) for s, t in pairs]
+
+
+def _regrouped(src: Spec, dst: Spec, moved: Axes, all_to_alls: int) -> bool | None:
+    """Whether XLA's all-to-alls leave the pieces out of place where dst moves src's axes and
+    neither adds nor drops any, and the moves are not one all-to-all between two dimensions
+    (None there, and where dst adds or drops axes: reshard's other rules decide). They do
+    when the moved axes go between more pairs of dimensions than XLA runs all-to-alls
+    (_all_to_alls), and when it runs several but some dimension's moved axes are not a
+    whole dimension of src landing as a whole dimension of dst ([d0, -, d1+d2] ->
+    [d1+d2, d0, -] is not renumbered, [-, d0+d1, d2] -> [d1, -, d2+d0] is). The same
+    sample as _all_to_alls'."""
+    groups = {(src.dim_of(a), dst.dim_of(a)) for a in moved}
+    if set(src.axes()) != set(dst.axes()) or (all_to_alls == 1 and len(groups) == 1):
+        return None
+    if all_to_alls < len(groups):
+        return True
+    return any(tuple(a for a in moved if src.dim_of(a) == s and dst.dim_of(a) == t) !=
+               src.dims[s] or src.dims[s] != dst.dims[t] for s, t in groups)
+
+
+def _sliced_around(src: Spec, dst: Spec, moved: Axes) -> bool:
+    """Whether dst adds axes src does not use both before an axis moving into a dimension
+    (in that dimension) and on a dimension no axis moves out of or into ([-, d0, -] ->
+    [d1+d0, -, d2]): XLA slices them first, then the all-to-all leaves the pieces out of
+    place and a collective-permute renumbers them (every such pair of rank 3 on 2 x 2 x 2
+    devices, tests/test_cost.py)."""
+    ends = {src.dim_of(a) for a in moved} | {dst.dim_of(a) for a in moved}
+    before = any(src.dim_of(b) is None for a in moved
+                 for b in dst.dims[dst.dim_of(a)][:dst.dims[dst.dim_of(a)].index(a)])
+    return before and any(src.dim_of(b) is None for d, axes in enumerate(dst.dims)
+                          if d not in ends for b in axes)
 
 
 def _cutting(spec: Spec, mesh: MeshInfo) -> Spec:
