@@ -1152,7 +1152,8 @@ def _check_mapped_axes(fn, mesh: Mesh, leaves: list) -> None:
         for t in _layers(x):
             if not isinstance(t, BatchTracer):
                 continue
-            axes = t._trace.axis_data.explicit_mesh_axis or ()
+            data = getattr(t._trace, "axis_data", None)  # vmap's: its axis's size, mesh axes
+            axes = getattr(data, "explicit_mesh_axis", None) or ()
             missing = [a for a in axes if a not in mesh.axis_names]
             if missing:
                 raise ValueError(
