@@ -12,6 +12,7 @@ import io
 import json
 import numbers
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -684,7 +685,7 @@ def build_plan(graph, gp: GraphPlan, model, traced, in_specs: list[Spec], out_sp
 
     total = graph_cost(graph, gp, model, dict(enumerate(out_specs)), shared=True)
     comm = total.comm_s + tail_latency(graph, gp, model)
-    peak = peak_memory(graph, gp, model.mesh)
+    peak = peak_memory(graph, gp, model.mesh, dict(enumerate(out_specs)))
     cost = PlanCost(total.compute_s, comm, total.comm_bytes, peak, total.compute_s + comm)
     return Plan(lambda: traced.fingerprint, model.mesh, gp, in_specs, out_specs,
                 list(traced.in_paths), list(traced.out_paths), cost, _by_kind(total.collectives),
@@ -799,8 +800,27 @@ def _rows(graph, gp: GraphPlan, model, prefix: str = ""):
             yield from _rows(body, choice.regions[r], model, f"{path}.{r}.")
 
 
-def peak_memory(graph, gp: GraphPlan, mesh: MeshInfo) -> float:
-    """Peak per-device bytes of live values in program order (inputs live throughout)."""
+def peak_memory(graph, gp: GraphPlan, mesh: MeshInfo,
+                returned: dict[int, Spec] | None = None) -> float:
+    """Peak per-device bytes of live values in program order (inputs live throughout).
+
+    Args:
+      graph, gp, mesh: the program, its plan and the mesh.
+      returned: {output position: the spec the program returns it in} (an output not in it:
+        its planned spec), for a whole program (returned_specs; a Plan's out_specs); None for
+        a loop's or cond's body, whose results are no program outputs. At the program's end
+        every output then held twice counts twice (returned_copies): one returned in another
+        spec than it is made in (both live while it is resharded), and an argument returned
+        unchanged (XLA copies it into an output buffer of its own).
+
+    Returns:
+      Bytes per device. Donation is not modelled: a donated argument counts as held to the
+      end, and an argument returned unchanged counts its copy, though XLA may return it in
+      the donated buffer.
+
+    Example:
+      >>> peak_memory(graph, gp, mesh, dict(enumerate(out_specs)))
+    """
     values, specs = graph.values, gp.specs
 
     def size(v) -> float:
@@ -823,7 +843,36 @@ def peak_memory(graph, gp: GraphPlan, mesh: MeshInfo) -> float:
         peak = max(peak, live + inner)
         for v in freed.get(op.index, ()):
             live -= size(v)
-    return peak
+    if returned is None:
+        return peak
+    return max(peak, live + returned_copies(graph, gp, mesh, returned))
+
+
+def returned_copies(graph, gp: GraphPlan, mesh: MeshInfo, returned: dict[int, Spec]) -> float:
+    """Per-device bytes of the second copies a program holds of its outputs at its end: each
+    output returned in another spec than its planned one, at the returned spec (the reshard's
+    result, made while the planned copy is still held: all of them counted held at once, as
+    XLA's output buffers are), and each argument or constant returned unchanged (XLA returns
+    a copy, of an argument unless it is donated, which is not modelled). peak_memory's
+    `returned`."""
+    held, total = set(graph.inputs) | set(graph.consts), 0.0
+    for pos, v in enumerate(graph.outputs):
+        if not isinstance(v, int):
+            continue  # a literal: made in its output buffer
+        made = gp.specs.get(v)
+        spec = returned.get(pos) or made
+        if spec is not made or v in held:
+            total += graph.values[v].nbytes / (spec.shards(mesh) if spec is not None else 1)
+    return total
+
+
+def returned_specs(gp: GraphPlan, fixed_out: dict[int, Spec],
+                   ties: Sequence[tuple[int, int]] = ()) -> dict[int, Spec]:
+    """{output position: the spec the program returns it in} for a search's plan: fixed_out's,
+    and each carried output (tie: input value, output position) its input's planned spec, as
+    api.py hands them back. peak_memory's `returned`."""
+    back = {pos: gp.specs[v] for v, pos in ties if v in gp.specs}
+    return back | dict(fixed_out)
 
 
 def body_memory(op, plans, mesh: MeshInfo) -> float:

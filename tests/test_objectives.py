@@ -80,7 +80,9 @@ def test_mem_coeff_trades_data_parallel_for_sharded_weights(mode):
     f_small, args, small = _planned(128, 128, mode, mem_coeff=0.1)
     f_big, _, big = _planned(128, 128, mode, mem_coeff=3.0)
     assert (small.layout, big.layout) == ("dp4", "fsdp4")
-    assert big.cost.peak_memory_bytes < 0.7 * small.cost.peak_memory_bytes
+    # 0.63x before the peak held the updated weights gathered at the end to come back whole,
+    # as their arguments came (plan.returned_copies): the search's mem_coeff does not see them
+    assert big.cost.peak_memory_bytes < small.cost.peak_memory_bytes
     assert "all-gather" not in jaxpar.collective_stats(f_small.lower(*args).compile())
     assert "all-gather" in jaxpar.collective_stats(f_big.lower(*args).compile())
 

@@ -90,7 +90,8 @@ class Tables:
                                             # make one (with classes; groups of two or more),
                                             # and each region op's node with its running node
     running: dict[int, int] = field(default_factory=dict)  # not folded: node -> the region op
-                                                           # whose bodies' memory it holds
+                                        # whose bodies' memory it holds (len(graph.ops): the
+                                        # second copies of outputs at the end, returned_copies)
     spans: dict[int, tuple[int, int]] = field(default_factory=dict)  # not folded: the nodes
                                         # of an op whose results die at different points (its
                                         # own and those tied to it), each holding the results
@@ -147,7 +148,11 @@ def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
                 b.charge_fixed_input(op, i, held[v].resolved())
             else:
                 b.input_edge(v, op, i)
-    for pos, spec in handed_back(graph, fixed_in, fixed_out, ties).items():
+    back = handed_back(graph, fixed_in, fixed_out, ties)
+    if region is None and not fold:  # a budget's live sets: held at the end
+        b.returned = (back, fixed_in, {pos for v_in, pos in ties
+                                       if pos not in back and graph.outputs[pos] != v_in})
+    for pos, spec in back.items():
         v = graph.outputs[pos]
         if isinstance(v, int) and v in producer and producer[v][0].index in inside:
             b.charge_fixed_output(producer[v], spec)
@@ -210,6 +215,8 @@ class _Builder:
         self._last: dict[int, int] | None = None  # value -> its last program point
         self._parts: dict[tuple, np.ndarray] = {}  # (id(list), results) -> their bytes
         self._splits: list[tuple] = []         # (op, its node) for _split_results, in order
+        self.returned: tuple | None = None     # returned_copies' arguments; None: the copies
+                                               # are not counted (no budget)
 
     def _add_node(self, cands, own, cost: np.ndarray, mem: np.ndarray, key=None) -> int:
         """A node for one op or free input; folded, the node of its kind (`key`) when there
@@ -327,6 +334,37 @@ class _Builder:
         self._group.setdefault(node, node)
         self._group[extra] = self._group[node]
         t.running[extra] = index
+
+    def returned_copies(self, back: dict[int, Spec], fixed_in: dict[int, Spec],
+                        apart: set[int]) -> None:
+        """plan.returned_copies's second copies of outputs, each in a node live at the end
+        only (t.running): an output made in another spec than it is handed back in (`back`),
+        tied to its producer's node; an argument or constant returned unchanged, at the spec
+        it is handed back in, else at its own (tied to its node, a free one's). Not counted:
+        the outputs at `apart`, carried state tied to a free input it is not (its copy
+        depends on two nodes' choices, the producer's and the input's; a node's memory on its
+        own alone)."""
+        graph, t, end, mesh = self.graph, self.t, len(self.graph.ops), self.model.mesh
+        producer = {v: (op, j) for op in graph.ops for j, v in enumerate(op.outputs)}
+        for pos, v in enumerate(graph.outputs):
+            spec = back.get(pos)
+            if not isinstance(v, int) or pos in apart or (v in producer and spec is None):
+                continue
+            size = graph.values[v].nbytes
+            if v in producer:
+                op, j = producer[v]
+                node = t.op_nodes[op.index]
+                self._while_running(node, end, np.array(
+                    [0.0 if s.outs[j] is spec else size / spec.shards(mesh)
+                     for s in t.cands[node]]))
+            elif spec is None and v not in fixed_in and v in t.input_nodes:
+                node = t.input_nodes[v]
+                self._while_running(node, end, t.node_mem[node])
+            else:  # held in a spec the search does not choose
+                spec = spec or fixed_in.get(v) or Spec.replicated(len(graph.values[v].shape))
+                extra = self._add_node([spec], None, np.zeros(1),
+                                       np.array([size / spec.shards(mesh)]))
+                t.running[extra] = end
 
     def _subset(self, cands: list, own: list, kept: tuple[int, ...]) -> tuple[list, list]:
         """The candidates at `kept` as a list of their own, one per (list, indices): ops alike
@@ -459,6 +497,8 @@ class _Builder:
             t.input_nodes[v] = self._input_node(v)
         for op, node in self._splits:
             self._split_results(op, node)
+        if self.returned is not None:
+            self.returned_copies(*self.returned)
         scaled: dict[tuple, np.ndarray] = {}
         merged: dict[tuple, list] = {}  # links with one key (one matrix between the same
                                         # two nodes' ports) become one, times their number
