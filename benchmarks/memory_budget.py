@@ -7,8 +7,10 @@ some fractions of the reference's peak memory per device (`Plan.cost.peak_memory
 budget for every mode, so their rows compare. Reported per case: whether the budget was met (or
 the clear error the search gave), the plan's peak, modelled step time and objective (what the
 searches minimise, as search_gap.py scores it) as multiples of the reference's, and the plan
-time. dynamic_programming bounds memory exactly (its note says when its time limit stopped it
-at a gap); recursive_programming plans again with larger mem_coeffs until a plan fits, then
+time. dynamic_programming bounds the modelled peak exactly (its note says when its time limit
+stopped it at a gap; but for the copy of a carried output made in another spec than its free
+input's, which its live sets miss and the plan's check refuses); recursive_programming plans
+again with larger mem_coeffs until a plan fits, then
 tries mem_coeffs between the last two. A budget bounds the modelled peak of live values at
 their planned layouts (Alpa's definition); each plan is also compiled (not run) and the bytes
 its program holds at once by XLA's memory analysis are reported beside it ("compiled"), which

@@ -38,7 +38,7 @@ class PlanCost:
     compute_s: float
     comm_s: float
     comm_bytes: float
-    peak_memory_bytes: float
+    peak_memory_bytes: float  # peak_memory: live values, and the outputs' end copies
     total_s: float
 
 
