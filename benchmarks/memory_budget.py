@@ -10,10 +10,10 @@ searches minimise, as search_gap.py scores it) as multiples of the reference's, 
 time. dynamic_programming bounds the modelled peak exactly (its note says when its time limit
 stopped it at a gap; but for the copy of a carried output made in another spec than its free
 input's, which its live sets miss and the plan's check refuses); recursive_programming plans
-again with larger mem_coeffs until a plan fits, then
-tries mem_coeffs between the last two. A budget bounds the modelled peak of live values at
-their planned layouts (Alpa's definition); each plan is also compiled (not run) and the bytes
-its program holds at once by XLA's memory analysis are reported beside it ("compiled"), which
+again with larger mem_coeffs until a plan fits, then tries mem_coeffs between the last two. A
+budget bounds the modelled peak of live values at their planned layouts (Alpa's definition);
+each plan is also compiled (not run) and the bytes its program holds at once by XLA's memory
+analysis are reported beside it ("compiled"), which
 include XLA's temporaries: a resharded operand's copy, a partial sum before its reduction.
 
 Writes DIR/memory_budget.json and DIR/memory_budget.md (a row per case, then how many budgets
