@@ -81,14 +81,18 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo,
     gathers alone, one permute renumbers the pieces and the gathers follow (_relabelled). Where
     XLA finds no direct path it falls back, and so does the model: the whole array gathered at
     once (_rematerialized) or a dimension at a time (_merged), or the pieces renumbered and
-    gathered in groups (_swapped, _dropped_for). Otherwise, in order: slices first (free, they
-    shrink the pieces); partial sums reduced (a reduce-scatter onto the first dimension `dst`
-    cuts with partial axes, an all-reduce before it, at full size, of those `dst` cuts on later
-    dimensions, or one reduce-scatter onto them all and a permute where `dst` also slices
-    axes `src` does not use; and an all-reduce of those `dst` does not cut); axes moving
-    between dimensions (an all-to-all); one collective-permute when a dimension keeps an axis
-    but the axes outside it change, or when the moved axes land out of dst's order (the pieces
-    are renumbered); then one all-gather per dimension that loses axes, last dimension first.
+    gathered in groups (_swapped, _dropped_for), or the whole local piece moved before it is
+    sliced (_moved_down_whole). A matmul's product beside idle axes is split over them
+    (_split_on_idle), and one whose partial axes land on a dimension it leaves whole beside
+    new axes is reduced whole (_whole_then_sliced). Otherwise, in order: slices first (free,
+    they shrink the pieces); partial sums reduced (a reduce-scatter onto the first dimension
+    `dst` cuts with partial axes, an all-reduce before it, at full size, of those `dst` cuts on
+    each later dimension, or one reduce-scatter onto them all and a permute where `dst` also
+    slices axes `src` does not use; and an all-reduce of those `dst` does not cut); axes
+    moving between dimensions (an all-to-all per pair of dimensions, _all_to_alls); one
+    collective-permute when a dimension keeps an axis but the axes outside it change, or when
+    the moved axes land out of dst's order (the pieces are renumbered); then one all-gather
+    per dimension that loses axes, last dimension first.
     Axes of size 1 cut nothing and are left out first (specs that differ only in them move
     nothing).
     """
