@@ -15,6 +15,7 @@ import contextlib
 import difflib
 import functools
 import inspect
+import json
 import numbers
 import types
 import warnings
@@ -40,7 +41,7 @@ from jaxpar.context import (
 from jaxpar.cost.hardware import load_profile
 from jaxpar.cost.manual import off_mesh
 from jaxpar.cost.model import CostModel
-from jaxpar.distributed import check_joined, digest, gather_rows
+from jaxpar.distributed import broadcast_bytes, check_joined, digest, gather_rows
 from jaxpar.ir import arg_paths, build_graph, trace
 from jaxpar.lower.jit import build_callable, placeable, tracer_consts
 from jaxpar.mesh import abstract_mesh, make_mesh, mesh_devices, planning_shape
@@ -82,6 +83,7 @@ class _Compiled:
     _traced: Any = None
     shardings: tuple | None = None  # the inputs' NamedShardings, made on the first call
     called: bool = False  # the first call compiles
+    agreed: bool = False  # several processes: they hold one plan (_agreed), checked once
     donate: tuple[int, ...] = ()  # the leaves whose buffers a call hands over
     # (value, NamedSharding) of each constant that is a tracer (lower.jit.tracer_consts): the
     # traced program takes them after the inputs, and every call is then a traced one.
@@ -136,7 +138,8 @@ def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=N
         matmul/conv over all devices the shapes allow.
       hardware: a hardware profile name (`h100-nvlink`, `tpu-v5e`, `cpu`, ...) or YAML path.
       memory_budget: bytes per device the plan must fit in, or "hardware" for the profile's
-        memory per device. dynamic_programming guarantees it (or says no plan fits);
+        memory per device. dynamic_programming keeps the plan's modelled peak within it
+        (or says no plan fits);
         recursive_programming honours it as far as it can; every mode checks the final plan.
         It bounds the plan's modelled peak of live values; the first call also reads XLA's
         memory analysis of the compiled program and warns when that holds more.
@@ -327,6 +330,8 @@ class ShardedFunction:
             raise TypeError(f"{_name(self.fn)}({path}=ShapeDtypeStruct): a call needs arrays; "
                             "shapes alone are for .plan(...) and .lower(...).")
         c = self._compiled(args, leaves, tree)
+        if not c.agreed and jax.process_count() > 1:  # before placing: it needs them alike
+            c = self._agreed(c, args, leaves, tree)
         if c.shardings is None:
             c.shardings = tuple(NamedSharding(self.mesh, s.to_pspec())
                                 for s in c.plan.flat_in_specs)
@@ -353,8 +358,6 @@ class ShardedFunction:
                     "spmd_axis_name (jaxpar places the program itself), or plan the batched "
                     "function: jaxpar.shard(jax.vmap(fn)).") from err
             return jax.tree_util.tree_unflatten(c.plan.out_tree, list(out))
-        if not c.called and jax.process_count() > 1:  # before placing: it needs them alike
-            _check_processes_agree(c.plan, leaves, _name(self.fn))
         if c.donate:  # before placing: placed replicas of one array may share its buffer
             _check_not_deleted(self.fn, args, leaves, c.donate)
             leaves = _own_buffers(leaves, c.donate)
@@ -375,7 +378,8 @@ class ShardedFunction:
 
     def plan(self, *args, **kwargs) -> Plan:
         """The plan for these arguments (arrays, ShapeDtypeStructs or Python scalars); nothing
-        runs."""
+        runs. With several processes it is this process's own; the first call (or lower())
+        makes every process take process 0's, should they differ."""
         args = positional_arguments(self.fn, args, kwargs)
         with _on_own_mesh(self.mesh):
             return self._compiled(array_arguments(self.fn, args)[0]).plan
@@ -386,6 +390,9 @@ class ShardedFunction:
         args = array_arguments(self.fn, positional_arguments(self.fn, args, kwargs))[0]
         with _on_own_mesh(self.mesh):
             c = self._compiled(args)
+            if not c.agreed and jax.process_count() > 1:  # its program runs on every process
+                leaves, tree = jax.tree_util.tree_flatten(args)
+                c = self._agreed(c, args, leaves, tree)
             flat = [jax.ShapeDtypeStruct(x.shape, x.dtype,
                                          sharding=NamedSharding(self.mesh, s.to_pspec()))
                     for x, s in zip(jax.tree_util.tree_leaves(args), c.plan.flat_in_specs,
@@ -405,10 +412,39 @@ class ShardedFunction:
         fix what a saved plan may have cut)."""
         return ShardedFunction(self.fn, self.opts, plans, strict=False)
 
+    def _agreed(self, c: _Compiled, args: tuple, leaves: list, tree) -> _Compiled:
+        """`c`, or process 0's plan where this process planned otherwise (several processes;
+        every one calls this before the first run, traced or not). Each plans on its own, and
+        a search stopped by its time limit stops elsewhere on a busier machine: programs
+        compiled from two plans fail inside their first collective, or hang. Process 0's
+        plan, sent as its file, is then every process's (the program and mesh are alike:
+        checked by the shapes)."""
+        apart = _check_processes_agree(c.plan, leaves, _name(self.fn))
+        if apart:
+            text = broadcast_bytes(json.dumps(c.plan.to_json()).encode()
+                                   if jax.process_index() == 0 else b"")
+            if jax.process_index() in apart:
+                warnings.warn(
+                    f"{_name(self.fn)}: this process (process {jax.process_index()}) planned "
+                    "it otherwise than process 0 (a search stopped by its time limit at "
+                    "another point, on a busier machine); it runs process 0's plan, as every "
+                    "process must. To plan once, save a plan (plan.save) and load it on "
+                    "every process (with_plan).", UserWarning, stacklevel=4)
+                theirs = ShardedFunction(self.fn, self.opts, Plan.from_json(json.loads(text)),
+                                         self._strict)
+                c = theirs._compiled(args, leaves, tree)
+                self._cache[self._key(leaves, tree)] = c
+        c.agreed = True
+        return c
+
+    @staticmethod
+    def _key(leaves: list, tree) -> tuple:
+        return (tree, signature(leaves), trace_settings())
+
     def _compiled(self, args: tuple, leaves: list | None = None, tree=None) -> _Compiled:
         if leaves is None:
             leaves, tree = jax.tree_util.tree_flatten(args)
-        key = (tree, signature(leaves), trace_settings())
+        key = self._key(leaves, tree)
         if key not in self._cache:
             with progress.activity(f"planning {_name(self.fn)}"), paused_gc():
                 self._cache[key] = self._build(args)
@@ -496,9 +532,11 @@ class ShardedFunction:
                          "on every device; they hold no bytes), whatever out_strategy or the "
                          "plan cut")
         out_specs = placed
-        # Weights, for the layout report: carried state, else all but the first argument.
+        # Weights, for the layout report: carried state; else a first argument of several
+        # arrays (`apply(params, *batch)`, Flax's order); else all but the first (`f(x, w, b)`).
         first = len(jax.tree_util.tree_leaves(args[0])) if args else 0
-        weights = {graph.inputs[i] for i, _ in ties} if ties else set(graph.inputs[first:])
+        weights = {graph.inputs[i] for i, _ in ties} if ties else \
+            set(graph.inputs[:first]) if first > 1 else set(graph.inputs[first:])
         with progress.stage("building the plan"):
             plan = build_plan(graph, gp, model, traced, in_specs, out_specs, o.search_mode,
                               profile.name, weights)
@@ -636,14 +674,12 @@ def _or_walk(gp, notes: list[str], graph, model, fixed_in, fixed_out, ties, inde
     return walk
 
 
-def _check_processes_agree(plan: Plan, leaves: list, name: str) -> None:
-    """A ValueError unless every process passes arguments of the same shapes and dtypes and
-    planned the same strategies (called by all of them before the first run: a small
-    all-gather). Arguments of other shapes made one global array of two shapes (silently, or
-    the first collective died inside gloo) where their plans' specs agreed. Each process
-    plans on its own, and a search stopped by its time limit may stop elsewhere on a busier
-    machine; programs compiled from different plans would then fail inside their first
-    collective, or hang."""
+def _check_processes_agree(plan: Plan, leaves: list, name: str) -> list[int]:
+    """The processes whose plan differs from process 0's (called by all of them before the
+    first run: a small all-gather), after a ValueError unless every process passes arguments
+    of the same shapes and dtypes: arguments of other shapes made one global array of two
+    shapes (silently, or the first collective died inside gloo) where their plans' specs
+    agreed."""
     shapes = [(tuple(x.shape), str(x.dtype)) for x in leaves]
     every = gather_rows(np.concatenate([digest(repr(shapes).encode()),
                                         digest(_plan_text(plan).encode())]))
@@ -661,18 +697,18 @@ def _check_processes_agree(plan: Plan, leaves: list, name: str) -> None:
                 f"{passed}). Every process passes the whole arrays, alike in shape and dtype "
                 "(each fills its own devices from them); a batch each process loads for "
                 "itself goes through jaxpar.shard_batch.")
-        raise ValueError(
-            f"{name}: the processes planned it differently (processes {apart} differ from "
-            "process 0): a search stopped by its time limit at another point, on a busier "
-            "machine. Plan on one process, save it (plan.save, or AutoParallel's "
-            "save_operator_strategy_file) and load it on every process (with_plan).")
+        return apart
+    return []
 
 
 def _plan_text(plan: Plan) -> str:
-    """The strategies a plan gives, as text (loop bodies' included), for _check_processes_agree."""
+    """The strategies and specs a plan gives, as text (loop bodies' included), for
+    _check_processes_agree: all the lowering reads (it constrains constants and loop bodies'
+    values to their specs too)."""
     def strategies(gp) -> list:
-        return [(i, str(c.strategy.ins), str(c.strategy.outs), str(c.strategy.partial),
-                 [strategies(b) for b in c.regions]) for i, c in sorted(gp.choices.items())]
+        return [[(i, str(c.strategy.ins), str(c.strategy.outs), str(c.strategy.partial),
+                  [strategies(b) for b in c.regions]) for i, c in sorted(gp.choices.items())],
+                [(v, str(s)) for v, s in sorted(gp.specs.items())]]
     return repr((list(map(str, plan.flat_in_specs)), list(map(str, plan.flat_out_specs)),
                  strategies(plan.graph_plan)))
 

@@ -10,6 +10,7 @@ all. Without that environment (and `auto=False`) nothing changes: one process, a
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import os
 from collections.abc import Mapping
@@ -127,7 +128,27 @@ def gather_rows(row: np.ndarray) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     row = np.asarray(row, np.int32)
-    return np.asarray(multihost_utils.process_allgather(row)).reshape(-1, row.size)
+    return np.asarray(_untraced(multihost_utils.process_allgather, row)).reshape(-1, row.size)
+
+
+def broadcast_bytes(payload: bytes) -> bytes:
+    """Process 0's `payload` in every process (each must call; the others' payloads are not
+    read): its length first, then the bytes."""
+    from jax.experimental import multihost_utils
+
+    n = int(np.asarray(_untraced(multihost_utils.broadcast_one_to_all, np.int32(len(payload)))))
+    buf = np.zeros(n, np.uint8)
+    if jax.process_index() == 0:
+        buf[:] = np.frombuffer(payload, np.uint8)
+    return np.asarray(_untraced(multihost_utils.broadcast_one_to_all, buf), np.uint8).tobytes()
+
+
+def _untraced(fn, *args):
+    """fn(*args) on a thread of its own, outside any trace and mesh context of the caller's:
+    JAX keeps those per thread, and multihost_utils' collectives refuse to run inside a trace
+    (a jaxpar function called inside jax.jit, grad or vmap agrees on its plan there)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def launch_environment(coordinator_address: str, num_processes: int, process_id: int,

@@ -1,6 +1,7 @@
 """jaxpar.shard end to end: the reference examples, plans, save/load, and malformed input."""
 
 import functools
+import json
 import warnings
 
 import jax
@@ -1214,27 +1215,82 @@ def test_results_with_no_elements_come_back_readable(in_strategy):
     assert np.asarray(z).shape == (0, 16)
 
 
-def test_processes_that_planned_apart_are_refused_before_the_first_run(monkeypatch):
-    """Each process plans on its own; a search stopped by its time limit on a busier machine
-    gave one process another plan, and the first step died inside gloo after 30 s."""
+def _two_processes(monkeypatch, rank: int, plan_of_0=None):
+    """This process as `rank` of two whose other process planned otherwise (the all-gathered
+    plan digests differ; the shapes' are alike), process 0's plan being `plan_of_0`."""
     from jax.experimental import multihost_utils
 
-    gathered = []
+    sent = []
 
-    def allgather(x):  # this process and a second one that planned otherwise (or not); the
-        other = x.copy()  # row's first half is the arguments' shapes, alike here
-        if not gathered:
-            other[len(x) // 2:] += 1
-        gathered.append(x)
-        return np.stack([x, other])
+    def allgather(x):
+        other = x.copy()
+        other[len(x) // 2:] += 1  # the row's first half is the arguments' shapes
+        return np.stack([other, x] if rank else [x, other])
+
+    def broadcast(x):  # process 0's bytes: its plan's length, then the plan
+        sent.append(x)
+        text = json.dumps(plan_of_0.to_json()).encode() if plan_of_0 is not None else b""
+        return np.int32(len(text)) if np.ndim(x) == 0 else np.frombuffer(text, np.uint8)
 
     monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: rank)
     monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
-    with pytest.raises(ValueError, match=r"dense_relu: the processes planned it differently "
-                                         r"\(processes \[1\] differ from process 0\)"):
-        jaxpar.shard(dense_relu)(X, W, B)
-    np.testing.assert_allclose(jaxpar.shard(dense_relu)(X, W, B), jax.jit(dense_relu)(X, W, B),
-                               rtol=1e-5)  # the same digest: it runs
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", broadcast)
+    return sent
+
+
+def test_a_process_that_planned_apart_runs_process_0s_plan(monkeypatch):
+    """Each process plans on its own; a search stopped by its time limit on a busier machine
+    gave one process another plan, and the first step died inside gloo after 30 s. Process
+    0's plan is now every process's."""
+    theirs = jaxpar.shard(dense_relu, search_mode="sharding_propagation",
+                          in_strategy=((1, 8), None, None)).plan(X, W, B)
+    f = jaxpar.shard(dense_relu)
+    assert f.plan(X, W, B).flat_in_specs != theirs.flat_in_specs  # planned otherwise
+    _two_processes(monkeypatch, 1, theirs)
+    with pytest.warns(UserWarning, match=r"dense_relu: this process \(process 1\) planned it "
+                                         r"otherwise than process 0 .* runs process 0's plan"):
+        y = f(X, W, B)
+    np.testing.assert_allclose(y, jax.jit(dense_relu)(X, W, B), rtol=1e-5)
+    assert f.plan(X, W, B).flat_in_specs == theirs.flat_in_specs
+    assert f.plan(X, W, B).to_json()["graph"] == theirs.to_json()["graph"]
+
+
+def test_process_0_keeps_its_plan_and_sends_it(monkeypatch):
+    f = jaxpar.shard(dense_relu)
+    mine = f.plan(X, W, B)
+    sent = _two_processes(monkeypatch, 0, mine)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to say on process 0
+        np.testing.assert_allclose(f(X, W, B), jax.jit(dense_relu)(X, W, B), rtol=1e-5)
+    assert len(sent) == 2 and bytes(sent[1]) == json.dumps(mine.to_json()).encode()
+    assert f.plan(X, W, B) is mine
+    f(X, W, B)
+    assert len(sent) == 2  # agreed once, before the first run
+
+
+def test_processes_agree_on_a_plan_called_inside_jit_too(monkeypatch):
+    """Inside jax.jit (grad, vmap, ...) no process checked the plans: two ranks compiled
+    different collectives and died in a gloo timeout."""
+    theirs = jaxpar.shard(dense_relu, search_mode="sharding_propagation",
+                          in_strategy=((1, 8), None, None)).plan(X, W, B)
+    f = jaxpar.shard(dense_relu)
+    _two_processes(monkeypatch, 1, theirs)
+    with pytest.warns(UserWarning, match=r"runs process 0's plan"):
+        y = jax.jit(f)(X, W, B)
+    np.testing.assert_allclose(y, jax.jit(dense_relu)(X, W, B), rtol=1e-5)
+    assert f.plan(X, W, B).flat_in_specs == theirs.flat_in_specs
+
+
+def test_lower_takes_process_0s_plan(monkeypatch):
+    theirs = jaxpar.shard(dense_relu, search_mode="sharding_propagation",
+                          in_strategy=((1, 8), None, None)).plan(X, W, B)
+    f = jaxpar.shard(dense_relu)
+    _two_processes(monkeypatch, 1, theirs)
+    with pytest.warns(UserWarning, match=r"runs process 0's plan"):
+        compiled = f.lower(X, W, B).compile()
+    assert [s.spec for s in compiled.input_shardings[0]] == \
+        [s.to_pspec() for s in theirs.flat_in_specs]
 
 
 def test_processes_that_pass_arguments_of_other_shapes_are_refused_before_placing(monkeypatch):
@@ -1351,3 +1407,15 @@ def test_a_host_callbacks_result_broadcast_is_predicted():
         assert plan.verify(f.lower(a).compile()).ok
         for got, want in zip(jax.tree.leaves(f(a)), jax.tree.leaves(fn(a)), strict=True):
             np.testing.assert_allclose(got, want)
+
+
+def test_a_forward_of_params_then_batch_is_reported_data_parallel():
+    """fwd(params, x) took x, all but the first argument, for the weights: a data parallel
+    plan (x cut, params whole) was reported as "tp8"."""
+    from jaxpar.models.mlp import init_mlp, mlp_forward
+
+    params = init_mlp(jax.random.key(0), [64, 64, 64])
+    plan = jaxpar.shard(mlp_forward, in_strategy=(None, (8, 1))).plan(params, jnp.ones((64, 64)))
+    assert plan.flat_in_specs[-1] == jaxpar.Spec((("d0", "d1", "d2"), ()))
+    assert plan.layout == "dp8"
+    assert jaxpar.shard(dense_relu, in_strategy=((8, 1), None, None)).plan(X, W, B).layout == "dp8"
