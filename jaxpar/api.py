@@ -685,11 +685,11 @@ def _within_budget(gp, notes: list[str], graph, model, fixed_in, fixed_out, ties
     two choices; the solver prices memory per choice), so its optimum can end a few percent
     over a budget a plan meets (the memory_budget benchmark's GPT at 0.5 and 0.3 of the
     optimum's peak, its MoE and ViT at 0.3: 1-5% over)."""
-    from jaxpar.plan import peak_memory, returned_specs
+    from jaxpar.plan import search_peak
     from jaxpar.search.recursive import recursive_programming
 
     def peak(p) -> float:
-        return peak_memory(graph, p, model.mesh, returned_specs(p, fixed_out, ties))
+        return search_peak(graph, p, model.mesh, fixed_out, ties)
 
     exact = peak(gp)
     if exact <= budget:

@@ -866,6 +866,13 @@ def returned_copies(graph, gp: GraphPlan, mesh: MeshInfo, returned: dict[int, Sp
     return total
 
 
+def search_peak(graph, gp: GraphPlan, mesh: MeshInfo, fixed_out: dict[int, Spec],
+                ties: Sequence[tuple[int, int]] = ()) -> float:
+    """peak_memory of a search's plan as the program hands its outputs back (returned_specs):
+    what the searches hold a memory budget to."""
+    return peak_memory(graph, gp, mesh, returned_specs(gp, fixed_out, ties))
+
+
 def returned_specs(gp: GraphPlan, fixed_out: dict[int, Spec],
                    ties: Sequence[tuple[int, int]] = ()) -> dict[int, Spec]:
     """{output position: the spec the program returns it in} for a search's plan: fixed_out's,

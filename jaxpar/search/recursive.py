@@ -173,7 +173,7 @@ def _search(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
             fixed_out: dict[int, Spec], memory_budget: float | None,
             ties: tuple[tuple[int, int], ...], index: GraphIndex
             ) -> tuple[GraphPlan, list[str]]:
-    from jaxpar.plan import peak_memory, returned_specs
+    from jaxpar.plan import search_peak
 
     _check_fixed(graph, model.mesh, fixed_in, memory_budget)
     classes = op_classes(graph)
@@ -184,8 +184,8 @@ def _search(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
         m = model if mem_coeff == model.mem_coeff else model.variant(mem_coeff=mem_coeff)
         lines: list[str] = []
         gp = _Sapp(index, m, fixed_in, fixed_out, classes, lines, ties).run()
-        peak = 0.0 if memory_budget is None else peak_memory(
-            graph, gp, model.mesh, returned_specs(gp, fixed_out, ties))
+        peak = 0.0 if memory_budget is None else search_peak(graph, gp, model.mesh, fixed_out,
+                                                             ties)
         runs.append((mem_coeff, gp, peak, lines))
         return memory_budget is None or peak <= memory_budget
 

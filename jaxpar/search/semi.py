@@ -98,7 +98,7 @@ def sharding_propagation(graph: OpGraph, model: CostModel, fixed_in: dict[int, S
     Example:
       >>> gp, notes = sharding_propagation(graph, model, {x: Spec((("dp",), ()))}, {})
     """
-    from jaxpar.plan import peak_memory, returned_specs
+    from jaxpar.plan import search_peak
 
     ties = tuple(ties)
     index = GraphIndex.of(graph, index)
@@ -131,14 +131,12 @@ def sharding_propagation(graph: OpGraph, model: CostModel, fixed_in: dict[int, S
                               model.mesh.names[::-1],
                               lambda gp: objective(graph, model, gp, fixed_out, ties),
                               before=score, held=pinned)
-
-    def peak(gp: GraphPlan) -> float:
-        return peak_memory(graph, gp, model.mesh, returned_specs(gp, fixed_out, ties))
-
     # Over the budget: the propagated plan where it holds less (the caller refuses a plan
     # over the budget, quoting its peak: the leaner one's, then).
-    if memory_budget is not None and peak(better) > memory_budget and \
-            peak(starts[k]) < peak(better):
+    peak = None if memory_budget is None else search_peak(graph, better, model.mesh,
+                                                          fixed_out, ties)
+    if peak is not None and peak > memory_budget and \
+            search_peak(graph, starts[k], model.mesh, fixed_out, ties) < peak:
         return starts[k], ["sharding_propagation: the refined plan was over memory_budget; the "
                            "propagated one is kept (it holds less)"]
     return better, []

@@ -151,7 +151,8 @@ def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     back = handed_back(graph, fixed_in, fixed_out, ties)
     if region is None and not fold:  # a budget's live sets: held at the end
         b.returned = (back, fixed_in, {pos for v_in, pos in ties
-                                       if pos not in back and graph.outputs[pos] != v_in})
+                                       if pos not in back and graph.outputs[pos] != v_in},
+                      producer)
     for pos, spec in back.items():
         v = graph.outputs[pos]
         if isinstance(v, int) and v in producer and producer[v][0].index in inside:
@@ -336,16 +337,15 @@ class _Builder:
         t.running[extra] = index
 
     def returned_copies(self, back: dict[int, Spec], fixed_in: dict[int, Spec],
-                        apart: set[int]) -> None:
+                        apart: set[int], producer: dict[int, tuple]) -> None:
         """plan.returned_copies's second copies of outputs, each in a node live at the end
         only (t.running): an output made in another spec than it is handed back in (`back`),
         tied to its producer's node; an argument or constant returned unchanged, at the spec
         it is handed back in, else at its own (tied to its node, a free one's). Not counted:
         the outputs at `apart`, carried state tied to a free input it is not (its copy
         depends on two nodes' choices, the producer's and the input's; a node's memory on its
-        own alone)."""
+        own alone). producer: value -> (op, result index), build_tables's."""
         graph, t, end, mesh = self.graph, self.t, len(self.graph.ops), self.model.mesh
-        producer = {v: (op, j) for op in graph.ops for j, v in enumerate(op.outputs)}
         for pos, v in enumerate(graph.outputs):
             spec = back.get(pos)
             if not isinstance(v, int) or pos in apart or (v in producer and spec is None):
