@@ -472,6 +472,8 @@ class ShardedFunction:
         out_fixed = strat.parse_out_strategy(o.out_strategy, out_shapes, mesh)
         with progress.stage("building the op graph"):
             graph = build_graph(traced.closed_jaxpr, traced.in_paths)
+        graph.donated = frozenset(graph.inputs[i] for i, owner in enumerate(leaf_owners(args))
+                                  if owner in donated)  # peak memory: outputs in their buffers
         _check_devices(self.fn, graph, mesh)
         profile = load_profile(o.hardware)
         model = CostModel(MeshInfo.of(mesh), profile, o.level, o.mem_coeff,
@@ -680,11 +682,11 @@ def _or_walk(gp, notes: list[str], graph, model, fixed_in, fixed_out, ties, inde
 def _within_budget(gp, notes: list[str], graph, model, fixed_in, fixed_out, ties, index,
                    budget: float):
     """dynamic_programming's plan, or recursive_programming's under the budget where only that
-    one fits it. The exact search's live sets miss one copy the plan holds at its end: a
-    carried output made in another layout than its free input comes in (its size depends on
-    two choices; the solver prices memory per choice), so its optimum can end a few percent
-    over a budget a plan meets (the memory_budget benchmark's GPT at 0.5 and 0.3 of the
-    optimum's peak, its MoE and ViT at 0.3: 1-5% over)."""
+    one fits it. The exact search's live sets miss what two choices make together (a carried
+    output made in another layout than its free input comes in: both held at its end; one
+    made in a donated argument's buffer in another layout), so its optimum can end a few
+    percent over a budget a plan meets; it solves again for lower budgets (exact._REFITS),
+    and this is what is left where those end over it too."""
     from jaxpar.plan import search_peak
     from jaxpar.search.recursive import recursive_programming
 
@@ -702,9 +704,10 @@ def _within_budget(gp, notes: list[str], graph, model, fixed_in, fixed_out, ties
     if held > budget:
         return gp
     notes.append(f"dynamic_programming: its plan holds {exact:.0f} bytes per device at its "
-                 f"peak, over the budget (its live sets miss a carried output's copy made in "
-                 f"another layout than its input); recursive_programming's plan under the "
-                 f"budget holds {held:.0f}: kept instead")
+                 f"peak, over the budget (its live sets miss what two choices make together: a "
+                 f"carried output's copy made in another layout than its input); "
+                 f"recursive_programming's plan under the budget holds {held:.0f}: kept "
+                 "instead")
     return walk
 
 

@@ -814,9 +814,10 @@ def peak_memory(graph, gp: GraphPlan, mesh: MeshInfo,
         unchanged (XLA copies it into an output buffer of its own).
 
     Returns:
-      Bytes per device. Donation is not modelled: a donated argument counts as held to the
-      end, and an argument returned unchanged counts its copy, though XLA may return it in
-      the donated buffer.
+      Bytes per device. A donated argument (graph.donated) is held throughout, as its buffer
+      is; an output JAX aliases to it (graph.aliases) and returns in its spec goes back in
+      that buffer, with no end copy, and where an op makes it there too, after the
+      argument's last read (graph.in_place), it holds no bytes of its own (in_place).
 
     Example:
       >>> peak_memory(graph, gp, mesh, dict(enumerate(out_specs)))
@@ -828,9 +829,10 @@ def peak_memory(graph, gp: GraphPlan, mesh: MeshInfo,
         return values[v].nbytes / spec.shards(mesh) if spec is not None else values[v].nbytes
 
     inputs, end = set(graph.inputs), len(graph.ops)
+    mine, back = in_place(graph, gp, returned) if returned is not None else (set(), set())
     freed: dict[int, list[int]] = {}  # op index -> the values dead after it
     for v, point in graph.last_points().items():  # (outputs, and results nothing reads: end)
-        if point < end and v not in inputs:
+        if point < end and v not in inputs and v not in mine:
             freed.setdefault(point, []).append(v)
     live = sum(size(v) for v in graph.inputs) + sum(size(v) for v in graph.consts)
     peak = live
@@ -839,25 +841,51 @@ def peak_memory(graph, gp: GraphPlan, mesh: MeshInfo,
         if op.regions:
             inner = body_memory(op, gp.choices[op.index].regions, mesh)
         for v in op.outputs:
-            live += size(v)
+            if v not in mine:
+                live += size(v)
         peak = max(peak, live + inner)
         for v in freed.get(op.index, ()):
             live -= size(v)
     if returned is None:
         return peak
-    return max(peak, live + returned_copies(graph, gp, mesh, returned))
+    return max(peak, live + returned_copies(graph, gp, mesh, returned, back))
 
 
-def returned_copies(graph, gp: GraphPlan, mesh: MeshInfo, returned: dict[int, Spec]) -> float:
+def in_place(graph, gp: GraphPlan, returned: dict[int, Spec]) -> tuple[set[int], set[int]]:
+    """(values made in a donated argument's buffer, output positions returned in one) under
+    this plan: the outputs JAX aliases to a donated argument (graph.aliases) that are returned
+    in its spec (one layout: one buffer per device), and of those the values an op makes in
+    that spec after the argument's last read (graph.in_place). peak_memory's."""
+    aliases = graph.aliases()
+    if not aliases:
+        return set(), set()
+    made_in, values, positions = graph.in_place(), set(), set()
+
+    def layout(v, spec=None):
+        spec = spec or gp.specs.get(v) or Spec.replicated(len(graph.values[v].shape))
+        return spec.resolved()
+
+    for pos, v_in in aliases.items():
+        v = graph.outputs[pos]
+        if not isinstance(v, int) or layout(v, returned.get(pos)) is not layout(v_in):
+            continue
+        positions.add(pos)
+        if made_in.get(v) == v_in and layout(v) is layout(v_in):
+            values.add(v)
+    return values, positions
+
+
+def returned_copies(graph, gp: GraphPlan, mesh: MeshInfo, returned: dict[int, Spec],
+                    donated: set[int] = frozenset()) -> float:
     """Per-device bytes of the second copies a program holds of its outputs at its end: each
     output returned in another spec than its planned one, at the returned spec (the reshard's
     result, made while the planned copy is still held: all of them counted held at once, as
     XLA's output buffers are), and each argument or constant returned unchanged (XLA returns
-    a copy, of an argument unless it is donated, which is not modelled). peak_memory's
-    `returned`."""
+    a copy). Not the outputs at `donated`, returned in a donated argument's buffer
+    (in_place). peak_memory's `returned`."""
     held, total = set(graph.inputs) | set(graph.consts), 0.0
     for pos, v in enumerate(graph.outputs):
-        if not isinstance(v, int):
+        if not isinstance(v, int) or pos in donated:
             continue  # a literal: made in its output buffer
         made = gp.specs.get(v)
         spec = returned.get(pos) or made

@@ -114,6 +114,9 @@ class OpGraph:
     # body too): its ops are inlined as the primal computes, without the derivative rule
     # (lower.jit keeps it).
     custom_derivatives: bool = False
+    # Input values whose buffers a call hands over (donate_argnums), set by whoever compiles
+    # the program: the outputs JAX aliases to them are written in their buffers (aliases).
+    donated: frozenset[int] = frozenset()
     _tail: frozenset[int] | None = field(default=None, repr=False, compare=False)
 
     def producers(self) -> dict[int, Op]:
@@ -145,6 +148,38 @@ class OpGraph:
             for v in op.outputs:
                 last.setdefault(v, end)
         return last
+
+    def aliases(self) -> dict[int, int]:
+        """{output position: donated input value} as jax.jit pairs them (its
+        mlir._set_up_aliases): each output in turn takes the first donated input not yet
+        taken of its shape and dtype. The output is returned in that input's buffer where
+        both have one layout (plan.in_place)."""
+        free: dict[tuple, list[int]] = {}
+        for v in self.inputs:
+            if v in self.donated:
+                info = self.values[v]
+                free.setdefault((info.shape, np.dtype(info.dtype)), []).append(v)
+        out: dict[int, int] = {}
+        for pos, v in enumerate(self.outputs):
+            key = (self.shape(v), np.dtype(self.dtype(v)))
+            if free.get(key):
+                out[pos] = free[key].pop(0)
+        return out
+
+    def in_place(self) -> dict[int, int]:
+        """{value: donated input value} for each output an op makes that JAX aliases to a
+        donated input (aliases) read by no op after the one making it: the op can write it
+        in the input's buffer, so it holds no bytes of its own where both have one layout
+        (plan.peak_memory; the exact search assumes they do)."""
+        if not self.donated:
+            return {}
+        last, made = self.last_points(), {v: op.index for op in self.ops for v in op.outputs}
+        out: dict[int, int] = {}
+        for pos, v_in in self.aliases().items():
+            v = self.outputs[pos]
+            if isinstance(v, int) and v in made and last.get(v_in, -1) <= made[v]:
+                out.setdefault(v, v_in)
+        return out
 
     def shape(self, v: int | Lit) -> tuple[int, ...]:
         return v.shape if isinstance(v, Lit) else self.values[v].shape

@@ -4,7 +4,9 @@ Before: an OpGraph, fixed input/output specs, a CostModel, an optional per-devic
 After: a GraphPlan (as sharding_propagation returns) and the solver's report (optimal or not, gap,
 method, seconds). The graph becomes cost tables (tables.py), the tables a `Problem` for the exact
 solver (dynamic.py), and the answer a plan again. The memory budget bounds the bytes live at
-every point of the program (Alpa's peak of live tensors).
+every point of the program (Alpa's peak of live tensors); the solver prices them per choice,
+and a plan holding more than the budget by what two choices make together (plan.peak_memory
+counts it) is solved again for a budget lower by that (at most _REFITS times).
 
 Repeated layers are solved once: with tie_repeats (by default in a deep model, below), ops that
 play the same part in identical layers (one Weisfeiler-Lehman class, ir/repeat.py, and one
@@ -78,6 +80,7 @@ from jaxpar.spec import Spec
 
 _LOOP_PASSES = 4  # at most this many solves again with loop bodies planned for their neighbours
 _TIE_SHARE = 0.25  # tie_repeats ties only where op classes are at most this share of the ops
+_REFITS = 3       # under a budget: solves again, the budget lowered by what the plan held over it
 
 
 def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
@@ -187,6 +190,24 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
             progress.step("solving again, loop bodies planned for their neighbours")
             t, problem = tables(seeds)
             again = solved(t, problem)
+            solution = dataclasses.replace(again, seconds=solution.seconds + again.seconds)
+            plan = _to_plan(graph, t, solution.choice, fixed_in, region)
+        for _ in range(_REFITS if budget is not None else 0):
+            # The live sets price memory per choice, and miss what two choices make: a carried
+            # output made in another spec than its input's (both held at the end), one made
+            # in a donated argument's buffer in another spec (held apart). Where the plan
+            # holds more than the budget so, it is solved again for a budget lower by that.
+            from jaxpar.plan import search_peak
+
+            over = search_peak(graph, plan, model.mesh, fixed_out, ties) - memory_budget
+            if over <= 0 or left() <= 0:
+                break
+            progress.step("solving again, the budget lowered by what the plan held over it")
+            problem = dataclasses.replace(problem, budget=problem.budget - over)
+            try:
+                again = solved(t, problem)
+            except ValueError:  # none fits the lower budget: the caller checks the plan
+                break
             solution = dataclasses.replace(again, seconds=solution.seconds + again.seconds)
             plan = _to_plan(graph, t, solution.choice, fixed_in, region)
     return plan, dataclasses.replace(solution, repeats_tied=classes is not None)

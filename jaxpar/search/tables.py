@@ -218,6 +218,10 @@ class _Builder:
         self._splits: list[tuple] = []         # (op, its node) for _split_results, in order
         self.returned: tuple | None = None     # returned_copies' arguments; None: the copies
                                                # are not counted (no budget)
+        # Not folded (live sets): the values ops make in a donated argument's buffer, which
+        # hold nothing of their own (graph.in_place; assumed made in the argument's spec,
+        # as plan.in_place asks: the plan's check is exact).
+        self._mine = frozenset() if fold else frozenset(graph.in_place())
 
     def _add_node(self, cands, own, cost: np.ndarray, mem: np.ndarray, key=None) -> int:
         """A node for one op or free input; folded, the node of its kind (`key`) when there
@@ -262,7 +266,8 @@ class _Builder:
             self.t.regions[op.index] = {id(s): (plans, trips, cost)
                                         for s, plans, cost, trips in found}
             cands, own = [f[0] for f in found], [f[2] for f in found]
-            results = np.array([self._results_memory(info, f[0]) for f in found])
+            js = self._held(op, range(len(op.outputs)))
+            results = np.array([self._results_memory(info, f[0], js) for f in found])
             bodies = np.array([body_memory(op, f[1], model.mesh) for f in found])
             node = self._add_node(cands, own, np.array([model.score(c) for c in own]),
                                   results if not self.fold else results + bodies)
@@ -281,8 +286,12 @@ class _Builder:
             hit = self._nodes[id(cands)] = (
                 cands, np.array([model.score(c) for c in own]),
                 np.array([self._results_memory(info, s) for s in cands], dtype=float))
+        mem = hit[2]
+        if any(v in self._mine for v in op.outputs):
+            info, js = OpInfo.of(op, self.graph), self._held(op, range(len(op.outputs)))
+            mem = np.array([self._results_memory(info, s, js) for s in cands], dtype=float)
         key = None if self.classes is None else (self.classes[op.index], id(cands))
-        node = self._add_node(cands, own, hit[1], hit[2], key)
+        node = self._add_node(cands, own, hit[1], mem, key)
         if not self.fold and len(op.outputs) > 1:
             self._splits.append((op, node))
         return node
@@ -305,6 +314,7 @@ class _Builder:
         info = OpInfo.of(op, self.graph)
         cands, own = t.cands[node], t.own[node]
         for n, (end, js) in enumerate(sorted(by_end.items())):
+            js = self._held(op, js)
             key = (id(cands), tuple(js))
             mem = self._parts.get(key)
             if mem is None:
@@ -318,6 +328,11 @@ class _Builder:
             self._group.setdefault(node, node)
             self._group[extra] = self._group[node]
             t.spans[extra] = (op.index, end)
+
+    def _held(self, op, results) -> list[int]:
+        """Of an op's results at `results`, those holding bytes of their own (not made in a
+        donated argument's buffer: self._mine)."""
+        return [j for j in results if op.outputs[j] not in self._mine]
 
     def _results_memory(self, info: OpInfo, s, results: Sequence[int] | None = None) -> float:
         """Per device bytes of an op's results (those at `results`; None: all) under
@@ -344,11 +359,15 @@ class _Builder:
         it is handed back in, else at its own (tied to its node, a free one's). Not counted:
         the outputs at `apart`, carried state tied to a free input it is not (its copy
         depends on two nodes' choices, the producer's and the input's; a node's memory on its
-        own alone). producer: value -> (op, result index), build_tables's."""
+        own alone), and the outputs returned in a donated argument's buffer (graph.aliases;
+        assumed in its spec, as plan.in_place asks). producer: value -> (op, result index),
+        build_tables's."""
         graph, t, end, mesh = self.graph, self.t, len(self.graph.ops), self.model.mesh
+        donated = graph.aliases()
         for pos, v in enumerate(graph.outputs):
             spec = back.get(pos)
-            if not isinstance(v, int) or pos in apart or (v in producer and spec is None):
+            if not isinstance(v, int) or pos in apart or pos in donated or (
+                    v in producer and spec is None):
                 continue
             size = graph.values[v].nbytes
             if v in producer:
