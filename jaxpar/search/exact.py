@@ -192,25 +192,44 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
             again = solved(t, problem)
             solution = dataclasses.replace(again, seconds=solution.seconds + again.seconds)
             plan = _to_plan(graph, t, solution.choice, fixed_in, region)
-        for _ in range(_REFITS if budget is not None else 0):
-            # The live sets price memory per choice, and miss what two choices make: a carried
-            # output made in another spec than its input's (both held at the end), one made
-            # in a donated argument's buffer in another spec (held apart). Where the plan
-            # holds more than the budget so, it is solved again for a budget lower by that.
-            from jaxpar.plan import search_peak
-
-            over = search_peak(graph, plan, model.mesh, fixed_out, ties) - memory_budget
-            if over <= 0 or left() <= 0:
-                break
-            progress.step("solving again, the budget lowered by what the plan held over it")
-            problem = dataclasses.replace(problem, budget=problem.budget - over)
-            try:
-                again = solved(t, problem)
-            except ValueError:  # none fits the lower budget: the caller checks the plan
-                break
-            solution = dataclasses.replace(again, seconds=solution.seconds + again.seconds)
-            plan = _to_plan(graph, t, solution.choice, fixed_in, region)
+        if budget is not None:
+            plan, solution = _refit(graph, model, fixed_in, fixed_out, ties, memory_budget,
+                                    t, problem, plan, solution, solved, left)
     return plan, dataclasses.replace(solution, repeats_tied=classes is not None)
+
+
+def _refit(graph, model, fixed_in, fixed_out, ties, memory_budget, t, problem, plan, solution,
+           solved, left) -> tuple[GraphPlan, Solution]:
+    """The plan under the budget as plan.peak_memory counts it. The live sets price memory
+    per choice, and miss what two choices make together: a carried output made in another
+    spec than its input's (both held at the end), one made in a donated argument's buffer in
+    another spec (held apart). Where the plan holds more than the budget so, it is solved
+    again for a budget lower by that, at most _REFITS times; the first plan that fits is
+    kept, else the one holding least (the caller's check then refuses it, quoting its
+    peak)."""
+    from jaxpar.plan import search_peak
+
+    def peak(p) -> float:
+        return search_peak(graph, p, model.mesh, fixed_out, ties)
+
+    held = peak(plan)
+    best = (held, plan, solution)
+    for _ in range(_REFITS):
+        over = held - memory_budget
+        if over <= 0 or left() <= 0 or problem.budget - over <= 0:
+            break
+        progress.step("solving again, the budget lowered by what the plan held over it")
+        problem = dataclasses.replace(problem, budget=problem.budget - over)
+        try:
+            again = solved(t, problem)
+        except ValueError:  # none fits the lower budget
+            break
+        solution = dataclasses.replace(again, seconds=solution.seconds + again.seconds)
+        plan = _to_plan(graph, t, again.choice, fixed_in, None)
+        held = peak(plan)
+        if held < best[0]:
+            best = (held, plan, solution)
+    return best[1], dataclasses.replace(best[2], seconds=solution.seconds)
 
 
 def repeats(graph: OpGraph) -> list[int] | None:
