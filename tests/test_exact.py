@@ -520,7 +520,8 @@ def test_a_plan_over_its_budget_is_solved_again_for_a_lower_one(monkeypatch):
     real = jaxpar.plan.search_peak
     monkeypatch.setattr(jaxpar.plan, "search_peak",
                         lambda *a, **k: real(*a, **k) + 0.2 * budget)
-    plan, _ = dynamic_programming(graph, model, {}, {}, memory_budget=budget)
+    plan, solution = dynamic_programming(graph, model, {}, {}, memory_budget=budget)
+    assert solution.refitted
     assert real(graph, plan, model.mesh, {}) + 0.2 * budget <= budget
     assert real(graph, plan, model.mesh, {}) < real(graph, free, model.mesh, {})
 

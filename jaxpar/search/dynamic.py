@@ -284,6 +284,8 @@ class Solution:
         seconds: wall time spent in the solver.
         repeats_tied: the problem was built with repeated layers tied (exact.repeats):
             `optimal` is then over the plans in which they agree.
+        refitted: solved again for a budget lowered by what the plan held over the one
+            given (exact._refit): `optimal` and `gap` are then for that lower budget.
     """
 
     choice: np.ndarray
@@ -293,6 +295,7 @@ class Solution:
     method: str
     seconds: float
     repeats_tied: bool = False
+    refitted: bool = False
 
 
 def objective(problem: Problem, choice: np.ndarray) -> float:

@@ -224,7 +224,8 @@ def _refit(graph, model, fixed_in, fixed_out, ties, memory_budget, t, problem, p
             again = solved(t, problem)
         except ValueError:  # none fits the lower budget
             break
-        solution = dataclasses.replace(again, seconds=solution.seconds + again.seconds)
+        solution = dataclasses.replace(again, seconds=solution.seconds + again.seconds,
+                                       refitted=True)
         plan = _to_plan(graph, t, again.choice, fixed_in, None)
         held = peak(plan)
         if held < best[0]:
