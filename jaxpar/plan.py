@@ -886,7 +886,7 @@ def returned_copies(graph, gp: GraphPlan, mesh: MeshInfo, returned: dict[int, Sp
     held, total = set(graph.inputs) | set(graph.consts), 0.0
     for pos, v in enumerate(graph.outputs):
         if not isinstance(v, int) or pos in donated:
-            continue  # a literal: made in its output buffer
+            continue  # a literal: made in its output buffer; a donated argument's: in its
         made = gp.specs.get(v)
         spec = returned.get(pos) or made
         if spec is not made or v in held:
