@@ -472,8 +472,8 @@ class ShardedFunction:
         out_fixed = strat.parse_out_strategy(o.out_strategy, out_shapes, mesh)
         with progress.stage("building the op graph"):
             graph = build_graph(traced.closed_jaxpr, traced.in_paths)
-        graph.donated = frozenset(graph.inputs[i] for i, owner in enumerate(leaf_owners(args))
-                                  if owner in donated)  # peak memory: outputs in their buffers
+        donate = tuple(i for i, owner in enumerate(leaf_owners(args)) if owner in donated)
+        graph.donated = frozenset(graph.inputs[i] for i in donate)  # (outputs go back in them)
         _check_devices(self.fn, graph, mesh)
         profile = load_profile(o.hardware)
         model = CostModel(MeshInfo.of(mesh), profile, o.level, o.mem_coeff,
@@ -491,7 +491,7 @@ class ShardedFunction:
             if self._strict:
                 _check_pinned(pinned, fixed, out_fixed, paths)
             _check_budget(pinned, o.memory_budget, pinned=True)  # a saved plan answers to it
-            return self._finish(graph, pinned, args, donated, traced)
+            return self._finish(graph, pinned, donate, traced)
         fixed_in = {graph.inputs[i]: s for i, s in enumerate(fixed) if s}
         fixed_out = {i: s for i, s in enumerate(out_fixed) if s}
         unsure: dict[int, list[int]] = {}
@@ -544,7 +544,7 @@ class ShardedFunction:
                               profile.name, weights)
         plan.notes, plan.decisions = notes, decisions
         _check_budget(plan, o.memory_budget)
-        return self._finish(graph, plan, args, donated, traced)
+        return self._finish(graph, plan, donate, traced)
 
     def _search(self, graph, model, fixed_in, fixed_out, ties, index: GraphIndex | None,
                 kept: dict[int, frozenset[str]] | None = None):
@@ -594,10 +594,11 @@ class ShardedFunction:
                                          self.opts.memory_budget)
         return gp, notes, []
 
-    def _finish(self, graph, plan: Plan, args, donated: set[int], traced) -> _Compiled:
+    def _finish(self, graph, plan: Plan, donate: tuple[int, ...], traced) -> _Compiled:
+        """The compiled function of `plan`; donate: the argument leaves whose buffers a call
+        hands over."""
         if plan.in_tree is None:  # a loaded plan: bound to these arguments' structure (its
             plan.in_tree, plan.out_tree = traced.in_tree, traced.out_tree  # own was checked)
-        donate = tuple(i for i, owner in enumerate(leaf_owners(args)) if owner in donated)
         lifted = tracer_consts(graph)
         source = _source(traced.closed_jaxpr, [graph.consts[v] for v in lifted])
         specs = plan.graph_plan.specs
