@@ -817,7 +817,8 @@ def peak_memory(graph, gp: GraphPlan, mesh: MeshInfo,
       Bytes per device. A donated argument (graph.donated) is held throughout, as its buffer
       is; an output JAX aliases to it (graph.aliases) and returns in its spec goes back in
       that buffer, with no end copy, and where an op makes it there too, after the
-      argument's last read (graph.in_place), it holds no bytes of its own (in_place).
+      argument's last read (graph.in_place), it holds no bytes of its own (in_place). Nor does
+      a broadcast XLA sinks into the loops reading it (graph.sunk).
 
     Example:
       >>> peak_memory(graph, gp, mesh, dict(enumerate(out_specs)))
@@ -830,6 +831,7 @@ def peak_memory(graph, gp: GraphPlan, mesh: MeshInfo,
 
     inputs, end = set(graph.inputs), len(graph.ops)
     mine, back = in_place(graph, gp, returned) if returned is not None else (set(), set())
+    mine = graph.sunk().union(mine)  # values holding no bytes of their own
     freed: dict[int, list[int]] = {}  # op index -> the values dead after it
     for v, point in graph.last_points().items():  # (outputs, and results nothing reads: end)
         if point < end and v not in inputs and v not in mine:

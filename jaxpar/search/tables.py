@@ -218,10 +218,11 @@ class _Builder:
         self._splits: list[tuple] = []         # (op, its node) for _split_results, in order
         self.returned: tuple | None = None     # returned_copies' arguments; None: the copies
                                                # are not counted (no budget)
-        # Not folded (live sets): the values ops make in a donated argument's buffer, which
-        # hold nothing of their own (graph.in_place; assumed made in the argument's spec,
-        # as plan.in_place asks: the plan's check is exact).
-        self._mine = frozenset() if fold else frozenset(graph.in_place())
+        # Not folded (live sets): the values that hold nothing of their own: those ops make
+        # in a donated argument's buffer (graph.in_place; assumed made in the argument's
+        # spec, as plan.in_place asks: the plan's check is exact) and the broadcasts XLA
+        # sinks into loops (graph.sunk).
+        self._mine = frozenset() if fold else graph.sunk().union(graph.in_place())
 
     def _add_node(self, cands, own, cost: np.ndarray, mem: np.ndarray, key=None) -> int:
         """A node for one op or free input; folded, the node of its kind (`key`) when there
