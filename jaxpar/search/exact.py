@@ -81,6 +81,7 @@ from jaxpar.spec import Spec
 _LOOP_PASSES = 4  # at most this many solves again with loop bodies planned for their neighbours
 _TIE_SHARE = 0.25  # tie_repeats ties only where op classes are at most this share of the ops
 _REFITS = 3       # under a budget: solves again, the budget lowered by what the plan held over it
+_GROUP_SOLVES = 2  # at most this many solves again for the tail's reductions over fewer groups
 
 
 def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
@@ -347,46 +348,65 @@ def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem:
                            solution: Solution, left: Callable[[], float]) -> Solution:
     """The reductions of a step's tail (gradients) pay a share of one latency each in the
     tables, as if XLA combined them all into one collective; it combines only those of one
-    kind over one device group. When the plan reduces over more groups than kinds, the search
-    runs again with the tail's reductions kept off the group whose latency costs most over
-    the shares its reductions pay, and the plan whose objective is lower once each group pays
-    one whole latency is kept. (A GPT step on 4 x 2 across two nodes, level 2: a
+    kind over one device group. When the plan reduces over several groups, the search runs
+    again with the tail's reductions kept off some groups, and the plan whose objective is
+    lower once each group pays one whole latency is kept: first with them kept to the most
+    used group of each kind, then (up to _GROUP_SOLVES solves in all) with one more group
+    of the best plan so far left out at a time, the group whose latency costs most over the
+    shares its reductions pay first. (A GPT step on 4 x 2 across two nodes, level 2: one
     reduce-scatter over both axes, left out, gave a plan XLA runs in 0.962 ms, where the
-    first one's took 1.013 ms. Keeping the tail to the most used group of each kind instead,
-    as this did before, found no such plan there, and on a 48-layer GPT step it took 19.6 s
-    where the first solve took 4.1 s.)"""
+    first one's took 1.013 ms; keeping one group per kind did not.)"""
     groups = _tail_groups(graph, t, solution.choice)
-    if len(groups) <= len({kind for kind, _ in groups}):
+    kinds = {kind for kind, _ in groups}
+    if len(groups) <= len(kinds):
         return solution
+    penalty = 1.0 + 10.0 * float(np.max([c.max() for c in problem.node_cost]))
+    nodes = _tail_nodes(graph, t)
     share = graph.latency_share(next(iter(graph.tail_values())))
 
-    def extra(key: tuple) -> float:  # what the group costs over its reductions' shares
-        return model.collectives_cost([Collective(*key, 0.0)]).comm_s * \
-            (1 - groups[key] * share)
+    def solved(banned: frozenset) -> Solution:
+        costs = [c.copy() for c in problem.node_cost]
+        for node in nodes:
+            for k, own in enumerate(t.own[node]):
+                if any(key in banned for key, _ in _reductions(own)):
+                    costs[node][k] += penalty
+        return solve(dataclasses.replace(problem, node_cost=tuple(costs)), left())
 
-    banned = max(groups, key=lambda g: (extra(g), g))
-    progress.step("solving again, the tail's reductions over fewer device groups")
-    penalty = 1.0 + 10.0 * float(np.max([c.max() for c in problem.node_cost]))
-    costs = [c.copy() for c in problem.node_cost]
-    for node in _tail_nodes(graph, t):
-        for k, own in enumerate(t.own[node]):
-            if any(key == banned for key, _ in _reductions(own)):
-                costs[node][k] += penalty
-    again = solve(dataclasses.replace(problem, node_cost=tuple(costs)), left())  # left() > 0
-    if grouped_objective(graph, model, t, problem, again.choice) < \
-            grouped_objective(graph, model, t, problem, solution.choice):
-        cost = objective(problem, again.choice)
-        return dataclasses.replace(again, cost=cost, optimal=again.optimal and solution.optimal,
-                                   gap=_whole_gap(solution, again.gap, cost),
-                                   seconds=solution.seconds + again.seconds)
-    return dataclasses.replace(solution, seconds=solution.seconds + again.seconds)
+    def extra(key: tuple, n: int) -> float:  # what the group costs over its shares
+        return model.collectives_cost([Collective(*key, 0.0)]).comm_s * (1 - n * share)
+
+    keep = {max((g for g in groups if g[0] == kind), key=lambda g: (groups[g], g))
+            for kind in kinds}
+    best, banned = solution, frozenset()
+    score = grouped_objective(graph, model, t, problem, solution.choice)
+    trials, tried, seconds = [frozenset(groups) - keep], set(), solution.seconds
+    while trials and len(tried) < _GROUP_SOLVES and left() > 0:
+        trial = trials.pop(0)
+        if trial in tried:
+            continue
+        tried.add(trial)
+        progress.step("solving again, the tail's reductions over fewer device groups")
+        again = solved(trial)
+        seconds += again.seconds
+        value = grouped_objective(graph, model, t, problem, again.choice)
+        if value < score:
+            best, score, banned = again, value, trial
+        if not trials:  # one more of the best plan's groups left out at a time
+            used = _tail_groups(graph, t, best.choice)
+            trials = [banned | {g} for g in sorted(used, key=lambda g: (-extra(g, used[g]), g))
+                      if len(used) > 1]
+    if best is solution:
+        return dataclasses.replace(solution, seconds=seconds)
+    cost = objective(problem, best.choice)
+    return dataclasses.replace(best, cost=cost, optimal=best.optimal and solution.optimal,
+                               gap=_whole_gap(solution, best.gap, cost), seconds=seconds)
 
 
 def _whole_gap(first: Solution, gap: float, cost: float) -> float:
-    """The gap of the tail's solve again as a plan of the whole problem: its own `gap` (over
+    """The gap of a tail's solve again as a plan of the whole problem: its own `gap` (over
     the plans whose tail reduces over the groups it leaves) where the first solve was proven,
     else from `cost` (its plan's objective on the whole problem) to the first solve's bound,
-    which holds over every plan (and is no larger than the solve again's own). The solve
+    which holds over every plan (and is no larger than the solve again's own). A solve
     again is exact over its plans only: after a first solve stopped at its time limit it is
     unproven too (a 5-layer MLP AdamW step at mem_coeff 100: the first stopped after 27 s,
     the solve again was proven in 0.14 s, and the plan was said optimal)."""
