@@ -662,8 +662,8 @@ def tail_latency(graph, gp: GraphPlan, model) -> float:
     (search.exact.tail_latency), where graph_cost gives each reduction a share of one
     (a third of a latency for an Adam step's one combined gradient all-reduce). The groups are
     those of the collectives each op's cost holds: a partial sum reduce-scattered over some
-    axes and all-reduced over others is two groups (the exact search's tables count them
-    alike: exact._reductions)."""
+    axes and all-reduced over others is two groups (exact._reductions, from the strategy
+    alone, counts it one: its tables' coarser price)."""
     from jaxpar.search.exact import tail_latency as combined
 
     tail, groups = graph.tail_values(), {}

@@ -598,8 +598,7 @@ def test_a_budget_counts_each_result_of_a_loop_until_its_own_last_reader(mode):
     w = jnp.asarray(rng.standard_normal((32, 32)) * 0.2, jnp.float32)
     f = jaxpar.shard(grad_scan, search_mode=mode, memory_budget=7500)
     assert f.plan(xs, w).cost.peak_memory_bytes <= 7500
-    # (the plans cut the matmuls' contraction: the sums reorder; the gradient is up to 5.6)
-    np.testing.assert_allclose(f(xs, w), jax.jit(grad_scan)(xs, w), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(f(xs, w), jax.jit(grad_scan)(xs, w), rtol=1e-5, atol=1e-6)
 
 def test_sharding_propagation_plans_a_data_parallel_gpt_step_as_well_as_the_exact_search():
     # gpt_plans' data-parallel layout (parameters replicated, the batch cut 8 ways) on a

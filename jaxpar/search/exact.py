@@ -68,7 +68,7 @@ import numpy as np
 
 from jaxpar import progress
 from jaxpar.cost.comm import Collective
-from jaxpar.cost.model import CostModel, OpCost
+from jaxpar.cost.model import CostModel, OpCost, reduces_as_matmul, reduction_steps
 from jaxpar.ir.graph import Op, OpGraph, scan_counts
 from jaxpar.ir.repeat import op_classes
 from jaxpar.rules.registry import has_rule
@@ -81,7 +81,6 @@ from jaxpar.spec import Spec
 _LOOP_PASSES = 4  # at most this many solves again with loop bodies planned for their neighbours
 _TIE_SHARE = 0.25  # tie_repeats ties only where op classes are at most this share of the ops
 _REFITS = 3       # under a budget: solves again, the budget lowered by what the plan held over it
-_GROUP_SOLVES = 2  # at most this many solves again for the tail's reductions over fewer groups
 
 
 def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
@@ -349,64 +348,37 @@ def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem:
     """The reductions of a step's tail (gradients) pay a share of one latency each in the
     tables, as if XLA combined them all into one collective; it combines only those of one
     kind over one device group. When the plan reduces over several groups, the search runs
-    again with the tail's reductions kept off some groups, and the plan whose objective is
-    lower once each group pays one whole latency is kept: first with them kept to the most
-    used group of each kind, then (up to _GROUP_SOLVES solves in all) with one more group
-    of the best plan so far left out at a time, the group whose latency costs most over the
-    shares its reductions pay first. (A GPT step on 4 x 2 across two nodes, level 2: one
-    reduce-scatter over both axes, left out, gave a plan XLA runs in 0.966 ms, where the
-    first one's took 1.013 ms; keeping one group per kind did not.)"""
+    again with the tail's reductions kept to the most used group of each kind, and the plan
+    whose objective is lower once each group pays one whole latency is kept."""
     groups = _tail_groups(graph, t, solution.choice)
     kinds = {kind for kind, _ in groups}
     if len(groups) <= len(kinds):
         return solution
-    penalty = 1.0 + 10.0 * float(np.max([c.max() for c in problem.node_cost]))
-    nodes = _tail_nodes(graph, t)
-    share = graph.latency_share(next(iter(graph.tail_values())))
-
-    def solved(banned: frozenset) -> Solution:
-        costs = [c.copy() for c in problem.node_cost]
-        for node in nodes:
-            for k, own in enumerate(t.own[node]):
-                if any(key in banned for key, _ in _reductions(own)):
-                    costs[node][k] += penalty
-        return solve(dataclasses.replace(problem, node_cost=tuple(costs)), left())
-
-    def extra(key: tuple, n: int) -> float:  # what the group costs over its shares
-        return model.collectives_cost([Collective(*key, 0.0)]).comm_s * (1 - n * share)
-
-    keep = {max((g for g in groups if g[0] == kind), key=lambda g: (groups[g], g))
+    keep = {kind: max((g for g in groups if g[0] == kind), key=lambda g: (groups[g], g))
             for kind in kinds}
-    best, banned = solution, frozenset()
-    score = grouped_objective(graph, model, t, problem, solution.choice)
-    trials, tried, seconds = [frozenset(groups) - keep], set(), solution.seconds
-    while trials and len(tried) < _GROUP_SOLVES and left() > 0:
-        trial = trials.pop(0)
-        if trial in tried:
-            continue
-        tried.add(trial)
-        progress.step("solving again, the tail's reductions over fewer device groups")
-        again = solved(trial)
-        seconds += again.seconds
-        value = grouped_objective(graph, model, t, problem, again.choice)
-        if value < score:
-            best, score, banned = again, value, trial
-        if not trials:  # one more of the best plan's groups left out at a time
-            used = _tail_groups(graph, t, best.choice)
-            trials = [banned | {g} for g in sorted(used, key=lambda g: (-extra(g, used[g]), g))
-                      if len(used) > 1]
-    if best is solution:
-        return dataclasses.replace(solution, seconds=seconds)
-    cost = objective(problem, best.choice)
-    return dataclasses.replace(best, cost=cost, optimal=best.optimal and solution.optimal,
-                               gap=_whole_gap(solution, best.gap, cost), seconds=seconds)
+    progress.step("solving again, the tail's reductions over fewer device groups")
+    penalty = 1.0 + 10.0 * float(np.max([c.max() for c in problem.node_cost]))
+    costs = [c.copy() for c in problem.node_cost]
+    for node, matmul in _tail_nodes(graph, t).items():
+        for k, s in enumerate(t.cands[node]):
+            if any(keep.get(kind, (kind, axes)) != (kind, axes)
+                   for kind, axes in _reductions(s, matmul)):
+                costs[node][k] += penalty
+    again = solve(dataclasses.replace(problem, node_cost=tuple(costs)), left())  # left() > 0
+    if grouped_objective(graph, model, t, problem, again.choice) < \
+            grouped_objective(graph, model, t, problem, solution.choice):
+        cost = objective(problem, again.choice)
+        return dataclasses.replace(again, cost=cost, optimal=again.optimal and solution.optimal,
+                                   gap=_whole_gap(solution, again.gap, cost),
+                                   seconds=solution.seconds + again.seconds)
+    return dataclasses.replace(solution, seconds=solution.seconds + again.seconds)
 
 
 def _whole_gap(first: Solution, gap: float, cost: float) -> float:
-    """The gap of a tail's solve again as a plan of the whole problem: its own `gap` (over
-    the plans whose tail reduces over the groups it leaves) where the first solve was proven,
+    """The gap of the tail's solve again as a plan of the whole problem: its own `gap` (over
+    the plans whose tail reduces over one group per kind) where the first solve was proven,
     else from `cost` (its plan's objective on the whole problem) to the first solve's bound,
-    which holds over every plan (and is no larger than the solve again's own). A solve
+    which holds over every plan (and is no larger than the solve again's own). The solve
     again is exact over its plans only: after a first solve stopped at its time limit it is
     unproven too (a 5-layer MLP AdamW step at mem_coeff 100: the first stopped after 27 s,
     the solve again was proven in 0.14 s, and the plan was said optimal)."""
@@ -425,8 +397,8 @@ def grouped_objective(graph: OpGraph, model: CostModel, t: Tables, problem: Prob
 
 
 def tail_latency(graph: OpGraph, model: CostModel, groups: dict[tuple, int]) -> float:
-    """Seconds the step's tail reductions, {(kind, axes): how many} (of the ops' own
-    collectives: `_reductions`, as Plan.cost counts them), pay beyond the share of one
+    """Seconds the step's tail reductions, {(kind, axes): how many} (the tables': from
+    `_reductions`; Plan.cost's: from each op's collectives), pay beyond the share of one
     latency each that the tables and graph_cost give them (OpGraph.latency_share): XLA
     combines those of one kind over one device group into one collective, which pays one
     whole latency. Negative where the shares add up to more."""
@@ -437,33 +409,32 @@ def tail_latency(graph: OpGraph, model: CostModel, groups: dict[tuple, int]) -> 
                for (kind, axes), n in groups.items())
 
 
-def _tail_nodes(graph: OpGraph, t: Tables) -> list[int]:
+def _tail_nodes(graph: OpGraph, t: Tables) -> dict[int, bool]:
     """The nodes of the searched ops whose results lie in the step's tail (ops with bodies
-    aside)."""
+    aside), each with whether its op is a matmul (how its reductions run: reduction_steps)."""
     tail = graph.tail_values()
-    return [node for x, node in t.op_nodes.items()
-            if not graph.ops[x].regions and any(v in tail for v in graph.ops[x].outputs)]
+    return {node: reduces_as_matmul(graph.ops[x].name) for x, node in t.op_nodes.items()
+            if not graph.ops[x].regions and any(v in tail for v in graph.ops[x].outputs)}
 
 
 def _tail_groups(graph: OpGraph, t: Tables, choice: np.ndarray) -> dict[tuple, int]:
     """{(kind, axes): how many} of the reductions the tail's ops make under `choice`."""
     out: dict[tuple, int] = {}
-    for node in _tail_nodes(graph, t):
-        for key, count in _reductions(t.own[node][int(choice[node])]):
-            out[key] = out.get(key, 0) + count
+    for node, matmul in _tail_nodes(graph, t).items():
+        for key in _reductions(t.cands[node][int(choice[node])], matmul):
+            out[key] = out.get(key, 0) + 1
     return out
 
 
-def _reductions(cost: OpCost) -> list[tuple[tuple[str, tuple[str, ...]], int]]:
-    """((kind, axes), count) of the reductions among a candidate's own collectives (its
-    OpCost's: its partial sums as XLA reduces them, cost.model.reduction_steps), the groups
-    plan.tail_latency counts. A partial sum reduce-scattered over some axes and all-reduced
-    over others is two groups there, as in the compiled program. These had been worked out
-    from the strategy alone, as one reduce-scatter over all its partial axes: a GPT step's
-    plan on 4 x 2 across two nodes (level 2) that XLA runs in 0.966 ms was priced at
-    0.996 ms, above the 0.992 ms of a plan XLA runs in 1.013 ms, which was kept."""
-    return [((c.kind, c.axes), c.count) for c in cost.collectives
-            if c.kind in ("all-reduce", "reduce-scatter")]
+def _reductions(s, matmul: bool) -> list[tuple[str, tuple[str, ...]]]:
+    """(kind, axes) of an op strategy's own reductions (cost.model.reduction_steps): each
+    partial result becomes an all-reduce, or a reduce-scatter when its spec cuts a dimension
+    on a partial axis; all-reduced dim by dim where its axes cut several operand dims."""
+    keys = []
+    for _, raw, out in reduction_steps(s, matmul):
+        kind = "reduce-scatter" if set(raw.partial) & set(out.axes()) else "all-reduce"
+        keys.append((kind, tuple(sorted(raw.partial))))
+    return keys
 
 
 def _budget_left(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
