@@ -199,9 +199,9 @@ class OpGraph:
         fuses into the ops reading it. JAX puts them there when it differentiates a scan: a
         causal mask's fill value, or the zeros of its gradient, hoisted out of the layers
         as an array of the attention scores' shape. Measured on XLA:CPU (jax 0.10.2): a
-        (16, 512, 512) fill held no bytes, where the same broadcast of a traced scalar or
-        of an iota mask took its 4 MB. plan.peak_memory and the exact search's live sets
-        count them as holding nothing."""
+        4 MB fill read by a scan held no bytes, where 4 MB broadcasts of a traced scalar
+        and of an iota mask were allocated. plan.peak_memory and the exact search's live
+        sets count them as holding nothing."""
         if self._sunk is None:
             invariant: dict[int, bool] = {}  # value -> read by loops, as a constant, alone
             for op in self.ops:
