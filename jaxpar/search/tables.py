@@ -332,7 +332,7 @@ class _Builder:
 
     def _held(self, op, results) -> list[int]:
         """Of an op's results at `results`, those holding bytes of their own (not made in a
-        donated argument's buffer: self._mine)."""
+        donated argument's buffer, nor sunk into the loops reading them: self._mine)."""
         return [j for j in results if op.outputs[j] not in self._mine]
 
     def _results_memory(self, info: OpInfo, s, results: Sequence[int] | None = None) -> float:
