@@ -32,7 +32,20 @@ class MeshInfo:
 
     @staticmethod
     def of(mesh) -> MeshInfo:
-        return MeshInfo(tuple(mesh.axis_names), tuple(int(mesh.shape[n]) for n in mesh.axis_names))
+        """The MeshInfo of a jax Mesh: one object per (names, sizes) in the process, so what
+        its cache holds (the rules' candidate lists, each spec pair's collectives, what the cost
+        model reads of each strategy: cost.model) is worked out once for every plan on that
+        mesh shape. The caches depend on the names and sizes alone (not on the devices or the
+        hardware profile); past _CACHE_ENTRIES entries in one of them, all are dropped (the
+        next plan fills them again)."""
+        key = (tuple(mesh.axis_names), tuple(int(mesh.shape[n]) for n in mesh.axis_names))
+        hit = _MESHES.get(key)
+        if hit is None:
+            hit = _MESHES.setdefault(key, MeshInfo(*key))
+        elif len(hit.cache) > _CACHE_ENTRIES or any(
+                len(v) > _CACHE_ENTRIES for v in hit.cache.values() if isinstance(v, dict)):
+            hit.cache.clear()
+        return hit
 
     @property
     def size(self) -> int:
@@ -66,6 +79,11 @@ class MeshInfo:
     def describe(self) -> str:
         return " x ".join(f"{n}={s}" for n, s in zip(self.names, self.sizes, strict=True))
 
+
+# MeshInfo.of's meshes, by (names, sizes), and the most entries one of their caches (or a
+# dict in one) keeps. A GPT step's plans on 2 x 2 x 2 fill about 30,000 (its spec pairs).
+_MESHES: dict[tuple, MeshInfo] = {}
+_CACHE_ENTRIES = 200_000
 
 # Every Spec made, by (dims, partial): equal specs are one object. The searches hash and
 # compare specs in their inner loops; interned, that is by identity, at C speed. The table

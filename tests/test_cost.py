@@ -375,6 +375,95 @@ def test_a_variant_prices_as_a_new_model_and_shares_what_its_objective_leaves():
     assert base.variant(level=1).regions_cache is not base.regions_cache  # bodies' plans
 
 
+def test_plans_on_one_mesh_shape_price_each_spec_pair_and_strategy_once(monkeypatch):
+    """MeshInfo.of gives one object per mesh shape (names and sizes), and what the cost model
+    works out from the mesh alone (each spec pair's collectives for one byte, what it reads of
+    each strategy) is kept in its cache: a second plan, on another Mesh of that shape (its
+    devices in another order), works out none of it again, and plans the same."""
+    import jaxpar.cost.model as cost_model
+    from jax.sharding import Mesh
+
+    from jaxpar.models import mlp
+
+    first = make_mesh(8)
+    other = Mesh(np.array(first.devices.flat[::-1]).reshape(2, 2, 2), first.axis_names)
+    assert MeshInfo.of(other) is MeshInfo.of(first)
+    assert MeshInfo.of(make_mesh((4, 2))) is not MeshInfo.of(first)
+    MeshInfo.of(first).cache.clear()  # as a fresh process has it
+
+    calls = {"reshard": 0, "reduction_steps": 0}
+
+    def counted(name):
+        real = getattr(cost_model, name)
+
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return call
+    for name in calls:
+        monkeypatch.setattr(cost_model, name, counted(name))
+
+    params = mlp.init_mlp(jax.random.key(0), [16, 32, 8])
+    args = (params, jnp.ones((16, 16)), jnp.ones((16, 8)))
+    step = mlp.make_sgd_step(0.1)
+    plans = []
+    for mesh in (first, other):
+        before = dict(calls)
+        plan = jaxpar.shard(step, search_mode="dynamic_programming", mesh=mesh).plan(*args)
+        plans.append(([str(s) for s in plan.in_specs], plan.cost.total_s))
+        calls_now = {k: calls[k] - before[k] for k in calls}
+        if mesh is first:
+            assert calls_now["reshard"] > 100 and calls_now["reduction_steps"] > 10
+        else:
+            assert calls_now == {"reshard": 0, "reduction_steps": 0}
+    assert plans[0] == plans[1]
+
+
+def test_a_mesh_shapes_cache_is_emptied_past_its_bound(monkeypatch):
+    """The cache MeshInfo.of keeps per mesh shape is bounded: past spec._CACHE_ENTRIES entries
+    in it (or in a dict in it), the next MeshInfo.of empties it, and plans are as before."""
+    import jaxpar.spec
+    from jaxpar.models import mlp
+
+    params = mlp.init_mlp(jax.random.key(0), [16, 32, 8])
+    args = (params, jnp.ones((16, 16)), jnp.ones((16, 8)))
+    step = mlp.make_sgd_step(0.1)
+    mesh = make_mesh(8)
+
+    def plan():
+        p = jaxpar.shard(step, search_mode="recursive_programming", mesh=mesh).plan(*args)
+        return [str(s) for s in p.in_specs], p.cost.total_s
+
+    want = plan()
+    info = MeshInfo.of(mesh)
+    assert len(info.cache["per_byte"]) > 100
+    monkeypatch.setattr(jaxpar.spec, "_CACHE_ENTRIES", 100)
+    assert MeshInfo.of(mesh) is info and not info.cache
+    assert plan() == want
+
+
+def test_strategies_shared_by_candidate_lists_are_read_once(monkeypatch):
+    """CostModel reads each strategy's pieces, shards, gathers and reductions once, whatever
+    candidate lists hold it: two elementwise ops of different shapes have lists of their own
+    (each keeps the strategies that fit its shape) over the same strategies."""
+    import jaxpar.cost.model as cost_model
+    from jax import lax
+
+    seen = []
+    real = cost_model.reduction_steps
+    monkeypatch.setattr(cost_model, "reduction_steps",
+                        lambda s, *rest: seen.append(s) or real(s, *rest))
+    model = CostModel(MeshInfo(MESH.names, MESH.sizes), load_profile("tpu-v5e"))
+
+    def add(shape):
+        return OpInfo(lax.add_p, {}, (shape, shape), (shape,), (jnp.float32,) * 2,
+                      (jnp.float32,))
+    small, _ = model.options(add((2, 4)))
+    large, _ = model.options(add((16, 32)))
+    assert small != large and set(small) < set(large)
+    assert len(seen) == len(set(seen)) == len(large)
+
+
 def test_placed_as_is_where_resharding_moves_nothing():
     # Spec.placed_as is the test every pricer makes before working out collectives.
     model = CostModel(MESH, load_profile("tpu-v5e"))

@@ -34,7 +34,7 @@ from jaxpar.ir.graph import OpGraph
 from jaxpar.search.exact import dynamic_programming
 from jaxpar.search.propagation import GraphIndex, GraphPlan, graph_cost
 from jaxpar.search.tables import Region
-from jaxpar.spec import MeshInfo, OpStrategy, Spec
+from jaxpar.spec import OpStrategy, Spec
 
 _SMALL_HOPS = 4  # solve_latency_bound: def-use steps through small values around its seeds
 _UNTIED_OPS = 500  # the solves again search a graph of at most this many ops op by op
@@ -195,7 +195,7 @@ def solve_grouped(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     """
     found, _ = dynamic_programming(graph, model, fixed_in, fixed_out, time_limit=time_limit,
                                    ties=ties, tie_repeats=_tie(graph),
-                                   allow=_Lockstep(model.mesh, groups),
+                                   allow=_Lockstep(model, groups),
                                    group_tail=False)
     return found
 
@@ -204,8 +204,11 @@ class _Lockstep:
     """tables.Allow: the candidates that use each of `groups` of mesh axes together
     (solve_grouped; one group of every axis: solve_lockstep)."""
 
-    def __init__(self, mesh: MeshInfo, groups: tuple[tuple[str, ...], ...]):
-        self.mesh, self.groups = mesh, groups
+    def __init__(self, model: CostModel, groups: tuple[tuple[str, ...], ...]):
+        self.groups = groups
+        # Each candidate list's kept indices, by (id(list), groups): kept with the model,
+        # whose lists they are (model.options; the mesh's cache outlives them).
+        self.kept = model.lockstep_cache
         wholes = [()]
         for g in self.groups:  # the dims over whole groups, in mesh order
             wholes += [w + g for w in wholes]
@@ -225,7 +228,11 @@ class _Lockstep:
                           if all(map(self._spec, s.ins + s.outs)) and
                           all(frozenset(p) in self.partials for p in s.partial))
             return found or tuple(range(len(cands)))
-        return self.mesh.derived("lockstep", cands, self.groups, kept)
+        key = (id(cands), self.groups)
+        hit = self.kept.get(key)
+        if hit is None or hit[0] is not cands:
+            hit = self.kept[key] = (cands, kept())
+        return hit[1]
 
     def specs(self, v: int, specs: tuple[Spec, ...]) -> tuple[Spec, ...]:
         return tuple(s for s in specs if self._spec(s)) or specs
