@@ -430,7 +430,11 @@ def _sliced_around(src: Spec, dst: Spec, moved: Axes) -> bool:
 
 def _cutting(spec: Spec, mesh: MeshInfo) -> Spec:
     """The spec without the mesh axes of size 1 (itself when it has none)."""
-    if all(mesh.axis_size(a) > 1 for a in spec.axes() + spec.partial):
+    ones = mesh.cache.get("axes of size 1")
+    if ones is None:
+        ones = mesh.cache["axes of size 1"] = frozenset(
+            a for a in mesh.names if mesh.axis_size(a) == 1)
+    if not ones or ones.isdisjoint(spec.axes()):
         return spec
     return Spec(tuple(tuple(a for a in d if mesh.axis_size(a) > 1) for d in spec.dims),
                 tuple(a for a in spec.partial if mesh.axis_size(a) > 1))
