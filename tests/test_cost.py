@@ -380,9 +380,9 @@ def test_plans_on_one_mesh_shape_price_each_spec_pair_and_strategy_once(monkeypa
     works out from the mesh alone (each spec pair's collectives for one byte, what it reads of
     each strategy) is kept in its cache: a second plan, on another Mesh of that shape (its
     devices in another order), works out none of it again, and plans the same."""
-    import jaxpar.cost.model as cost_model
     from jax.sharding import Mesh
 
+    import jaxpar.cost.model as cost_model
     from jaxpar.models import mlp
 
     first = make_mesh(8)
@@ -446,8 +446,9 @@ def test_strategies_shared_by_candidate_lists_are_read_once(monkeypatch):
     """CostModel reads each strategy's pieces, shards, gathers and reductions once, whatever
     candidate lists hold it: two elementwise ops of different shapes have lists of their own
     (each keeps the strategies that fit its shape) over the same strategies."""
-    import jaxpar.cost.model as cost_model
     from jax import lax
+
+    import jaxpar.cost.model as cost_model
 
     seen = []
     real = cost_model.reduction_steps
