@@ -407,9 +407,9 @@ class _Layout:
     """What a candidate list shows CostModel whatever op it belongs to: the pieces each
     strategy cuts the work into, the shards of each operand and result, the operands XLA
     gathers before a matmul (operand_gathers), and each partial result before its
-    reduction. Each strategy's are worked out once per model (CostModel._facts): ops of
-    different shapes share most of their strategies (a GPT step's candidate lists price
-    17,172 strategies, 9,085 of them distinct)."""
+    reduction. Each strategy's are worked out once per mesh shape (CostModel._facts, kept in
+    the mesh's cache): ops of different shapes share most of their strategies (a GPT step's
+    candidate lists price 17,172 strategies, 9,085 of them distinct)."""
 
     def __init__(self, cands: list[OpStrategy], model: CostModel, matmul: bool):
         self.cands = cands  # kept alive: the cache is keyed by its id
