@@ -63,14 +63,9 @@ class MeshInfo:
         return hit
 
     def derived(self, tag, source: list, extra, make):
-        """make(), remembered in `cache` for this `source` list and `extra` (hashable): the
-        rules' candidate lists are shared objects (loop_strategies), so what is made from one
-        is made once. The entry keeps `source` alive, so no other list takes its id."""
-        key = (tag, id(source), extra)
-        hit = self.cache.get(key)
-        if hit is None or hit[0] is not source:
-            hit = self.cache[key] = (source, make())
-        return hit[1]
+        """derived() in this mesh's cache: the rules' candidate lists are shared objects
+        (loop_strategies), so what is made from one is made once."""
+        return derived(self.cache, tag, source, extra, make)
 
     def order(self, axes) -> Axes:
         """`axes` sorted into mesh order (the canonical order within one dimension)."""
@@ -78,6 +73,16 @@ class MeshInfo:
 
     def describe(self) -> str:
         return " x ".join(f"{n}={s}" for n, s in zip(self.names, self.sizes, strict=True))
+
+
+def derived(cache: dict, tag, source: list, extra, make):
+    """make(), remembered in `cache` for this `source` list (by identity) and `extra`
+    (hashable). The entry keeps `source` alive, so no other list takes its id."""
+    key = (tag, id(source), extra)
+    hit = cache.get(key)
+    if hit is None or hit[0] is not source:
+        hit = cache[key] = (source, make())
+    return hit[1]
 
 
 # MeshInfo.of's meshes, by (names, sizes), and the most entries one of their caches (or a

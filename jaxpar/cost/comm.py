@@ -436,8 +436,8 @@ def _cutting(spec: Spec, mesh: MeshInfo) -> Spec:
             a for a in mesh.names if mesh.axis_size(a) == 1)
     if not ones or ones.isdisjoint(spec.axes()):
         return spec
-    return Spec(tuple(tuple(a for a in d if mesh.axis_size(a) > 1) for d in spec.dims),
-                tuple(a for a in spec.partial if mesh.axis_size(a) > 1))
+    return Spec(tuple(tuple(a for a in d if a not in ones) for d in spec.dims),
+                tuple(a for a in spec.partial if a not in ones))
 
 
 def _within(src: Spec, dst: Spec, mesh: MeshInfo) -> bool:

@@ -119,8 +119,8 @@ class CostModel:
         # (id(candidate list), mesh axis) -> (the list, {its strategies' use of the other
         # axes: their indices}): resolve's solves of one axis again, held plan by held plan.
         self.axis_groups: dict = {}
-        # (id(candidate list), groups of axes) -> (the list, the indices resolve.solve_grouped
-        # keeps of it).
+        # ("lockstep", id(candidate list), groups of axes) -> (the list, the indices
+        # resolve.solve_grouped keeps of it): spec.derived.
         self.lockstep_cache: dict = {}
         self.links = profile.axis_links(mesh)
         # Bytes per second at which the memory term prices memory (see the module doc).

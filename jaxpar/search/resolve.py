@@ -34,7 +34,7 @@ from jaxpar.ir.graph import OpGraph
 from jaxpar.search.exact import dynamic_programming
 from jaxpar.search.propagation import GraphIndex, GraphPlan, graph_cost
 from jaxpar.search.tables import Region
-from jaxpar.spec import OpStrategy, Spec
+from jaxpar.spec import OpStrategy, Spec, derived
 
 _SMALL_HOPS = 4  # solve_latency_bound: def-use steps through small values around its seeds
 _UNTIED_OPS = 500  # the solves again search a graph of at most this many ops op by op
@@ -206,8 +206,8 @@ class _Lockstep:
 
     def __init__(self, model: CostModel, groups: tuple[tuple[str, ...], ...]):
         self.groups = groups
-        # Each candidate list's kept indices, by (id(list), groups): kept with the model,
-        # whose lists they are (model.options; the mesh's cache outlives them).
+        # Each candidate list's kept indices, by list and groups: kept with the model, whose
+        # lists they are (model.options; the mesh's cache outlives them).
         self.kept = model.lockstep_cache
         wholes = [()]
         for g in self.groups:  # the dims over whole groups, in mesh order
@@ -228,11 +228,7 @@ class _Lockstep:
                           if all(map(self._spec, s.ins + s.outs)) and
                           all(frozenset(p) in self.partials for p in s.partial))
             return found or tuple(range(len(cands)))
-        key = (id(cands), self.groups)
-        hit = self.kept.get(key)
-        if hit is None or hit[0] is not cands:
-            hit = self.kept[key] = (cands, kept())
-        return hit[1]
+        return derived(self.kept, "lockstep", cands, self.groups, kept)
 
     def specs(self, v: int, specs: tuple[Spec, ...]) -> tuple[Spec, ...]:
         return tuple(s for s in specs if self._spec(s)) or specs
