@@ -16,6 +16,7 @@ import difflib
 import functools
 import inspect
 import json
+import logging
 import numbers
 import types
 import warnings
@@ -52,6 +53,8 @@ from jaxpar.search.propagation import GraphIndex, out_spec
 from jaxpar.search.regions import LOOPS
 from jaxpar.search.semi import sharding_propagation
 from jaxpar.spec import MeshInfo, Spec
+
+log = logging.getLogger(__name__)
 
 SEARCH_MODES = ("sharding_propagation", "recursive_programming", "dynamic_programming")
 AUTOMATIC_MODES = ("recursive_programming", "dynamic_programming")  # heavy ops use every device
@@ -575,7 +578,13 @@ class ShardedFunction:
             if sol.refitted:
                 verdict += (", for a budget lowered by what its first plans held over the one "
                             "given (its live sets miss what two choices make together)")
-            notes = [f"dynamic_programming: {verdict} ({sol.method}, {sol.seconds:.2f} s)"]
+            # How the solver got there goes to the debug log; the note names it only where the
+            # plan depends on it (stopped at the time limit): an optimum's plan file and Plan
+            # equality stay the same from run to run.
+            log.debug("dynamic_programming: %s by %s in %.2f s", verdict, sol.method,
+                      sol.seconds)
+            notes = [f"dynamic_programming: {verdict}" +
+                     ("" if sol.optimal else f" ({sol.method}, {sol.seconds:.2f} s)")]
             if self.opts.memory_budget is not None:
                 gp = _within_budget(gp, notes, graph, model, fixed_in, fixed_out, ties, index,
                                     self.opts.memory_budget, sol.refitted)
