@@ -44,6 +44,7 @@ from jaxpar.cost.manual import off_mesh
 from jaxpar.cost.model import CostModel
 from jaxpar.distributed import broadcast_bytes, check_joined, digest, gather_rows
 from jaxpar.ir import arg_paths, build_graph, trace
+from jaxpar.ir.trace import jax_cannot_hold
 from jaxpar.lower.jit import build_callable, placeable, tracer_consts
 from jaxpar.mesh import abstract_mesh, make_mesh, mesh_devices, planning_shape
 from jaxpar.plan import Plan, build_plan
@@ -226,7 +227,7 @@ def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, sea
         raise TypeError(f"{caller}(mesh={mesh!r}): pass a jax.sharding.Mesh, e.g. "
                         "jaxpar.make_mesh(8), an AbstractMesh (plans only, any size), or None "
                         "for all devices.")
-    check_auto_axes(mesh, f"{caller}(mesh=...)")
+    check_mesh(mesh, f"{caller}(mesh=...)")
     memory_budget = check_memory_budget(memory_budget, caller)
     if memory_budget == "hardware":  # the profile's memory
         memory_budget = load_profile(hardware).memory_bytes
@@ -257,6 +258,41 @@ def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, sea
     budget = None if memory_budget is None else float(memory_budget)  # 2**64: no int64
     return ShardOptions(in_strategy, out_strategy, parameter_plan, level, mesh, mode, hardware,
                         budget, float(mem_coeff), tuple(donate))
+
+
+def check_mesh(mesh, where: str) -> None:
+    """A ValueError or TypeError, before anything is traced, for a Mesh or AbstractMesh built
+    by hand that jaxpar cannot plan on (None: none given, nothing to check): axis names that
+    are not strings or repeat (a spec names its axes), an axis of no devices, a device listed
+    twice (JAX's own check fails with a bare AssertionError when the program is placed);
+    then check_auto_axes."""
+    if mesh is None:
+        return
+    names, sizes = tuple(mesh.axis_names), tuple(mesh.axis_sizes)
+    fix = (f"jaxpar.make_mesh({sizes}, {tuple(f'd{i}' for i in range(len(sizes)))}) builds "
+           "one")
+    odd = [n for n in names if not isinstance(n, str)]
+    if odd:
+        raise TypeError(f"{where}: the mesh's axis names {names} must be strings (a strategy's "
+                        f"specs name its axes), not {odd[0]!r}; {fix}.")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"{where}: the mesh's axis names {names} repeat {twice[0]!r}; each axis "
+                         f"needs a name of its own; {fix}.")
+    empty = [n for n, k in zip(names, sizes, strict=True) if k < 1]
+    if empty:
+        raise ValueError(f"{where}: the mesh's axes {dict(zip(names, sizes, strict=True))} "
+                         f"hold no devices along {empty[0]!r}; every axis "
+                         "holds one device or more (jaxpar.make_mesh(8), say).")
+    if isinstance(mesh, Mesh):
+        seen: set[int] = set()
+        for d in mesh.devices.flat:
+            if d.id in seen:
+                raise ValueError(f"{where}: the mesh lists device {d} more than once; each "
+                                 "device may appear once. Build the mesh from distinct devices, "
+                                 f"e.g. jaxpar.make_mesh({mesh.devices.size}).")
+            seen.add(d.id)
+    check_auto_axes(mesh, where)
 
 
 def check_auto_axes(mesh, where: str) -> None:
@@ -898,9 +934,6 @@ def _as_lambda(fn: functools.partial) -> str:
 _KINDS: dict[type, str] = {bool: "scalar", int: "scalar", float: "scalar", complex: "scalar"}
 
 
-_NOT_JAX = frozenset("OUSVMm")  # numpy dtype kinds: object, str, bytes, void, datetimes
-
-
 def _kind(x) -> str:
     """A leaf's kind: "array" (an array, numpy scalar or ShapeDtypeStruct), "tracer" (an
     array inside a transformation), "scalar" (a Python number) or "other"; remembered per
@@ -930,10 +963,7 @@ def array_arguments(fn, args: tuple, leaves: list | None = None, tree=None
     if leaves is None:
         leaves, tree = jax.tree_util.tree_flatten(args)
     for k, x in enumerate(leaves):  # numpy arrays JAX cannot hold: named before tracing
-        if isinstance(x, np.ndarray | np.generic | jax.ShapeDtypeStruct) and \
-                not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) and \
-                np.dtype(x.dtype).kind in _NOT_JAX and \
-                not jnp.issubdtype(x.dtype, jnp.number):  # ml_dtypes' (bfloat16, ...) are 'V'
+        if jax_cannot_hold(x):
             what = "jax.ShapeDtypeStruct" if isinstance(x, jax.ShapeDtypeStruct) else \
                 "numpy array"
             raise TypeError(f"argument {arg_paths(fn, args)[k]} is a {what} of dtype "

@@ -49,7 +49,7 @@ from jaxpar.api import (
     _name,
     array_arguments,
     carried_pairs,
-    check_auto_axes,
+    check_mesh,
     context_mesh,
     leaf_owners,
     optimizer_followers,
@@ -819,7 +819,7 @@ def _checked_mesh(mesh) -> Mesh | AbstractMesh:
     if not isinstance(mesh, Mesh | AbstractMesh):
         raise TypeError(f"AutoParallel(mesh={mesh!r}): pass a jax.sharding.Mesh, e.g. "
                         "jaxpar.make_mesh(8), or an AbstractMesh to plan only.")
-    check_auto_axes(mesh, "AutoParallel(mesh=...)")
+    check_mesh(mesh, "AutoParallel(mesh=...)")
     return mesh
 
 

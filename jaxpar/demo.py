@@ -69,7 +69,13 @@ def ensure_devices(n: int = 8) -> None:
     """Ask XLA for n simulated CPU devices; must run before JAX initialises its backends.
     The demo then builds its meshes from `jax.devices("cpu")`, whatever the default backend.
     A count the environment already sets is left alone (the demo's error names it)."""
-    flag = f"--xla_force_host_platform_device_count={n}"
+    if isinstance(n, bool) or not isinstance(n, int | np.integer):
+        raise TypeError(f"ensure_devices(n={n!r}): n is the number of simulated CPU devices, "
+                        "an int such as 8.")
+    if n < 1:
+        raise ValueError(f"ensure_devices(n={n}): ask for one simulated CPU device or more "
+                         "(8, say).")
+    flag = f"--xla_force_host_platform_device_count={int(n)}"
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
     # The CPU platform must be among JAX's (JAX_PLATFORMS=cuda on a GPU machine leaves it

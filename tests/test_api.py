@@ -8,11 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from jaxpar.demo import dense_relu, three_blocks
+
+AUTO = AxisType.Auto
 
 RNG = np.random.default_rng(0)
 X = jnp.asarray(RNG.uniform(0, 1, (32, 128)), jnp.float32)
@@ -454,6 +456,26 @@ def test_a_mesh_with_explicit_axes_is_refused_and_its_arrays_are_taken():
     f = jaxpar.shard(dense_relu, in_strategy=((2, 4), None, None))
     for _ in range(2):  # planned from it, then called again once planned
         np.testing.assert_allclose(f(x, W, B), dense_relu(X, W, B), rtol=1e-6)
+
+
+@pytest.mark.parametrize("make,error,match", [
+    # Each got past shard() before: a ZeroDivisionError in the rules, a Spec error naming no
+    # argument after tracing, or JAX's bare AssertionError when the program was placed.
+    (lambda d: jax.sharding.AbstractMesh((4, 0), ("a", "b"), axis_types=(AUTO, AUTO)),
+     ValueError, r"axes \{'a': 4, 'b': 0\} hold no devices along 'b'"),
+    (lambda d: jax.sharding.Mesh(np.array(d).reshape(4, 2), ("a", "a"), axis_types=(AUTO, AUTO)),
+     ValueError, r"axis names \('a', 'a'\) repeat 'a'.*make_mesh\(\(4, 2\), \('d0', 'd1'\)\)"),
+    (lambda d: jax.sharding.Mesh(np.array(d).reshape(4, 2), (1, 2), axis_types=(AUTO, AUTO)),
+     TypeError, r"axis names \(1, 2\) must be strings"),
+    (lambda d: jax.sharding.Mesh(np.array([d[0], d[0]]), ("a",), axis_types=(AUTO,)),
+     ValueError, r"lists device cpu:0 more than once"),
+])
+def test_a_mesh_built_by_hand_that_cannot_be_planned_on_is_refused_at_once(make, error, match):
+    mesh = make(jax.devices())
+    for build, who in ((lambda: jaxpar.shard(dense_relu, mesh=mesh), "shard"),
+                       (lambda: jaxpar.AutoParallel(dense_relu, mesh=mesh), "AutoParallel")):
+        with pytest.raises(error, match=rf"^{who}\(mesh=\.\.\.\): .*{match}"):
+            build()
 
 
 def test_calls_that_cannot_run_say_why_before_planning():

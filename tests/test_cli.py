@@ -163,6 +163,17 @@ def test_demo_keeps_the_cpu_platform_on_an_accelerator_machine(monkeypatch, give
     assert "--xla_force_host_platform_device_count=8" in os.environ["XLA_FLAGS"]
 
 
+@pytest.mark.parametrize("n,error", [("x", TypeError), (True, TypeError), (2.5, TypeError),
+                                     (0, ValueError), (-3, ValueError)])
+def test_ensure_devices_refuses_a_count_xla_cannot_take(monkeypatch, n, error):
+    # Written into XLA_FLAGS unchecked, these killed the process at JAX's start ("x": XLA's
+    # fatal flag error) or failed there with XLA's own words (0, -3).
+    monkeypatch.setenv("XLA_FLAGS", "")
+    with pytest.raises(error, match=rf"ensure_devices\(n={n!r}\)"):
+        demo.ensure_devices(n)
+    assert os.environ["XLA_FLAGS"] == ""
+
+
 def test_demo_refuses_bad_arguments(capsys):
     status, _, err = _main(capsys, "demo", "--quick", "--steps", "0")
     assert status == 2 and "steps=0" in err

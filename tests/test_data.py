@@ -149,6 +149,10 @@ def test_bad_mesh_and_leaf():
         shard_batch(batch(), 8)
     with pytest.raises(TypeError, match="input 0 is a str, not an array"):
         shard_batch(("abc",), jaxpar.make_mesh(8), "full_batch")
+    # An array JAX cannot hold: named here, as shard() names it (was JAX's own TypeError).
+    with pytest.raises(TypeError, match="input 1 is a numpy array of dtype object, which JAX "
+                                        "cannot hold; convert it"):
+        shard_batch((np.ones(8), np.array([1, "a"] * 4, dtype=object)), jaxpar.make_mesh(8))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
@@ -33,6 +35,19 @@ class Traced:
     def fingerprint(self) -> str:
         """Stable hash of the program (structure, shapes, dtypes, params)."""
         return hashlib.sha256(str(self.closed_jaxpr).encode()).hexdigest()[:16]
+
+
+_NOT_JAX = frozenset("OUSVMm")  # numpy dtype kinds: object, str, bytes, void, datetimes
+
+
+def jax_cannot_hold(x) -> bool:
+    """Whether `x` is a numpy array or scalar (or a ShapeDtypeStruct) of a dtype no JAX array
+    has (object, str, bytes, datetimes): named to the user before anything is traced.
+    ml_dtypes' (bfloat16, float8, ...) are kind 'V' but numbers, and JAX's extended dtypes (PRNG
+    keys) are its own."""
+    return isinstance(x, np.ndarray | np.generic | jax.ShapeDtypeStruct) and \
+        not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) and \
+        np.dtype(x.dtype).kind in _NOT_JAX and not jnp.issubdtype(x.dtype, jnp.number)
 
 
 def _key_str(key) -> str:

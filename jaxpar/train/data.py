@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.context import current_context
 from jaxpar.distributed import digest, gather_rows
+from jaxpar.ir.trace import jax_cannot_hold
 from jaxpar.mesh import make_mesh
 from jaxpar.strategy import Layout, parse_in_strategy
 
@@ -294,6 +295,10 @@ def _shape(x, i: int) -> Shape:
     if not hasattr(x, "shape") and not isinstance(x, numbers.Number):
         raise TypeError(f"shard_batch: input {i} is a {type(x).__name__}, not an array; a batch "
                         "is a pytree of arrays.")
+    if jax_cannot_hold(x):
+        raise TypeError(f"shard_batch: input {i} is a numpy array of dtype {x.dtype}, which JAX "
+                        "cannot hold; convert it to a numeric or bool dtype "
+                        "(np.asarray(x, dtype=np.float32), say).")
     return tuple(int(n) for n in np.shape(x))
 
 
