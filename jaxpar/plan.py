@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from jaxpar.context import is_finite
+from jaxpar.context import SEARCH_MODES, is_finite
 from jaxpar.cost.comm import Collective
 from jaxpar.cost.hardware import COLLECTIVE_KINDS
 from jaxpar.cost.model import OpCost
@@ -321,6 +321,9 @@ class Plan:
         for key in ("search_mode", "hardware", "layout", "fingerprint"):
             if not isinstance(d.get(key, ""), str):
                 raise ValueError(f"field {key}: a string expected")
+        if d["search_mode"] not in SEARCH_MODES:
+            raise ValueError(f"field search_mode: one of {list(SEARCH_MODES)} expected, not "
+                             f"{d['search_mode']!r}")
         try:
             graph = _graph_from_json(d["graph"])
         except (KeyError, TypeError, ValueError, AttributeError) as err:
@@ -377,6 +380,10 @@ def _check_graph_plan(graph, gp: GraphPlan, check, problems: list[str], where: s
             problems.append(f"{where}.specs names value {v}, which the program has not")
         else:
             check(f"{where}.specs[{v}]", spec, graph.shape(v))
+    stray = sorted(x for x in gp.choices if not 0 <= x < len(graph.ops))
+    if stray:  # ops the program has not: a choice of another program's, or a mistyped id
+        problems.append(f"{where}.choices names ops {stray[:5]}, which the program has not "
+                        f"(its ops are 0 to {len(graph.ops) - 1})")
     for op in graph.ops:
         choice = gp.choices.get(op.index)
         what = f"{where}.choices[{op.index}] ({op.name})"

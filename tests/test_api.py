@@ -1118,7 +1118,8 @@ def test_a_hardware_file_that_is_not_yaml_or_lacks_a_key_is_named(tmp_path):
     ("graph", {"specs": {}, "choices": {"0": {"strategy": None}}}),
     # negative figures and unknown kinds loaded, and explain() printed them
     ("collectives", {"all-reduce": {"count": -3, "bytes": -512}}),
-    ("collectives", {"teleport": {"count": 1, "bytes": 8}})])
+    ("collectives", {"teleport": {"count": 1, "bytes": 8}}),
+    ("search_mode", "bogus")])  # loaded, and explain() printed it
 def test_a_plan_file_with_a_corrupt_field_is_refused_when_loaded(tmp_path, field, value):
     """Such files loaded, then failed inside jax.sharding when lowered (a stray axis) or in
     explain() (zip, str.items)."""
@@ -1163,6 +1164,22 @@ def test_a_hand_edited_choice_in_a_plan_file_is_refused_with_its_op(tmp_path, ke
     if "zz" not in said:
         with pytest.raises(ValueError, match=f"op {op}'s"):
             jaxpar.Plan.load(path)
+
+
+def test_a_choice_for_an_op_the_program_has_not_is_refused_with_the_program(tmp_path):
+    # Such a choice was ignored silently (a value id the program has not was refused).
+    import json
+
+    f = jaxpar.shard(dense_relu)
+    data = json.loads(json.dumps(f.plan(X, W, B).to_json()))
+    choices = data["graph"]["choices"]
+    choices["999"] = next(iter(choices.values()))
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    loaded = jaxpar.Plan.load(path)  # a file alone cannot tell: the program can
+    with pytest.raises(ValueError, match=r"graph.choices names ops \[999\], which the program "
+                                         r"has not \(its ops are 0 to \d+\)"):
+        jaxpar.shard(dense_relu).with_plan(loaded)(X, W, B)
 
 
 def test_negative_totals_in_a_plan_file_are_refused(tmp_path):
