@@ -182,6 +182,18 @@ class AutoParallel:
                 f"AutoParallel({_name(network)}): it runs the step as written. Build the step "
                 "with jaxpar.make_train_step(loss_fn, optimizer), which reads the key and "
                 f"accumulates the gradients of {k} microbatches.", stacklevel=2)
+        pc = ctx.parallel_config
+        dp, mp = pc.get("data_parallel"), pc.get("model_parallel", 1)
+        if parallel_mode == "semi_auto" and not self.parameter_plan and (
+                mp > 1 or dp not in (None, self.mesh.size)):
+            warnings.warn(
+                f"The parallel context's parallel_config={pc} does not lay out "
+                f"AutoParallel({_name(network)}): data_parallel and model_parallel are read by "
+                "`jaxpar plan`'s run configs, which know their model's weights (Megatron "
+                "layouts). Here semi_auto places the batch per the dataset strategy over the "
+                f"mesh's {self.mesh.size} devices and replicates every parameter that "
+                "parameter_plan does not cut: give the model parallel layout there, or let the "
+                "search choose (parallel_mode='auto_parallel').", stacklevel=2)
 
     def __setattr__(self, name: str, value) -> None:
         """A setting changed after construction (`net.mesh = jaxpar.make_mesh(4)`) is checked

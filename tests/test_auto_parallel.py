@@ -1,5 +1,7 @@
 """AutoParallel: the four modes train like jax.jit, optimizer parallel, strategy files, methods."""
 
+import warnings
+
 import flax
 import jax
 import jax.numpy as jnp
@@ -401,11 +403,42 @@ def test_a_mesh_hsdps_shard_size_does_not_fit_is_refused_naming_hsdp(mlp_problem
         net.mesh = jaxpar.make_mesh((8,), ("d0",))
 
 
+
+def test_semi_auto_says_the_context_parallel_config_degrees_do_not_lay_it_out():
+    # MindFormers' data_parallel x model_parallel lay out jaxpar plan's run configs; AutoParallel
+    # ignored them silently (2 x 3 on 8 devices, no word).
+    def step(w, x):
+        return w, jnp.sum(x @ w)
+
+    jaxpar.reset_auto_parallel_context()
+    try:
+        jaxpar.set_auto_parallel_context(parallel_mode="semi_auto_parallel",
+                                         parallel_config={"data_parallel": 2,
+                                                          "model_parallel": 3})
+        with pytest.warns(UserWarning, match=r"'data_parallel': 2, 'model_parallel': 3\} does "
+                                             r"not lay out AutoParallel\(step\).*parameter_plan"):
+            AutoParallel(step)
+        with warnings.catch_warnings():  # the layout given (as jaxpar plan's run configs do)
+            warnings.simplefilter("error")
+            AutoParallel(step, parameter_plan={"w": (1, 2)})
+        for config in ({"data_parallel": 8}, {"data_parallel": 8, "model_parallel": 1}):
+            jaxpar.set_auto_parallel_context(parallel_config=config)  # what semi_auto does
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                AutoParallel(step)
+        jaxpar.set_auto_parallel_context(parallel_mode="auto_parallel",
+                                         parallel_config={"model_parallel": 2})
+        with warnings.catch_warnings():  # the search decides: nothing to lay out
+            warnings.simplefilter("error")
+            AutoParallel(step)
+    finally:
+        jaxpar.reset_auto_parallel_context()
+
+
 def test_the_contexts_grad_accumulation_step_warns_where_autoparallel_cannot_take_it():
     """AutoParallel runs the step it is given: the context's grad_accumulation_step changed
     nothing there, silently. It warns and names make_train_step, which reads the key; a step
     built so (it accumulates itself) does not warn."""
-    import warnings
 
     tx = optax.sgd(0.1)
 
