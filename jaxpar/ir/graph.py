@@ -169,10 +169,12 @@ class OpGraph:
         for v in self.inputs:
             if v in self.donated:
                 info = self.values[v]
-                free.setdefault((info.shape, np.dtype(info.dtype)), []).append(v)
+                free.setdefault((info.shape, as_dtype(info.dtype)), []).append(v)
         out: dict[int, int] = {}
-        for pos, v in enumerate(self.outputs):
-            key = (self.shape(v), np.dtype(self.dtype(v)))
+        if not free:
+            return out
+        for pos, v in enumerate(self.outputs):  # (a PRNG key's dtype is no numpy dtype)
+            key = (self.shape(v), as_dtype(self.dtype(v)))
             if free.get(key):
                 out[pos] = free[key].pop(0)
         return out
