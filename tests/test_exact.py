@@ -106,7 +106,12 @@ def test_an_optimal_plan_does_not_depend_on_how_long_the_solver_took(monkeypatch
 
 @pytest.mark.parametrize("budget,match", [
     (64, r"memory_budget=64 bytes per device: the inputs whose strategy is fixed already take"),
-    (4200, r"memory_budget=4200 bytes per device cannot be met .* smallest possible peak"),
+    # The solver's budget is what the fixed inputs leave: said so, not as a second
+    # memory_budget, and in whole bytes (6 significant digits made 3,245,831 and 3,245,832 one)
+    (4200, r"^memory_budget=4200 bytes per device cannot be met once the fixed inputs are placed "
+           r"\(they take 4096 bytes per device\): no strategy assignment fits the 104 bytes per "
+           r"device they leave; the smallest possible peak of the rest is 8640 bytes at program "
+           r"point \d+ \(found"),
 ])
 def test_impossible_memory_budget_is_a_clear_error(budget, match):
     fn, args, in_strategy = PROGRAMS["moe_top2"]()

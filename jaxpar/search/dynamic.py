@@ -374,10 +374,17 @@ def _check_budget(problem: Problem) -> None:
         exact = all(len({int(np.argmin(problem.node_mem[i])) for i in g}) == 1
                     for g in problem.tied or ())
         raise ValueError(
-            f"no strategy assignment fits memory_budget={problem.budget:.6g} bytes per device; "
-            f"the smallest possible peak is {'' if exact else 'at least '}{sums[worst]:.6g} "
-            f"bytes{where} (found by taking every node's least-memory candidate"
+            f"no strategy assignment fits memory_budget={byte_count(problem.budget)} bytes per "
+            f"device; the smallest possible peak is {'' if exact else 'at least '}"
+            f"{byte_count(sums[worst])} bytes{where} (found by taking every node's least-memory "
+            "candidate"
             f"{', which is exact for this memory model' if exact else ''})")
+
+
+def byte_count(x: float) -> str:
+    """Bytes as a message shows them: whole numbers in full (a budget of 3,245,831 and a peak
+    one byte over it must not both read 3.24583e+06), fractions to two places."""
+    return f"{x:.0f}" if float(x).is_integer() else f"{x:.2f}"
 
 
 def _scale(core: Core) -> float:
@@ -489,7 +496,7 @@ def _finish_ilp(problem: Problem, core: Core, search: LocalSearch, keep: tuple[d
         least = search.least_memory()
         if not search.feasible(least):
             raise ValueError(f"no strategy assignment in which tied nodes agree fits "
-                             f"memory_budget={problem.budget:.6g} bytes per device")
+                             f"memory_budget={byte_count(problem.budget)} bytes per device")
         best = search.polish(least)
     if proven:
         return core.expand(best), True, 0.0, "ilp"

@@ -72,7 +72,7 @@ from jaxpar.cost.model import CostModel, OpCost, reduces_as_matmul, reduction_st
 from jaxpar.ir.graph import Op, OpGraph, scan_counts
 from jaxpar.ir.repeat import op_classes
 from jaxpar.rules.registry import has_rule
-from jaxpar.search.dynamic import Problem, Solution, objective, solve
+from jaxpar.search.dynamic import Problem, Solution, byte_count, objective, solve
 from jaxpar.search.propagation import Choice, GraphPlan
 from jaxpar.search.regions import LOOPS, RESULT_SPECS
 from jaxpar.search.tables import Allow, Region, Tables, build_tables
@@ -168,7 +168,15 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
                           "with search_mode='sharding_propagation'), and "
                           "search_mode='recursive_programming' plans bodies anew for a larger "
                           "mem_coeff.")
-            placed = " once the fixed inputs are placed" if fixed_in else ""
+            placed = ""
+            if fixed_in:  # the solver's budget is what they leave: said so, not as the user's
+                placed = (f" once the fixed inputs are placed (they take "
+                          f"{memory_budget - budget:.0f} bytes per device)")
+                said = said.replace(f"memory_budget={byte_count(budget)} bytes per device",
+                                    f"the {byte_count(budget)} bytes per device they leave", 1)
+                said = said.replace("the smallest possible peak is",
+                                    "the smallest possible peak of the rest is", 1).replace(
+                    "the smallest peak of those is", "the smallest peak of the rest is", 1)
             raise ValueError(f"memory_budget={memory_budget:.0f} bytes per device cannot be "
                              f"met{placed}: {said}{bodies}") from None
         plan = _to_plan(graph, t, solution.choice, fixed_in, region)
