@@ -130,6 +130,9 @@ def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=N
       parameter_plan: {parameter path: strategy}, e.g. {"params/blocks/0/w": (1, 8)}.
       device: "CPU", "GPU", "TPU" or None (default backend); used when `mesh` is None.
       level: 0 maximise compute/communication ratio, 1 minimise memory, 2 maximise speed.
+        "Memory" in the objective (level 1, mem_coeff) is the bytes per device each op reads
+        and writes, summed over the ops: weighing it cuts tensors further, which need not
+        lower the peak of what is live at once (that is memory_budget's to bound).
       mesh: the mesh to use; default `make_mesh(<the context's device_num or all devices>)`.
       search_mode: "sharding_propagation" (default: from the fixed strategies outward, op by
         op; then refined with the exact objective, a training step's tail, its gradient
