@@ -917,26 +917,21 @@ def test_a_plan_solved_again_for_a_lower_budget_gives_way_to_a_walk_that_scores_
     model = CostModel(MESH, load_profile("h100-nvlink"))
     exact, walk = propagate(graph, model, {}, {}), propagate(graph, model, {}, {})
     monkeypatch.setattr(jaxpar.plan, "search_peak", lambda *a, **k: 1.0)
-    monkeypatch.setattr(resolve, "objective", lambda g, m, p, *a: 2.0 if p is exact else 1.0)
     monkeypatch.setattr(recursive, "recursive_programming", lambda *a, **k: (walk, []))
-    notes = []
-    assert api._within_budget(exact, notes, graph, model, {}, {}, [], None, 10.0,
-                              refitted=True) is walk
-    assert notes == ["dynamic_programming: recursive_programming's plan under the budget scores "
-                     "1, less than the 2 of the plan solved again for a lower budget: kept "
-                     "instead"]
-    monkeypatch.setattr(resolve, "objective", lambda g, m, p, *a: 1.0)  # a tie: the exact one
-    assert api._within_budget(exact, [], graph, model, {}, {}, [], None, 10.0,
-                              refitted=True) is exact
-    # Stopped at its time limit, not solved again: what it had found faces the walk too (a
+    # Solved again for a lower budget, or stopped at its time limit with what it had found (a
     # 1-layer GPT step at 0.4 of its peak: 1.885 ms of modelled step against the walk's 1.377).
-    monkeypatch.setattr(resolve, "objective", lambda g, m, p, *a: 2.0 if p is exact else 1.0)
-    notes = []
-    assert api._within_budget(exact, notes, graph, model, {}, {}, [], None, 10.0,
-                              optimal=False) is walk
-    assert notes == ["dynamic_programming: recursive_programming's plan under the budget scores "
-                     "1, less than the 2 of the plan the exact search had when it stopped: kept "
-                     "instead"]
+    for how, what in (({"refitted": True}, "solved again for a lower budget"),
+                      ({"optimal": False}, "the exact search had when it stopped")):
+        monkeypatch.setattr(resolve, "objective",
+                            lambda g, m, p, *a: 2.0 if p is exact else 1.0)
+        notes = []
+        assert api._within_budget(exact, notes, graph, model, {}, {}, [], None, 10.0,
+                                  **how) is walk
+        assert notes == [f"dynamic_programming: recursive_programming's plan under the budget "
+                         f"scores 1, less than the 2 of the plan {what}: kept instead"]
+        monkeypatch.setattr(resolve, "objective", lambda g, m, p, *a: 1.0)  # a tie: exact kept
+        assert api._within_budget(exact, [], graph, model, {}, {}, [], None, 10.0,
+                                  **how) is exact
 
     def not_asked(*a, **k):
         raise AssertionError("the walk is not planned for a plan that fits as first solved")
