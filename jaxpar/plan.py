@@ -401,6 +401,12 @@ def _check_graph_plan(graph, gp: GraphPlan, check, problems: list[str], where: s
             check(f"{what} operand {i}", spec, graph.shape(v))
         for j, (spec, v) in enumerate(zip(s.outs, op.outputs, strict=True)):
             check(f"{what} result {j}", spec, graph.shape(v))
+            held = gp.specs.get(v)
+            if held is not None and held.resolved() != spec.resolved():
+                # The program runs the values' specs; explain() shows the strategies. A search
+                # keeps them one (checked on every program and mode of the suite's models).
+                problems.append(f"{what} makes result {j} as {spec}, where {where}.specs[{v}] "
+                                f"holds it as {held}")
         if is_local(op.primitive) and not _a_candidate(op, graph, s, mesh):
             # Bound per shard (registry.LOCAL): each device computes on its own block, so a
             # strategy the op's rule does not offer (top_k cut along its sorted dim) gives wrong

@@ -1232,6 +1232,23 @@ def test_a_choice_for_an_op_the_program_has_not_is_refused_with_the_program(tmp_
         jaxpar.shard(dense_relu).with_plan(loaded)(X, W, B)
 
 
+def test_a_choice_edited_to_contradict_the_specs_is_refused_with_the_program(tmp_path):
+    # The program runs the values' specs; explain() showed the edited strategy, which did not
+    # run (a cut matmul marked as making its result replicated).
+    import json
+
+    f = jaxpar.shard(dense_relu, in_strategy=((4, 2), None, None))
+    data = json.loads(json.dumps(f.plan(X, W, B).to_json()))
+    dot = data["graph"]["choices"]["0"]["strategy"]
+    assert dot["outs"] == [[["d0", "d1"], ["d2"]]] and dot["partial"] == [["d2"]]
+    dot["outs"], dot["partial"] = [[[], []]], [[]]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"graph.choices\[0\] \(dot_general\) makes result 0 as "
+                                         r".*, where graph.specs\[\d+\] holds it as "):
+        jaxpar.shard(dense_relu).with_plan(jaxpar.Plan.load(path))(X, W, B)
+
+
 def test_negative_totals_in_a_plan_file_are_refused(tmp_path):
     import json
 
