@@ -831,7 +831,9 @@ def peak_memory(graph, gp: GraphPlan, mesh: MeshInfo,
       is; an output JAX aliases to it (graph.aliases) and returns in its spec goes back in
       that buffer, with no end copy, and where an op makes it there too, after the
       argument's last read (graph.in_place), it holds no bytes of its own (in_place). Nor does
-      a broadcast XLA sinks into the loops reading it (graph.sunk).
+      a broadcast XLA sinks into the loops reading it (graph.sunk). While an op runs it
+      also holds what its bodies add (body_memory) or the partial sums it reduce-scatters,
+      whole over the reduction's axes (OpStrategy.scatter_bytes).
 
     Example:
       >>> peak_memory(graph, gp, mesh, dict(enumerate(out_specs)))
@@ -852,9 +854,11 @@ def peak_memory(graph, gp: GraphPlan, mesh: MeshInfo,
     live = sum(size(v) for v in graph.inputs) + sum(size(v) for v in graph.consts)
     peak = live
     for op in graph.ops:
-        inner = 0.0
+        choice = gp.choices[op.index]
         if op.regions:
-            inner = body_memory(op, gp.choices[op.index].regions, mesh)
+            inner = body_memory(op, choice.regions, mesh)
+        else:  # a partial sum made whole before its reduce-scatter
+            inner = choice.strategy.scatter_bytes([values[v].nbytes for v in op.outputs], mesh)
         for v in op.outputs:
             if v not in mine:
                 live += size(v)

@@ -14,6 +14,7 @@ axes, shards and fits per mesh, and a MeshInfo its group sizes (and what rules l
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from jax.sharding import PartitionSpec as P
@@ -271,6 +272,31 @@ class OpStrategy:
     name: str = ""
     # Result dims a partial result may be reduce-scattered onto (None: any); rules only.
     scatter_dims: tuple[int, ...] | None = field(default=None, compare=False)
+
+    def scatter_bytes(self, result_bytes: Sequence[float], mesh: MeshInfo) -> float:
+        """Per-device bytes the op holds beyond its results while it runs under this strategy:
+        a result it reduce-scatters (partial over axes that also cut one of its dimensions)
+        is first made whole over those axes, the reduction's group size less one times its
+        own shard more (XLA's partial sum, then the reduce-scatter into the result). An
+        all-reduced result is summed in a buffer of its own size: nothing more.
+
+        Args:
+          result_bytes: each result's bytes, unsharded (the op's `outs` order).
+          mesh: the mesh the specs name.
+
+        Example:
+          >>> s = OpStrategy((Spec(((), ("d",))), Spec((("d",), ()))),
+          ...                (Spec((("d",), ())),), (("d",),))
+          >>> s.scatter_bytes([1024.0], MeshInfo(("d",), (4,)))  # 4 x 256 made, 256 kept
+          768.0
+        """
+        extra = 0.0
+        for j, axes in enumerate(self.partial):
+            scattered = tuple(a for a in axes if self.outs[j].dim_of(a) is not None)
+            if scattered:
+                extra += (result_bytes[j] / self.outs[j].shards(mesh)
+                          * (mesh.group_size(scattered) - 1))
+        return extra
 
     def label(self) -> str:
         if self.name:

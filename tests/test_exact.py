@@ -206,11 +206,14 @@ def test_folded_tables_price_every_agreeing_choice_alike(always_tie):
     for v, node in t.input_nodes.items():
         where[node] = folded.input_nodes[v]
     # Every op a node (and after them, a node for each further point at which some of an
-    # op's results die: their memory counted apart) ...
+    # op's results die, and for each op's partial sums before a reduce-scatter: their memory
+    # counted apart) ...
     split = len(grouped.spans) - len({first for first, _ in grouped.spans.values()})
-    assert len(grouped.cands) == len(t.cands) + split and not grouped.count
-    assert all(node >= len(t.cands) for node in grouped.spans if node not in
-               set(grouped.op_nodes.values()))
+    scatter = len(grouped.running)
+    assert scatter and len(grouped.cands) == len(t.cands) + split + scatter
+    assert not grouped.count
+    assert all(node >= len(t.cands) for node in [*grouped.spans, *grouped.running] if node
+               not in set(grouped.op_nodes.values()))
     # ... and what the solver ties with a memory budget
     groups = [[n for n in g if n < len(t.cands)] for g in grouped.tied]
     assert all(len({where[n] for n in g}) == 1 for g in groups)
@@ -568,3 +571,38 @@ def test_a_plan_far_over_its_budget_is_kept_for_the_check_to_refuse(monkeypatch)
     monkeypatch.setattr(jaxpar.plan, "search_peak", lambda *a, **k: 10 * budget)
     plan, _ = dynamic_programming(graph, model, {}, {}, memory_budget=budget)
     assert set(plan.specs) >= set(graph.inputs)
+
+
+def _k_cut_matmul(**kw):
+    """x @ w with both cut along the contraction over all 8 devices: the product is a partial
+    sum on every device, whole (64 x 64 f32, 16 KiB), until it is reduced."""
+    x, w = jax.ShapeDtypeStruct((64, 512), np.float32), jax.ShapeDtypeStruct((512, 64),
+                                                                              np.float32)
+    return jaxpar.shard(lambda x, w: x @ w, in_strategy=((1, 8), (8, 1)), **kw), (x, w)
+
+
+def test_a_partial_sum_held_before_its_reduce_scatter_counts_in_the_peak():
+    """A result reduce-scattered over 8 devices is first made whole on each: its 16 KiB
+    partial sum is held while the op runs, beside the 2 KiB shard it keeps (the peak counted
+    the shard alone: 34,816 bytes). XLA holds at least that partial sum too."""
+    from jaxpar.analysis import memory_stats
+
+    f, args = _k_cut_matmul(out_strategy=((8, 1),))
+    plan = f.plan(*args)
+    assert list(plan.collectives) == ["reduce-scatter"]
+    operands, kept, whole = 2 * 64 * 512 * 4 // 8, 64 * 64 * 4 // 8, 64 * 64 * 4
+    assert plan.cost.peak_memory_bytes == operands + kept + (whole - kept)
+    assert memory_stats(f.lower(*args).compile())["temp_bytes"] >= whole
+
+
+@pytest.mark.parametrize("mode", ["dynamic_programming", "recursive_programming"])
+def test_a_budget_below_the_partial_sum_keeps_the_searches_from_scattering_it(mode):
+    """Unbudgeted both searches reduce-scatter the product over all 8 devices (peak 49,152
+    bytes with its partial sum); with 40,000 bytes they keep under the budget, the partial
+    sum counted (without it, that plan's peak was 34,816 and both kept it)."""
+    f, args = _k_cut_matmul(search_mode=mode)
+    free = f.plan(*args)
+    assert free.cost.peak_memory_bytes == 49152
+    budgeted = _k_cut_matmul(search_mode=mode, memory_budget=40000)[0].plan(*args)
+    assert budgeted.cost.peak_memory_bytes <= 40000
+    assert budgeted.out_specs != free.out_specs

@@ -808,7 +808,9 @@ def test_mem_coeff_turns_data_parallel_into_model_parallel():
     f_small, args, small = planned(128, 64, layers=2, mem_coeff=0.1)
     f_big, _, big = planned(128, 64, layers=2, mem_coeff=100.0)
     assert (small.layout, big.layout) == ("dp4", "tp4")
-    assert big.cost.peak_memory_bytes < 0.9 * small.cost.peak_memory_bytes
+    # 94,400 bytes against 99,328: tp4 reduce-scatters its products, each held whole while
+    # its op runs (0.86x before those partial sums counted)
+    assert big.cost.peak_memory_bytes < small.cost.peak_memory_bytes
     assert any("mem_coeff=100" in line for line in big.decisions)
     assert_same_as_jit(mlp_step, f_big, args)
 

@@ -540,7 +540,9 @@ def test_dynamic_programming_offers_loops_lean_bodies_under_a_budget():
     nine tenths of its unbudgeted peak: refused before ("the smallest possible peak is
     17360 bytes", over bodies solved for time only) though recursive_programming met it.
     With the conds' branches solved too, the unbudgeted plan peaks at 17616 bytes, not
-    39452, and six tenths of that are met (9936 bytes, recursive_programming's leanest)."""
+    39452, and six tenths of that were met (9936 bytes). With the partial sums an op
+    reduce-scatters held whole while it runs, it peaks at 18128 bytes and three quarters of
+    that are met (12752 bytes)."""
     import numpy as np
 
     import jaxpar
@@ -565,8 +567,8 @@ def test_dynamic_programming_offers_loops_lean_bodies_under_a_budget():
     assert f.plan(ws, x).cost.peak_memory_bytes <= 0.9 * peak
     for got, want in zip(f(ws, x), jax.jit(fn)(ws, x), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
-    lean = jaxpar.shard(fn, search_mode="dynamic_programming", memory_budget=0.6 * peak)
-    assert lean.plan(ws, x).cost.peak_memory_bytes <= 0.6 * peak
+    lean = jaxpar.shard(fn, search_mode="dynamic_programming", memory_budget=0.75 * peak)
+    assert lean.plan(ws, x).cost.peak_memory_bytes <= 0.75 * peak
     with pytest.raises(ValueError, match="solved for the least memory"):
         jaxpar.shard(fn, search_mode="dynamic_programming", memory_budget=0.3 * peak).plan(
             ws, x)
@@ -580,7 +582,9 @@ def test_a_budget_counts_each_result_of_a_loop_until_its_own_last_reader(mode):
     until the last one's reader (a node's results as one), so a plan that peaks at 7,440
     bytes (plan.peak_memory) counted 7,696 there: budgets of 7,440 and 7,500 were refused,
     "the smallest peak of those is 7696 bytes", by both modes, where a budget of 7,696 got that
-    very plan."""
+    very plan. (Figures before the partial sums reduce-scattered inside the body counted in
+    the peak, whole while their op runs: that plan now peaks at 7,952 bytes, and a budget of
+    8,000 is met, where those live sets would have counted 256 bytes more.)"""
     import numpy as np
 
     import jaxpar
@@ -596,8 +600,8 @@ def test_a_budget_counts_each_result_of_a_loop_until_its_own_last_reader(mode):
     rng = np.random.default_rng(0)
     xs = jnp.asarray(rng.standard_normal((4, 16, 32)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((32, 32)) * 0.2, jnp.float32)
-    f = jaxpar.shard(grad_scan, search_mode=mode, memory_budget=7500)
-    assert f.plan(xs, w).cost.peak_memory_bytes <= 7500
+    f = jaxpar.shard(grad_scan, search_mode=mode, memory_budget=8000)
+    assert f.plan(xs, w).cost.peak_memory_bytes <= 8000
     np.testing.assert_allclose(f(xs, w), jax.jit(grad_scan)(xs, w), rtol=1e-5, atol=1e-6)
 
 def test_sharding_propagation_plans_a_data_parallel_gpt_step_as_well_as_the_exact_search():

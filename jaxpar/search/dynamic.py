@@ -364,15 +364,16 @@ def _fits(problem: Problem, choice: np.ndarray) -> bool:
 def _check_budget(problem: Problem) -> None:
     # Each node's least-memory candidate minimises every live set's sum at once, so the max
     # over sets of those sums is the smallest achievable peak for this memory model: exactly,
-    # unless tied nodes' least-memory candidates differ (then it bounds it from below).
+    # unless no candidate is least-memory for all of a group of tied nodes at once (then it
+    # bounds it from below).
     sums = problem.usage([m.min() for m in problem.node_mem])
     worst = int(np.argmax(sums)) if len(sums) else 0
     if len(sums) and sums[worst] > problem.budget * (1 + 1e-12):
         where = f" in live_sets[{worst}]" if problem.live_sets is not None else \
             f" at program point {problem.points()[worst]}" if problem.live_ranges is not None \
             else ""
-        exact = all(len({int(np.argmin(problem.node_mem[i])) for i in g}) == 1
-                    for g in problem.tied or ())
+        exact = all(np.logical_and.reduce([problem.node_mem[i] <= problem.node_mem[i].min()
+                                            for i in g]).any() for g in problem.tied or ())
         raise ValueError(
             f"no strategy assignment fits memory_budget={byte_count(problem.budget)} bytes per "
             f"device; the smallest possible peak is {'' if exact else 'at least '}"

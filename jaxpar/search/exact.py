@@ -478,16 +478,17 @@ def least_peak(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
 def live_ranges(graph: OpGraph, t: Tables) -> np.ndarray:
     """(first, last) program point at which each node's results are alive: an op's from its
     own index to its last reader (to the end, len(graph.ops), for program outputs and
-    results nothing reads); a free input's throughout; what a region op's bodies add, at the
-    op's own point (t.running); an op whose results die at different points, each node of
-    it to its results' point (t.spans). plan.peak_memory counts the same."""
+    results nothing reads); a free input's throughout; what a region op's bodies add and an
+    op's partial sums before their reduce-scatter, at the op's own point (t.running); an op
+    whose results die at different points, each node of it to its results' point (t.spans).
+    plan.peak_memory counts the same."""
     last = graph.last_points()
     ranges = np.zeros((len(t.cands), 2), dtype=np.int64)
     ranges[list(t.input_nodes.values()), 1] = len(graph.ops)
     for op in graph.ops:
         end = max((last[v] for v in op.outputs), default=op.index)
         ranges[t.op_nodes[op.index]] = (op.index, end)
-    for node, index in t.running.items():  # a region op's bodies, while it runs
+    for node, index in t.running.items():  # bodies, partial sums: while the op runs
         ranges[node] = (index, index)
     for node, span in t.spans.items():
         ranges[node] = span

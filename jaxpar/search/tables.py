@@ -88,10 +88,12 @@ class Tables:
                                                     # (build_tables' classes; else empty)
     tied: tuple[tuple[int, ...], ...] = ()  # built not folded: the nodes that folding would
                                             # make one (with classes; groups of two or more),
-                                            # and each region op's node with its running node
-    running: dict[int, int] = field(default_factory=dict)  # not folded: node -> the region op
-                                        # whose bodies' memory it holds (len(graph.ops): the
-                                        # second copies of outputs at the end, returned_copies)
+                                            # and each op's node with its running nodes
+    running: dict[int, int] = field(default_factory=dict)  # not folded: node -> the op whose
+                                        # bodies' memory or partial sums before their
+                                        # reduce-scatter it holds while it runs (len(graph.ops):
+                                        # the second copies of outputs at the end,
+                                        # returned_copies)
     spans: dict[int, tuple[int, int]] = field(default_factory=dict)  # not folded: the nodes
                                         # of an op whose results die at different points (its
                                         # own and those tied to it), each holding the results
@@ -215,7 +217,9 @@ class _Builder:
         self._links: list[tuple] = []          # _link's arguments, in order
         self._last: dict[int, int] | None = None  # value -> its last program point
         self._parts: dict[tuple, np.ndarray] = {}  # (id(list), results) -> their bytes
+        self._scatter: dict[int, np.ndarray] = {}  # id(list) -> OpStrategy.scatter_bytes
         self._splits: list[tuple] = []         # (op, its node) for _split_results, in order
+        self._scatters: list[tuple] = []       # (op, its node) for _scatter_node, in order
         self.returned: tuple | None = None     # returned_copies' arguments; None: the copies
                                                # are not counted (no budget)
         # Not folded (live sets): the values that hold nothing of their own: those ops make
@@ -293,9 +297,26 @@ class _Builder:
             mem = np.array([self._results_memory(info, s, js) for s in cands], dtype=float)
         key = None if self.classes is None else (self.classes[op.index], id(cands))
         node = self._add_node(cands, own, hit[1], mem, key)
-        if not self.fold and len(op.outputs) > 1:
-            self._splits.append((op, node))
+        if not self.fold:
+            if len(op.outputs) > 1:
+                self._splits.append((op, node))
+            self._scatters.append((op, node))
         return node
+
+    def _scatter_node(self, op, node: int) -> None:
+        """Not folded: a node tied to op `node`'s, live at its point only, holding the partial
+        sums its candidates make whole before reduce-scattering them (scatter_bytes), for an
+        op with such a candidate. Made by finish(), as _split_results' nodes are."""
+        cands = self.t.cands[node]
+        scatter = self._scatter.get(id(cands))
+        if scatter is None:
+            info = OpInfo.of(op, self.graph)
+            sizes = [nbytes(shape, dtype) for shape, dtype in
+                     zip(info.out_shapes, info.out_dtypes, strict=True)]
+            scatter = self._scatter[id(cands)] = np.array(
+                [s.scatter_bytes(sizes, self.model.mesh) for s in cands], dtype=float)
+        if scatter.any():
+            self._while_running(node, op.index, scatter)
 
     def _split_results(self, op, node: int) -> None:
         """Not folded (a budget's live sets count memory): an op whose results die at
@@ -343,9 +364,11 @@ class _Builder:
                    s.outs[j].shards(self.model.mesh) for j in js)
 
     def _while_running(self, node: int, index: int, memory: np.ndarray) -> None:
-        """A node tied to region op `node` (same candidates) holding `memory`: what the op's
-        bodies add while it runs (their peak less their arguments, which the operands'
-        producers hold already), live at the op's own program point only (t.running)."""
+        """A node tied to op `node` (same candidates) holding `memory`, live at program point
+        `index` only (t.running): what a region op's bodies add while it runs (their peak
+        less their arguments, which the operands' producers hold already), the partial sums
+        an op makes whole before reduce-scattering them (OpStrategy.scatter_bytes), an
+        output's second copy at the end (returned_copies)."""
         t = self.t
         extra = self._add_node(t.cands[node], t.own[node], np.zeros(len(memory)), memory)
         self._group.setdefault(node, node)
@@ -517,6 +540,8 @@ class _Builder:
             t.input_nodes[v] = self._input_node(v)
         for op, node in self._splits:
             self._split_results(op, node)
+        for op, node in self._scatters:
+            self._scatter_node(op, node)
         if self.returned is not None:
             self.returned_copies(*self.returned)
         scaled: dict[tuple, np.ndarray] = {}
