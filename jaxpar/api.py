@@ -47,7 +47,7 @@ from jaxpar.ir import arg_paths, build_graph, trace
 from jaxpar.ir.trace import jax_cannot_hold
 from jaxpar.lower.jit import build_callable, placeable, tracer_consts
 from jaxpar.mesh import abstract_mesh, make_mesh, mesh_devices, planning_shape
-from jaxpar.plan import Plan, build_plan
+from jaxpar.plan import Plan, as_run, build_plan
 from jaxpar.search import paused_gc
 from jaxpar.search.exact import dynamic_programming
 from jaxpar.search.propagation import GraphIndex, out_spec
@@ -532,6 +532,7 @@ class ShardedFunction:
             pinned.check_fits(graph)
             if self._strict:
                 _check_pinned(pinned, fixed, out_fixed, paths)
+            as_run(pinned, graph, model, traced)  # edited by hand: priced again
             _check_budget(pinned, o.memory_budget, pinned=True)  # a saved plan answers to it
             return self._finish(graph, pinned, donate, traced)
         fixed_in = {graph.inputs[i]: s for i, s in enumerate(fixed) if s}

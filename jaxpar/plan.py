@@ -13,7 +13,7 @@ import json
 import numbers
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -268,6 +268,26 @@ class Plan:
 
     @staticmethod
     def from_json(d: dict) -> Plan:
+        """The Plan `to_json()` wrote (json.load of a plan file; Plan.load reads one). A
+        TypeError for what is no dict, a ValueError naming the field that is malformed."""
+        if not isinstance(d, dict):
+            raise TypeError(f"Plan.from_json(d={type(d).__name__}): pass the dict "
+                            "Plan.to_json() gives (json.load of a plan file), or read a file "
+                            "with Plan.load(path).")
+        try:
+            return Plan._from_dict(d)
+        except KeyError as err:
+            raise ValueError(f"field {err.args[0]!r} is missing; a plan holds what "
+                             "Plan.to_json() writes") from None
+        except (TypeError, AttributeError) as err:
+            raise ValueError(f"a field is malformed ({err}); a plan holds what "
+                             "Plan.to_json() writes") from None
+
+    @staticmethod
+    def _from_dict(d: dict) -> Plan:
+        if not isinstance(d["mesh"], dict):
+            raise ValueError(f"field mesh: {{\"names\": [...], \"sizes\": [...]}} expected, not "
+                             f"{d['mesh']!r}")
         names, sizes = d["mesh"]["names"], d["mesh"]["sizes"]
         if not isinstance(names, list) or not isinstance(sizes, list) or \
                 len(names) != len(sizes) or len(set(map(str, names))) != len(names) or \
@@ -326,7 +346,9 @@ class Plan:
                              f"{d['search_mode']!r}")
         try:
             graph = _graph_from_json(d["graph"])
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
+        except KeyError as err:
+            raise ValueError(f"field graph: an entry lacks {err.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"field graph: {err}") from None
         stray = sorted(_graph_axes(graph) - set(mesh.names))
         if stray:
@@ -487,7 +509,7 @@ def _from_json(d, path, where: str) -> Plan:
     try:
         return Plan.from_json(d)
     except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise ValueError(f"{where}({str(path)!r}): corrupt plan file ({err!r}).") from None
+        raise ValueError(f"{where}({str(path)!r}): corrupt plan file ({err}).") from None
 
 
 def _tree_to_json(tree):
@@ -704,6 +726,61 @@ def build_plan(graph, gp: GraphPlan, model, traced, in_specs: list[Spec], out_sp
                 list(traced.in_paths), list(traced.out_paths), cost, _by_kind(total.collectives),
                 lambda: list(_rows(graph, gp, model)), search_mode, hardware, traced.in_tree,
                 traced.out_tree, layout=describe_layout(graph, gp, model.mesh, weights))
+
+
+def as_run(plan: Plan, graph, model, traced) -> None:
+    """Bring a plan pinned to a program (checked by check_fits) to what the program runs, in
+    place, as binding it to the arguments' structure is. A plan file holds what explain()
+    shows (rows, cost, predicted collectives) beside the strategies and specs the program
+    runs; edited by hand, the two part. Where an op's strategy is not the one its row was
+    saved with, that op is priced again under `model` (its runner-up, from a search that did
+    not choose it, dropped) and the rows, cost and collectives are made again from the
+    strategies, the plan's `hardware` then `model`'s profile, with a note naming the ops; a
+    loop body's op keeps its saved price (a loop is priced as its search planned its bodies).
+    The peak is always counted again from the specs: a file's may be edited, and the
+    arguments given to donate change it."""
+    from jaxpar.search.propagation import latency_shares
+
+    gp, out_specs = plan.graph_plan, dict(enumerate(plan.flat_out_specs))
+    edited = []
+    if not callable(plan.__dict__.get("_rows")):  # rows made from the strategies: no edits
+        saved = {r.path: r.chosen for r in plan.rows}
+        edited = [path for path, label in _labels(graph, gp)
+                  if saved.get(path, label) != label]
+    if not edited:
+        plan.cost = replace(plan.cost, peak_memory_bytes=peak_memory(graph, gp, model.mesh,
+                                                                      out_specs))
+        return
+    share, choices = latency_shares(graph), dict(gp.choices)
+    for path in edited:
+        if "." not in path:
+            op, was = graph.ops[int(path)], gp.choices[int(path)]
+            if op.regions:
+                continue
+            cost = model.op(OpInfo.of(op, graph), was.strategy,
+                            max((share(v) for v in op.outputs), default=1.0))
+            choices[op.index] = Choice(was.strategy, cost, model.score(cost), None, None,
+                                       was.n_candidates, was.has_rule)
+    again = build_plan(graph, GraphPlan(dict(gp.specs), choices), model, traced,
+                       plan.flat_in_specs, plan.flat_out_specs, plan.search_mode,
+                       model.profile.name)
+    shown = ", ".join(edited[:5]) + (f" and {len(edited) - 5} more" if len(edited) > 5 else "")
+    kept = " (in loop bodies: priced as saved)" if any("." in p for p in edited) else ""
+    plan.graph_plan, plan.cost, plan.collectives = again.graph_plan, again.cost, \
+        again.collectives
+    plan.rows, plan.hardware = again.rows, again.hardware
+    plan.notes = [*plan.notes, f"edited: the strategies of ops {shown} are not those the plan "
+                               f"was saved with; they are priced again{kept}, and the cost, "
+                               "collectives and rows are those of the strategies run"]
+
+
+def _labels(graph, gp: GraphPlan, prefix: str = ""):
+    """(row path, chosen strategy's label) of every op, loop bodies' too, as _rows gives them."""
+    for op in graph.ops:
+        choice = gp.choices[op.index]
+        yield f"{prefix}{op.index}", choice.strategy.label()
+        for r, body in enumerate(op.regions):
+            yield from _labels(body, choice.regions[r], f"{prefix}{op.index}.{r}.")
 
 
 def _check_path(path, where: str) -> None:

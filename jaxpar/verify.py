@@ -67,11 +67,14 @@ def verify_plan(plan, compiled, rtol: float = 0.10) -> Verification:
     or (a Compiled) other numbers or ranks of arguments or outputs."""
     module = program_module(compiled, "Plan.verify")  # the program's HLO read once
     devices = program_devices(compiled, module)
+    typed = not isinstance(compiled, str) and hasattr(compiled, "in_avals")  # a jax Compiled
+    if typed and not jax.tree_util.tree_leaves(compiled.input_shardings) and \
+            not jax.tree_util.tree_leaves(compiled.out_info):
+        devices = None  # reads no argument, returns nothing: JAX runs it on one device
     if devices is not None and devices != plan.mesh.size:
         raise ValueError(f"Plan.verify: the program runs on {devices} device(s) but the plan "
                          f"is for mesh {plan.mesh.describe()} ({plan.mesh.size}); pass the "
                          "program compiled from this plan (f.lower(...).compile()).")
-    typed = not isinstance(compiled, str) and hasattr(compiled, "in_avals")  # a jax Compiled
     mismatches = _sharding_mismatches(plan, compiled) if typed else []
     ops = module_collectives(module)
     widened = sum(op.widened * op.count for op in ops)

@@ -1216,6 +1216,70 @@ def test_a_hand_edited_choice_in_a_plan_file_is_refused_with_its_op(tmp_path, ke
             jaxpar.Plan.load(path)
 
 
+def test_an_edited_strategy_is_explained_priced_and_predicted_as_it_runs(tmp_path):
+    """A plan file's rows, cost and predicted collectives were shown as saved: the matmul
+    edited to read x whole ran two all-gathers of it that neither explain() nor verify()'s
+    prediction had (a reduce-scatter of 512 bytes was all they named)."""
+    f = jaxpar.shard(dense_relu, in_strategy=((4, 2), None, None))
+    saved = f.plan(X, W, B)
+    data = json.loads(json.dumps(saved.to_json()))
+    dot = data["graph"]["choices"]["0"]
+    assert saved.rows[0].op == "dot_general" and "all-gather" not in saved.collectives
+    dot["strategy"]["ins"][0] = [[], []]  # x whole: gathered
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    plan = jaxpar.Plan.load(tmp_path / "plan.json")
+    g = f.with_plan(plan)
+    np.testing.assert_allclose(g(X, W, B), jax.jit(dense_relu)(X, W, B), rtol=1e-5)
+    assert plan.rows[0].chosen.startswith("[-, -] ") and plan.rows[0].runner_up == ""
+    assert plan.collectives["all-gather"]["count"] == 2
+    assert plan.cost.comm_bytes > saved.cost.comm_bytes
+    assert "edited: the strategies of ops 0 are not those" in plan.notes[-1]
+    measured = plan.verify(g.lower(X, W, B).compile()).measured
+    assert measured["all-gather"] == plan.collectives["all-gather"]
+
+
+def test_a_plan_files_peak_is_counted_again_for_the_budget(tmp_path):
+    """A peak edited in the file (or one the arguments donated change) was what the budget
+    was held to: 0 bytes passed a budget of 100."""
+    plan = jaxpar.shard(dense_relu).plan(X, W, B)
+    data = plan.to_json()
+    data["cost"]["peak_memory_bytes"] = 0
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    edited = jaxpar.Plan.load(tmp_path / "plan.json")
+    f = jaxpar.shard(dense_relu, memory_budget=100).with_plan(edited)
+    with pytest.raises(ValueError, match="memory_budget"):
+        f.plan(X, W, B)
+    assert edited.cost.peak_memory_bytes == plan.cost.peak_memory_bytes
+
+
+@pytest.mark.parametrize("data, error, said", [
+    ({}, ValueError, "field 'mesh' is missing"),
+    ({"mesh": "d0"}, ValueError, "field mesh: "),
+    ("plan.json", TypeError, r"Plan.from_json\(d=str\): pass the dict"),
+    ([1], TypeError, r"Plan.from_json\(d=list\)")])
+def test_plan_from_json_refuses_what_is_no_plan_in_its_own_words(data, error, said):
+    # KeyError: 'mesh' and "string indices must be integers" before
+    with pytest.raises(error, match=said):
+        jaxpar.Plan.from_json(data)
+
+
+def test_a_program_that_returns_nothing_verifies():
+    """JAX runs a program that reads no argument and returns nothing on one device; verify()
+    said it was no program of the plan's (8 devices)."""
+    f = jaxpar.shard(lambda a: None)
+    result = f.plan(X).verify(f.lower(X).compile())
+    assert result.ok and result.measured == {} and result.predicted == {}
+
+
+def test_an_empty_array_is_predicted_to_move_nothing():
+    # an all-gather of 0 bytes was predicted for a (0, 8) operand
+    z = jnp.zeros((0, 8))
+    f = jaxpar.shard(lambda a, b: a @ b.T)
+    plan = f.plan(z, jnp.ones((16, 8)))
+    assert plan.collectives == {} and plan.cost.comm_s == 0
+    assert plan.verify(f.lower(z, jnp.ones((16, 8))).compile()).measured == {}
+
+
 def test_a_choice_for_an_op_the_program_has_not_is_refused_with_the_program(tmp_path):
     # Such a choice was ignored silently (a value id the program has not was refused).
     import json

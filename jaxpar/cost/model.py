@@ -223,7 +223,10 @@ class CostModel:
 
     def _moving(self, src: Spec, dst: Spec, nbytes: float, share: float,
                 matmul: bool = True) -> OpCost:
-        """reshard() of an array of `nbytes`: _one_byte's collectives, scaled."""
+        """reshard() of an array of `nbytes`: _one_byte's collectives, scaled (none for an
+        empty array: XLA moves nothing)."""
+        if nbytes == 0:
+            return _FREE
         return self.collectives_cost(
             [Collective(c.kind, c.axes, c.bytes * nbytes, c.count)
              for c in self._one_byte(src, dst, matmul)], share)
