@@ -1149,6 +1149,14 @@ def _check_devices(fn, graph, mesh: Mesh | AbstractMesh) -> None:
             if not isinstance(other, Mesh):
                 continue
             ids = _device_ids(other)
+            if ids != own and op.name == "shard_map" and any(
+                    str(n).startswith("_internal_pmap") for n in other.axis_names):
+                raise ValueError(
+                    f"{_name(fn)}: its jax.pmap maps over {len(ids)} devices {list(ids)}; the "
+                    f"plan's mesh runs on devices {list(own)}, in that order, and JAX runs one "
+                    f"program over one list of devices. Map over all {len(own)} (a leading "
+                    "dimension of that size, or pmap(devices=...) of the plan's devices in its "
+                    "order), or give jaxpar.shard(mesh=...) a mesh of the pmap's devices.")
             if ids != own:
                 what = {"shard_map": "jax.shard_map", "sharding_constraint":
                         "with_sharding_constraint"}.get(op.name, op.name)

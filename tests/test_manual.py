@@ -129,6 +129,20 @@ def test_a_mesh_of_other_devices_or_another_order_inside_is_refused_in_words(dev
         lambda b: b * 2, mesh=same, in_specs=P("x"), out_specs=P("x"))(x))(x), 2 * x)
 
 
+def test_a_pmap_over_some_of_the_devices_is_refused_naming_the_pmap():
+    """JAX makes a jax.pmap a shard_map over an internal axis; over 2 of the 8 devices the
+    refusal spoke of a jax.shard_map the user never wrote, and advised building a Mesh. Over
+    all 8 it runs."""
+    def doubled(x):
+        return jax.pmap(lambda a: a * 2)(x)
+
+    with pytest.raises(ValueError, match=r"doubled: its jax.pmap maps over 2 devices \[0, 1\]"
+                       r".* Map over all 8"):
+        jaxpar.shard(doubled)(jnp.ones((2, 6)))
+    x = jnp.arange(48.0).reshape(8, 6)
+    np.testing.assert_allclose(jaxpar.shard(doubled)(x), 2 * x)
+
+
 def test_body_work_counts_flops_collectives_and_scan_trips():
     mesh = jaxpar.make_mesh(8)
 
