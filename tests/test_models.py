@@ -318,6 +318,22 @@ def test_gpt_config_refuses_a_bad_dtype_or_scan_layers(kwargs, match):
         assert gpt.GPTConfig(dtype=dtype, scan_layers=True).dtype == dtype
 
 
+@pytest.mark.parametrize("scan", [False, True])
+def test_a_half_precision_gpt_keeps_its_dtype_through_attention(scan):
+    """The attention scores were divided by a float32 scalar, which made every activation
+    after the first layer's attention float32: logits came out float32, and with scan_layers
+    the scan refused its carry (bfloat16 in, float32 out) inside JAX."""
+    cfg = gpt.GPTConfig(layers=2, d_model=32, heads=4, vocab=64, seq=8, dtype=jnp.bfloat16,
+                        scan_layers=scan)
+    params = gpt.init_params(cfg, jax.random.key(0))
+    logits = jax.eval_shape(lambda p, t: gpt.forward(cfg, p, t), params,
+                            jax.ShapeDtypeStruct((2, 8), jnp.int32))
+    assert logits.dtype == jnp.bfloat16
+    if not scan:  # the nnx model has no scan_layers
+        module = nnx_gpt.NNXGPT(cfg, rngs=nnx.Rngs(0))
+        assert module(jnp.zeros((2, 8), jnp.int32)).dtype == jnp.bfloat16
+
+
 @pytest.mark.parametrize("module,cfg,arg", [
     (gpt, CFG, "batch_size"), (moe, moe.MoEConfig(d_model=8, d_ff=8, group_size=4), "groups"),
     (vit, vit.ViTConfig(image=8, d_model=8, heads=2, layers=1), "batch_size")])

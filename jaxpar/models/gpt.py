@@ -105,7 +105,7 @@ def _block(cfg: GPTConfig, x, p):
     y = _layer_norm(x, p["ln1"])
     q, k, v = jnp.split(y @ p["attn"]["wqkv"] + p["attn"]["bqkv"], 3, axis=-1)
     q, k, v = (t.reshape(b, s, h, hd) for t in (q, k, v))
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd).astype(np.float32)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / float(np.sqrt(hd))  # weak: keeps the dtype
     causal = jnp.tril(jnp.ones((s, s), bool))
     logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
     att = jax.nn.softmax(logits, axis=-1)

@@ -63,7 +63,7 @@ class _Attention(nnx.Module):
         hd = d // self.heads
         q, k, v = jnp.split(x @ self.wqkv[...] + self.bqkv[...], 3, axis=-1)
         q, k, v = (t.reshape(b, s, self.heads, hd) for t in (q, k, v))
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd).astype(np.float32)
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / float(np.sqrt(hd))  # weak: keeps the dtype
         causal = jnp.tril(jnp.ones((s, s), bool))
         logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
         att = jax.nn.softmax(logits, axis=-1)
