@@ -318,6 +318,12 @@ class AutoParallel:
     def gradients_mean(self) -> bool:
         return self._opts.gradients_mean
 
+    @property
+    def search_mode(self) -> str:
+        """The jaxpar search mode `parallel_mode` plans with (semi_auto: sharding_propagation
+        from the fixed batch and parameters)."""
+        return _SEARCH.get(self.parallel_mode, self.parallel_mode)
+
     def enable_fp32_communication(self) -> None:
         """Reduce bf16/f16 partial sums in float32 (see `jaxpar.shard(fp32_communication)`)."""
         self._set(fp32_communication=True)
@@ -473,7 +479,7 @@ class AutoParallel:
         with warnings.catch_warnings():  # _check_settings warned of these settings already
             warnings.simplefilter("ignore", UserWarning)
             return sharded(pure, parameter_plan=fixed or None, level=self.level, mesh=self.mesh,
-                           search_mode=_SEARCH.get(self.parallel_mode, self.parallel_mode),
+                           search_mode=self.search_mode,
                            hardware=self.hardware, memory_budget=self.memory_budget,
                            mem_coeff=self.mem_coeff, donate_argnums=donate,
                            fp32_communication=self._opts.fp32_communication,

@@ -452,9 +452,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        if args.memory_gb is not None and not _positive(args.memory_gb * 1e9):
+        if args.memory_gb is not None and not (_positive(args.memory_gb * 1e9)
+                                               and args.memory_gb * 1e9 >= 1):
             raise ValueError(f"--memory-gb {args.memory_gb}: give the memory per device in GB, "
-                             "a finite number > 0 (e.g. --memory-gb 16).")
+                             "a finite number of a byte (1e-9) or more (e.g. --memory-gb 16).")
         shape, names = _parse_mesh(args.mesh, args.names, args.devices)
         check_writable(args.out, "--out")  # before measuring, which takes a while
         # --mesh alone: as many (simulated CPU) devices as it holds

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections import Counter
@@ -86,6 +87,10 @@ def _plan(args: argparse.Namespace) -> int:
     from jaxpar.plan import check_writable
     from jaxpar.run_config import load_run_config, plan_run
 
+    if args.full and args.json:
+        raise ValueError("--full prints the per-op table, which --json leaves out; give one of "
+                         "them (the JSON's \"ops\" counts the ops; --out saves every row for "
+                         "`jaxpar explain`).")
     if args.out is not None:  # "" too: check_writable names it
         check_writable(args.out, "--out")  # before planning, which may take a while
     run = load_run_config(args.config)
@@ -405,9 +410,13 @@ SUBCOMMANDS = (_add_demo, _add_plan, _add_explain, _add_launch, _add_calibrate)
 
 def _guard(command: str, body) -> int:
     """Run body(); bad input (ValueError, TypeError, a file that cannot be written) becomes one
-    line on stderr and exit status 2."""
+    line on stderr and exit status 2. A reader that closed the output early (`| head`) ends it
+    quietly, with status 1, as the commands of a shell do."""
     try:
         return body()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 1
     except (ValueError, TypeError, OSError) as err:
         print(f"jaxpar {command}: error: {err}", file=sys.stderr)
         return 2

@@ -34,7 +34,8 @@ import math
 import numbers
 import re
 import time
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -575,7 +576,8 @@ _MEGATRON_GPT = {"wqkv": (None, 0), "bqkv": (0,), "w1": (None, 0), "b1": (0,),
                  "wo": (0, None), "w2": (0, None), "wte": (0, None)}
 
 
-def tensor_parallel_specs(model: str, paths, axis: str = TP_AXIS) -> dict[str, Any]:
+def tensor_parallel_specs(model: str, paths, axis: str = TP_AXIS,
+                          shapes: Sequence[tuple[int, ...]] | None = None) -> dict[str, Any]:
     """Megatron-style PartitionSpecs over mesh axis `axis` for a reference model's parameters.
 
     Args:
@@ -584,6 +586,9 @@ def tensor_parallel_specs(model: str, paths, axis: str = TP_AXIS) -> dict[str, A
       paths: parameter leaf paths as `jaxpar.shard` names them ("params/blocks/0/attn/wqkv",
         nnx: ".../wqkv/value", mlp: "params/0/w").
       axis: the mesh axis to cut over.
+      shapes: each path's shape, where a parameter may be stacked (`scan_layers`: the
+        layers' weights in one array, the layer dimension first): the layout then applies to
+        its trailing dimensions. None: no parameter is stacked.
 
     Returns:
       {path: PartitionSpec} for every path (P() for the replicated ones).
@@ -596,10 +601,15 @@ def tensor_parallel_specs(model: str, paths, axis: str = TP_AXIS) -> dict[str, A
 
     if model not in MODELS:
         raise ValueError(f"tensor_parallel_specs(model={model!r}): must be one of {list(MODELS)}.")
+    paths = list(paths)
+    if shapes is not None and len(shapes) != len(paths):
+        raise ValueError(f"tensor_parallel_specs: {len(shapes)} shapes for {len(paths)} "
+                         "paths; give one shape per path, or shapes=None.")
     out = {}
-    for path in paths:
+    for k, path in enumerate(paths):
         dims = _mlp_dims(path) if model == "mlp" else _MEGATRON_GPT.get(_leaf_name(path), ())
-        out[path] = P(*(axis if d == 0 else None for d in dims))
+        stacked = max(len(shapes[k]) - len(dims), 0) if shapes is not None and dims else 0
+        out[path] = P(*(None,) * stacked, *(axis if d == 0 else None for d in dims))
     return out
 
 
@@ -685,8 +695,10 @@ def plan_run(run: RunConfig, mode: str | None = None, devices: int | None = None
     problem = build_problem(run)
     start = time.perf_counter()
     mp = run.tensor_parallel(mode)
-    params = [p for p, owner in zip(problem.paths, problem.owners, strict=True) if owner == 0]
-    megatron = tensor_parallel_specs(run.model.name, params) if mp > 1 else None
+    params = [(p, shape) for p, shape, owner in zip(problem.paths, problem.shapes,
+                                                    problem.owners, strict=True) if owner == 0]
+    megatron = tensor_parallel_specs(run.model.name, [p for p, _ in params],
+                                     shapes=[shape for _, shape in params]) if mp > 1 else None
     if megatron:
         _check_model_parallel(run, mp, megatron, dict(zip(problem.paths, problem.shapes,
                                                           strict=True)))
@@ -696,7 +708,24 @@ def plan_run(run: RunConfig, mode: str | None = None, devices: int | None = None
     ctx = run.context
     if mp > 1 and not ctx.full_batch and ctx.dataset_strategy == "data_parallel":
         data = tuple(a for a in names if a != TP_AXIS)
-        net.dataset_strategy(tuple(P(data) for owner in problem.owners if owner >= 2))
+        ways = math.prod(n for n, a in zip(sizes, names, strict=True) if a in data)
+        batches = [shape[0] for shape, owner in zip(problem.shapes, problem.owners,
+                                                    strict=True) if owner >= 2]
+        if any(b % ways for b in batches):
+            warnings.warn(f"{run.source}: the batch of {batches[0]} does not divide over the "
+                          f"{ways} data-parallel devices ({' x '.join(data)}) beside "
+                          f"model_parallel={mp}, so every device computes the whole batch; use "
+                          f"a batch divisible by {ways}, or a device count that makes it so.",
+                          stacklevel=2)
+        net.dataset_strategy(tuple(P(data) if b % ways == 0 else P() for b in batches))
     plan = net.plan(*problem.args)
+    saved = ctx.strategy_ckpt_load_file
+    if saved and (plan.hardware != hw or plan.search_mode != net.search_mode):
+        warnings.warn(f"{run.source}: the plan comes from strategy_ckpt_load_file={saved!r} "
+                      f"as it was saved ({plan.search_mode}, priced under {plan.hardware}); "
+                      f"the search mode and hardware asked for ({net.search_mode}, {hw}) do "
+                      "not plan it again: take strategy_ckpt_load_file out to plan anew.",
+                      stacklevel=2)
+        hw = plan.hardware  # what its costs are priced under, reported as such
     return PlannedRun(plan, mode, sizes, names, hw, problem, run.model,
                       time.perf_counter() - start)

@@ -98,6 +98,9 @@ def test_calibrated_profile_drives_shard(calibrated):
     (["--memory-gb", "-1"], "--memory-gb -1.0"),
     (["--memory-gb", "inf"], "--memory-gb inf: give the memory per device in GB, a finite"),
     (["--memory-gb", "nan"], "--memory-gb nan"),
+    # wrote a profile of 0.1 bytes that no plan could then load
+    (["--memory-gb", "1e-10"], "--memory-gb 1e-10: give the memory per device in GB, a finite "
+                               "number of a byte (1e-9) or more"),
 ])
 def test_bad_arguments_exit_2_with_a_message(argv, match, capsys, tmp_path):
     assert main(argv + ["--out", str(tmp_path / "never-written.yaml")]) == 2

@@ -126,6 +126,26 @@ def test_plan_refuses_an_out_path_it_cannot_write_before_planning(capsys, tmp_pa
     assert err.startswith("jaxpar plan: error: --out") and "does not exist" in err
 
 
+def test_plan_refuses_full_with_json_before_planning(capsys):
+    # --full was ignored silently beside --json
+    status, out, err = _main(capsys, "plan", str(CONFIGS[0]), "--json", "--full")
+    assert status == 2 and out == "" and "--full prints the per-op table" in err
+
+
+def test_plan_piped_into_a_reader_that_stops_early_ends_quietly(tmp_path):
+    """`jaxpar plan cfg --json | head -1` ended "jaxpar plan: error: [Errno 32] Broken pipe"
+    with status 2, as if the config were bad."""
+    import subprocess
+    import sys
+
+    argv = ["plan", str(CONFIGS[0]), "--json"]
+    code = f"import sys; from jaxpar import cli; sys.exit(cli.main({argv!r}))"
+    run = subprocess.run(["bash", "-c", f"set -o pipefail; {sys.executable} -c \"{code}\" | true"],
+                         capture_output=True, text=True, timeout=300)  # true reads nothing
+    assert run.returncode == 1 and "Broken pipe" not in run.stderr, run.stderr
+    assert "error" not in run.stderr
+
+
 def test_plan_names_an_empty_hardware_or_out(capsys):
     # Both were ignored: the plan ran on cpu, and saved nothing.
     status, out, err = _main(capsys, "plan", str(CONFIGS[0]), "--hardware", "")

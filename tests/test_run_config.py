@@ -254,6 +254,54 @@ def test_plan_run_semi_auto_keeps_the_megatron_layout():
     assert specs["x"] == Spec((("dp",), ()))
 
 
+def test_semi_auto_cuts_a_scanned_gpts_stacked_weights_past_their_layer_dim():
+    """With scan_layers each weight holds every layer, the layer dim first: Megatron's layout
+    cut that dim (wo [mp, -, -]) or the input features (wqkv [-, mp, -]) instead of the
+    columns, and with an odd layer count refused the config naming dim 0 as heads."""
+    gpt = {"name": "gpt", "layers": 3, "d_model": 32, "heads": 4, "vocab": 64, "seq": 8,
+           "scan_layers": True}
+    run = run_config_from_mapping({"model": gpt, "train": {"batch_size": 8},
+                                   "parallel": {"parallel_mode": 1}, "mesh": 8,
+                                   "parallel_config": {"data_parallel": 4, "model_parallel": 2}},
+                                  "run.yaml")
+    specs = _in_specs(plan_run(run).plan)
+    assert specs["params/blocks/attn/wqkv"] == Spec(((), (), ("mp",)))
+    assert specs["params/blocks/attn/bqkv"] == Spec(((), ("mp",)))
+    assert specs["params/blocks/attn/wo"] == Spec(((), ("mp",), ()))
+    assert specs["params/blocks/mlp/w2"] == Spec(((), ("mp",), ()))
+    assert specs["params/wte"] == Spec((("mp",), ()))  # not stacked
+    assert tensor_parallel_specs("gpt", ["a/wqkv"], shapes=[(3, 32, 96)]) == \
+        {"a/wqkv": P(None, None, "mp")}
+    with pytest.raises(ValueError, match="1 shapes for 2 paths"):
+        tensor_parallel_specs("gpt", ["a/wqkv", "a/wo"], shapes=[(3, 32, 96)])
+
+
+def test_semi_auto_with_model_parallel_warns_of_a_batch_its_data_axis_does_not_divide():
+    # --devices 6 over data_parallel 4 x model_parallel 2 makes dp=3 x mp=2: the batch of 8
+    # was cut P('dp') anyway, and the error named a dataset_strategy nobody wrote
+    run = _run(parallel={"parallel_mode": 1}, parallel_config={"data_parallel": 4,
+                                                                "model_parallel": 2},
+               train={"batch_size": 8})
+    with pytest.warns(UserWarning, match="batch of 8 does not divide over the 3 data-parallel "
+                                         r"devices \(dp\) beside model_parallel=2"):
+        specs = _in_specs(plan_run(run, devices=6).plan)
+    assert specs["x"].dims[0] == () and specs["params/0/w"] == Spec(((), ("mp",)))
+
+
+def test_a_loaded_plan_reports_the_hardware_it_is_priced_under(tmp_path):
+    # `--hardware tpu-v5e` labelled a plan loaded from strategy_ckpt_load_file, priced under
+    # cpu, as tpu-v5e
+    saved = tmp_path / "plan.json"
+    plan_run(_run(parallel={"parallel_mode": "auto_parallel",
+                            "strategy_ckpt_save_file": str(saved)}))
+    run = _run(parallel={"parallel_mode": "auto_parallel",
+                         "strategy_ckpt_load_file": str(saved)})
+    with pytest.warns(UserWarning, match="as it was saved .recursive_programming, priced under "
+                                         "cpu.; the search mode and hardware asked for"):
+        planned = plan_run(run, hardware="tpu-v5e")
+    assert planned.hardware == planned.plan.hardware == "cpu"
+
+
 def test_parallel_optimizer_cuts_optimizer_state_further():
     base = {"model": {"name": "mlp", "sizes": [64, 256, 64]}, "train": {"batch_size": 32},
             "mesh": 8, "parallel": {"parallel_mode": 0}}
