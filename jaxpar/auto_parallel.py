@@ -2,10 +2,10 @@
 
 AutoParallel(network, parallel_mode) wraps a function (typically a training step
 `step(params, opt_state, *batch) -> (params, opt_state, loss)`), a function some of whose
-arguments are Flax nnx objects (`step(model, optimizer, *batch)`, updated in place as under
-`nnx.jit`), or an nnx Module (its `__call__`). Calling it plans the program for these argument
-shapes (once per signature), compiles it and runs it; `.plan(*args)` and `.lower(*args)` work
-as for `jaxpar.shard`.
+arguments are Flax nnx objects (`step(model, optimizer, *batch)`, also in a tuple, list or
+dict, updated in place as under `nnx.jit`), or an nnx Module (its `__call__`). Calling it
+plans the program for these argument shapes (once per signature), compiles it and runs it;
+`.plan(*args)` and `.lower(*args)` work as for `jaxpar.shard`.
 
 How the four modes fix the arguments before the search (`batch` = the arguments that are not
 carried state: not returned in their own place, not nnx objects; see `batch_argnums`):
@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from jaxpar import strategy as strat
@@ -111,8 +112,9 @@ class AutoParallel:
 
     Args:
       network: a function of arrays/pytrees (a training step, a forward pass), a function some
-        of whose arguments are nnx objects (updated in place, as `nnx.jit` does), or an nnx
-        Module (its `__call__`; its state is the first argument, named "model").
+        of whose arguments are nnx objects or tuples, lists or dicts holding them (updated in
+        place, as `nnx.jit` does), or an nnx Module (its `__call__`; its state is the first
+        argument, named "model").
       parallel_mode: "semi_auto", "sharding_propagation", "recursive_programming" or
         "dynamic_programming" (see the module docstring). None (the default): the context's,
         as MindSpore reads it: its search_mode under parallel_mode "auto_parallel", else
@@ -496,6 +498,11 @@ class AutoParallel:
         config = self._dataset_config()
         if config is not None:
             leaves = [i for i in range(len(paths)) if owner[i] in batch]
+            if config == "data_parallel":  # a raw PRNG key (uint32[2]) is no batch: whole
+                dtypes = [getattr(x, "dtype", None) for x in jax.tree_util.tree_leaves(args)]
+                keys = [i for i in leaves if shapes[i] == (2,) and dtypes[i] == np.uint32]
+                fixed.update((paths[i], PartitionSpec()) for i in keys if paths[i] not in fixed)
+                leaves = [i for i in leaves if i not in keys]
             for i, spec in zip(leaves, _dataset_specs(config, [shapes[i] for i in leaves], mesh,
                                                       [paths[i] for i in leaves]), strict=True):
                 if spec is not None and paths[i] not in fixed:
@@ -606,8 +613,9 @@ def read_param_strategy_file(file_path: str, mesh: MeshInfo) -> dict[str, Partit
 
 # -- nnx objects ---------------------------------------------------------------------------------
 def _purify(network, args: tuple):
-    """(pure function, its arguments, unwrap): nnx objects become their state, passed first
-    and returned first (so they are carried state), and put back into the objects on return.
+    """(pure function, its arguments, unwrap): nnx objects (and the tuples, lists and dicts
+    holding them: _holds_nnx) become their state, passed first and returned first (so they
+    are carried state), and put back into the objects on return.
     Objects that share variables (one object passed twice, a teacher holding the student's
     layer) are split together, as nnx.jit does: a shared variable is one leaf, updated once.
     `pure.graphdefs` holds the objects' static structure (a module's train/eval mode among
@@ -616,7 +624,7 @@ def _purify(network, args: tuple):
 
     if isinstance(network, nnx.Module):
         return _module_call(network, args)
-    objects = [i for i, a in enumerate(args) if nnx.graph.is_graph_node(a)]
+    objects = [i for i, a in enumerate(args) if _holds_nnx(a)]
     if not objects:
         return network, args, lambda out, changed=None: out
     names = arg_names(network, len(args))
@@ -658,6 +666,16 @@ def _purify(network, args: tuple):
         return out[len(groups)]
 
     return pure, (*states, *(args[i] for i in others)), unwrap
+
+
+def _holds_nnx(arg) -> bool:
+    """Whether an argument is an nnx object or a tuple, list or dict holding one (`(model,
+    optimizer)`): split, carried and updated in place alike, as nnx.jit does (such objects in
+    a container were traced as plain pytrees, and their new state dropped)."""
+    from flax import nnx
+
+    return any(nnx.graph.is_graph_node(x) for x in
+               jax.tree_util.tree_leaves(arg, is_leaf=nnx.graph.is_graph_node))
 
 
 @dataclass(frozen=True)

@@ -288,6 +288,62 @@ def test_nnx_arguments_sharing_variables_update_them_once(share):
     np.testing.assert_allclose(ours[1].lin.kernel[...], theirs[1].lin.kernel[...], rtol=1e-6)
 
 
+@pytest.mark.parametrize("wrap", [tuple, list, lambda objs: dict(zip("mo", objs, strict=True))])
+def test_nnx_objects_in_a_container_are_updated_in_place(wrap):
+    """A step taking (model, optimizer) as one argument traced them as plain pytrees and
+    dropped their new state: the loss stayed at its first value, the kernel at its initial
+    one, where nnx.jit trains (and a BatchNorm's statistics in a dict stayed zero)."""
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(16, 8, rngs=rngs)
+            self.bn = nnx.BatchNorm(8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.bn(self.lin(x))
+
+    def step(pair, x, y):
+        model, opt = (pair["m"], pair["o"]) if isinstance(pair, dict) else pair
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        opt.update(model, grads)
+        return loss
+
+    def made():
+        model = Net(nnx.Rngs(0))
+        return wrap([model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)])
+
+    x = jax.random.normal(jax.random.key(1), (16, 16))
+    y = jnp.ones((16, 8))
+    ours, theirs = made(), made()
+    net, jitted = AutoParallel(step), nnx.jit(step)
+    losses = [(float(net(ours, x, y)), float(jitted(theirs, x, y))) for _ in range(3)]
+    np.testing.assert_allclose(*zip(*losses, strict=True), rtol=1e-5)
+    assert losses[2][0] < losses[0][0]
+    first = (lambda p: p["m"]) if isinstance(ours, dict) else (lambda p: p[0])
+    np.testing.assert_allclose(first(ours).lin.kernel[...], first(theirs).lin.kernel[...],
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(first(ours).bn.mean[...], first(theirs).bn.mean[...],
+                               rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(first(ours).bn.mean[...]).sum()) > 0
+
+
+def test_a_raw_prng_key_is_no_batch_under_semi_auto():
+    """A jax.random.PRNGKey (uint32[2]) passed to a step was cut over d0 as a batch of 2, with
+    a warning that the batch of 2 does not divide into 8 devices."""
+    def step(w, x, key):
+        x = x + 0.1 * jax.random.normal(key, x.shape)
+        return w - 0.1 * jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w), jnp.mean(x)
+
+    w, x, key = jnp.ones((16, 4)), jnp.ones((16, 16)), jax.random.PRNGKey(0)
+    net = AutoParallel(step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = net.plan(w, x, key)
+    specs = dict(zip(plan.in_paths, plan.flat_in_specs, strict=True))
+    assert specs["key"] == Spec(((),)) and specs["x"].dims[0]
+    for got, want in zip(net(w, x, key), jax.jit(step)(w, x, key), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def _argument_bytes(net, args) -> int:
     return net.lower(*args).compile().memory_analysis().argument_size_in_bytes
 
