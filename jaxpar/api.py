@@ -611,7 +611,10 @@ class ShardedFunction:
                  not model.recompute_heavy),  # Alpa's rule (cost/model.py)
                 ("whose repeated layers agree", sol.repeats_tied),  # exact.repeats: tied
                 ("of its loops' and conds' bodies it tried",  # a few each: regions.py
-                 any(op.regions for op in graph.ops))) if holds]
+                 any(op.regions for op in graph.ops)),
+                ("whose step-tail reductions are " + " and ".join(  # exact's tail solved
+                    f"{kind}s over {'+'.join(axes)}" for kind, axes in sol.tail_groups) +
+                 " only", bool(sol.tail_groups))) if holds]
             if over:
                 verdict += " over the plans " + (" and ".join(over) if len(over) < 3 else
                                                   ", ".join(over[:-1]) + " and " + over[-1])

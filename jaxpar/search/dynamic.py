@@ -286,6 +286,9 @@ class Solution:
             `optimal` is then over the plans in which they agree.
         refitted: solved again for a budget lowered by what the plan held over the one
             given (exact._refit): `optimal` and `gap` are then for that lower budget.
+        tail_groups: the (kind, mesh axes) groups the step's tail reductions were kept to
+            when it was solved again so (exact._one_latency_per_group) and that plan kept:
+            `optimal` and `gap` are then over the plans whose tail reduces over those alone.
     """
 
     choice: np.ndarray
@@ -296,6 +299,7 @@ class Solution:
     seconds: float
     repeats_tied: bool = False
     refitted: bool = False
+    tail_groups: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 def objective(problem: Problem, choice: np.ndarray) -> float:

@@ -357,7 +357,10 @@ def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem:
     tables, as if XLA combined them all into one collective; it combines only those of one
     kind over one device group. When the plan reduces over several groups, the search runs
     again with the tail's reductions kept to the most used group of each kind, and the plan
-    whose objective is lower once each group pays one whole latency is kept."""
+    whose objective is lower once each group pays one whole latency is kept. That plan is
+    optimal over the plans whose tail reduces over those groups alone (Solution.tail_groups,
+    which the plan's note names), not over every plan: neither solve minimises the objective
+    with whole latencies, and a looser memory budget can end with a costlier plan."""
     groups = _tail_groups(graph, t, solution.choice)
     kinds = {kind for kind, _ in groups}
     if len(groups) <= len(kinds):
@@ -378,7 +381,8 @@ def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem:
         cost = objective(problem, again.choice)
         return dataclasses.replace(again, cost=cost, optimal=again.optimal and solution.optimal,
                                    gap=_whole_gap(solution, again.gap, cost),
-                                   seconds=solution.seconds + again.seconds)
+                                   seconds=solution.seconds + again.seconds,
+                                   tail_groups=tuple(sorted(keep.values())))
     return dataclasses.replace(solution, seconds=solution.seconds + again.seconds)
 
 
