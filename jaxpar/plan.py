@@ -824,45 +824,82 @@ def describe_layout(graph, gp: GraphPlan, mesh: MeshInfo, weights: set[int] | No
     At every matmul/conv that reads a weight (an input value in `weights`, default every input,
     possibly through a convert, transpose or reshape) and one other operand, an axis that
     cuts the weight operand works as tensor parallelism (tp) there, one that cuts only the other
-    operand as data parallelism (dp). Each axis takes its role by flops. A dp axis that also
-    cuts the weights as they are stored is fsdp (weights gathered before use); an axis that cuts
-    no matmul is rep (replicated work). Axes with one role are multiplied together.
+    operand as data parallelism (dp). Each axis takes its role by flops, a loop's body's
+    matmuls counted once per trip (a weight there: the body's input that its loop's operand is,
+    a model's layers stacked and scanned). A dp axis that also cuts the weights as they are
+    stored is fsdp (weights gathered before use); an axis that cuts no matmul is rep
+    (replicated work). Axes with one role are multiplied together.
     """
-    from jaxpar.cost.model import HEAVY_OPS, flops
-    from jaxpar.rules.registry import OpInfo
-
-    producer = graph.producers()
-    inputs = set(graph.inputs) if weights is None else set(weights)
-
-    def root(v):
-        while isinstance(v, int) and v in producer and producer[v].name in _PASS_THROUGH:
-            v = producer[v].inputs[0]
-        return v if isinstance(v, int) and v in inputs else None
-
-    weight = {a: {"dp": 0.0, "tp": 0.0} for a in mesh.names}
+    work = {a: {"dp": 0.0, "tp": 0.0} for a in mesh.names}
     stored: set[str] = set()
-    for op in graph.ops:
-        if op.name not in HEAVY_OPS or op.index not in gp.choices:
-            continue
-        roots = [root(v) for v in op.inputs[:2]]
-        if (roots[0] is None) == (roots[1] is None):
-            continue
-        k = 0 if roots[0] is not None else 1
-        s, work = gp.choices[op.index].strategy, flops(OpInfo.of(op, graph))
-        stored.update(gp.specs[roots[k]].axes() if roots[k] in gp.specs else ())
-        for a in mesh.names:
-            if a in s.ins[k].axes():
-                weight[a]["tp"] += work
-            elif a in s.ins[1 - k].axes():
-                weight[a]["dp"] += work
+    _tally_roles(graph, gp, set(graph.inputs) if weights is None else set(weights), 1.0,
+                 work, stored)
     sizes: dict[str, int] = {}
     for a, n in zip(mesh.names, mesh.sizes, strict=True):
-        w = weight[a]
+        w = work[a]
         role = "rep" if not (w["dp"] or w["tp"]) else ("tp" if w["tp"] > w["dp"] else "dp")
         if role == "dp" and a in stored:
             role = "fsdp"
         sizes[role] = sizes.get(role, 1) * n
     return " x ".join(f"{r}{sizes[r]}" for r in _ROLE_ORDER if r in sizes)
+
+
+def _tally_roles(graph, gp: GraphPlan, weights: set[int], times: float,
+                 work: dict[str, dict[str, float]], stored: set[str]) -> None:
+    """describe_layout's flops per axis and role (`work`) and the axes cutting a stored weight
+    (`stored`), over `graph`'s ops and its loops' and conds' bodies, each op's flops `times`
+    over."""
+    from jaxpar.cost.model import HEAVY_OPS, flops
+    from jaxpar.rules.registry import OpInfo
+
+    producer = graph.producers()
+
+    def root(v):
+        while isinstance(v, int) and v in producer and producer[v].name in _PASS_THROUGH:
+            v = producer[v].inputs[0]
+        return v if isinstance(v, int) and v in weights else None
+
+    for op in graph.ops:
+        choice = gp.choices.get(op.index)
+        if choice is None:
+            continue
+        for r, body in enumerate(op.regions):
+            outer = _body_operands(op, r)
+            if outer is not None and r < len(choice.regions):
+                inner = {b for b, o in zip(body.inputs, outer, strict=True)
+                         if root(o) is not None}
+                _tally_roles(body, choice.regions[r], inner, times * choice.trips, work,
+                             stored)
+        if op.name not in HEAVY_OPS:
+            continue
+        roots = [root(v) for v in op.inputs[:2]]
+        if (roots[0] is None) == (roots[1] is None):
+            continue
+        k = 0 if roots[0] is not None else 1
+        s, done = choice.strategy, times * flops(OpInfo.of(op, graph))
+        stored.update(gp.specs[roots[k]].axes() if roots[k] in gp.specs else ())
+        for a in work:
+            if a in s.ins[k].axes():
+                work[a]["tp"] += done
+            elif a in s.ins[1 - k].axes():
+                work[a]["dp"] += done
+
+
+def _body_operands(op, r: int) -> list | None:
+    """The operands of region op `op` that body `r`'s inputs are, in order (None: not known
+    for this op): a scan's body takes them all; a while loop's condition its constants and
+    the carry, its body its constants and the carry; a cond's branches all but the index."""
+    body, ins = op.regions[r], list(op.inputs)
+    if op.name == "scan":
+        found = ins
+    elif op.name == "while":
+        cn, bn = op.params["cond_nconsts"], op.params["body_nconsts"]
+        found = ins[:cn] + ins[cn + bn:] if r == 0 else ins[cn:]
+    elif op.name == "cond":
+        found = ins[1:]
+    else:
+        return None
+    return found if len(found) == len(body.inputs) else None
 
 
 def _by_kind(cols) -> dict[str, dict[str, float]]:

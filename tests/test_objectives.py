@@ -138,6 +138,19 @@ def test_layout_names_the_logical_mesh_of_a_hand_written_plan():
     assert f.plan(*args).layout == "dp8"
 
 
+@pytest.mark.parametrize("in_strategy, want", [
+    (((8, 1), None), "dp8"), (((2, 1), (1, 1, 4)), "dp2 x tp4")])
+def test_layout_counts_the_matmuls_of_a_scanned_models_layers(in_strategy, want):
+    # Every matmul in the scan's body: the layout was "rep8" (no matmul counted) whatever
+    # the body cut.
+    def f(x, ws):
+        return jnp.sum(jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0])
+
+    x, ws = jnp.ones((32, 64)), jnp.ones((4, 64, 64)) / 64
+    plan = jaxpar.shard(f, in_strategy=in_strategy, mesh=jaxpar.make_mesh((2, 4))).plan(x, ws)
+    assert plan.layout == want
+
+
 def test_optimizer_state_follows_a_fixed_parameter():
     paths = ["params/w", "params/b", "x", "opt_state/0/mu/w", "opt_state/0/nu/w",
              "opt_state/0/mu/b", "opt_state/0/count"]
