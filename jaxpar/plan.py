@@ -828,7 +828,8 @@ def describe_layout(graph, gp: GraphPlan, mesh: MeshInfo, weights: set[int] | No
     matmuls counted once per trip (a weight there: the body's input that its loop's operand is,
     a model's layers stacked and scanned). A dp axis that also cuts the weights as they are
     stored is fsdp (weights gathered before use); an axis that cuts no matmul is rep
-    (replicated work). Axes with one role are multiplied together.
+    (replicated work). Axes with one role are multiplied together; an axis of size 1 has
+    none ("rep1" on one device).
     """
     work = {a: {"dp": 0.0, "tp": 0.0} for a in mesh.names}
     stored: set[str] = set()
@@ -836,12 +837,14 @@ def describe_layout(graph, gp: GraphPlan, mesh: MeshInfo, weights: set[int] | No
                  work, stored)
     sizes: dict[str, int] = {}
     for a, n in zip(mesh.names, mesh.sizes, strict=True):
+        if n == 1:  # cuts nothing, whatever its role
+            continue
         w = work[a]
         role = "rep" if not (w["dp"] or w["tp"]) else ("tp" if w["tp"] > w["dp"] else "dp")
         if role == "dp" and a in stored:
             role = "fsdp"
         sizes[role] = sizes.get(role, 1) * n
-    return " x ".join(f"{r}{sizes[r]}" for r in _ROLE_ORDER if r in sizes)
+    return " x ".join(f"{r}{sizes[r]}" for r in _ROLE_ORDER if r in sizes) or "rep1"
 
 
 def _tally_roles(graph, gp: GraphPlan, weights: set[int], times: float,

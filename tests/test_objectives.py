@@ -151,6 +151,18 @@ def test_layout_counts_the_matmuls_of_a_scanned_models_layers(in_strategy, want)
     assert plan.layout == want
 
 
+@pytest.mark.parametrize("shape, want", [((1,), "rep1"), ((1, 8), "dp8")])
+def test_layout_leaves_out_axes_of_one_device(shape, want):
+    # recursive_programming's plan on one device was "dp1"; a size-1 axis showed as "dp1 x ..."
+    def f(x, w):
+        return jnp.sum(jnp.tanh(x @ w))
+
+    x, w = jnp.ones((32, 64)), jnp.ones((64, 16))
+    g = jaxpar.shard(f, in_strategy=((8 if len(shape) > 1 else 1, 1), None),
+                     mesh=jaxpar.make_mesh(shape), search_mode="recursive_programming")
+    assert g.plan(x, w).layout == want
+
+
 def test_optimizer_state_follows_a_fixed_parameter():
     paths = ["params/w", "params/b", "x", "opt_state/0/mu/w", "opt_state/0/nu/w",
              "opt_state/0/mu/b", "opt_state/0/count"]
