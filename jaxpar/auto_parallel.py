@@ -671,10 +671,14 @@ def _purify(network, args: tuple):
 def _holds_nnx(arg) -> bool:
     """Whether an argument is an nnx object or a tuple, list or dict holding one (`(model,
     optimizer)`): split, carried and updated in place alike, as nnx.jit does (such objects in
-    a container were traced as plain pytrees, and their new state dropped)."""
+    a container were traced as plain pytrees, and their new state dropped). The Variables of
+    an nnx.State (functional nnx: `step(params, opt_state, ...)`) are no objects: a State is
+    carried as a pytree."""
     from flax import nnx
 
-    return any(nnx.graph.is_graph_node(x) for x in
+    if nnx.graph.is_graph_node(arg):
+        return True
+    return any(nnx.graph.is_graph_node(x) and not isinstance(x, nnx.Variable) for x in
                jax.tree_util.tree_leaves(arg, is_leaf=nnx.graph.is_graph_node))
 
 
