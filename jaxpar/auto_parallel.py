@@ -415,8 +415,12 @@ class AutoParallel:
         owner = leaf_owners(args)
         # From shapes alone: an array placed on Explicit axes would type the trace with its
         # sharding (JAX refused the step's ops there; jaxpar.shard moves such arguments).
-        carried = {i for i, _ in carried_pairs(args, jax.eval_shape(
-            pure, *jax.tree_util.tree_map(shape_only, args)))}
+        if n_state:  # nnx objects hold the state: the other arguments are data (a block's
+            # input was paired with its output of the same shape, and its batch held whole)
+            carried = {i for i, o in enumerate(owner) if o < n_state}
+        else:
+            carried = {i for i, _ in carried_pairs(args, jax.eval_shape(
+                pure, *jax.tree_util.tree_map(shape_only, args)))}
         state = set(range(n_state)) | {owner[i] for i in carried}
         fixed = self._fixed(args, paths, shapes, self._batch_positions(args, user, state))
         sharded = self._shard(pure, fixed, donate)

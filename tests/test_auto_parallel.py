@@ -326,6 +326,28 @@ def test_nnx_objects_in_a_container_are_updated_in_place(wrap):
     assert float(jnp.abs(first(ours).bn.mean[...]).sum()) > 0
 
 
+def test_an_nnx_blocks_input_of_its_outputs_shape_is_data_not_state():
+    """A residual block returns an array of its input's shape: the input was paired with the
+    output as carried state, so semi_auto held the batch whole on every device, and a
+    dataset_strategy was refused ("1 strategies for 0 data inputs")."""
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(32, 32, rngs=rngs)
+
+        def __call__(self, x):
+            return x + jnp.tanh(self.lin(x))
+
+    block, x = Block(nnx.Rngs(0)), jnp.ones((16, 32))
+    for net, args in ((AutoParallel(block), (x,)),
+                      (AutoParallel(lambda model, x: model(x)), (block, x))):
+        plan = net.plan(*args)
+        assert plan.flat_in_specs[-1] == Spec((("d0", "d1", "d2"), ()))
+        np.testing.assert_allclose(net(*args), block(x), rtol=1e-5, atol=1e-6)
+    net = AutoParallel(block)
+    net.dataset_strategy(((4, 1),))
+    assert net.plan(x).flat_in_specs[-1].shards(MeshInfo.of(net.mesh)) == 4
+
+
 def test_a_raw_prng_key_is_no_batch_under_semi_auto():
     """A jax.random.PRNGKey (uint32[2]) passed to a step was cut over d0 as a batch of 2, with
     a warning that the batch of 2 does not divide into 8 devices."""
