@@ -101,8 +101,9 @@ class ParallelContext:
     pipeline_stages: int = 1
     # Gradient accumulation steps per optimizer update.
     grad_accumulation_step: int = 1
-    # {"allreduce"|"allgather"|"reducescatter": {"mode": "auto"|"size"|"index", "config": ...}};
-    # auto: config None (64 MB threshold); size: MB >= 0; index (allreduce only): indices.
+    # {"allreduce"|"allgather"|"reducescatter": {"mode": "auto"|"size"|"index", "config": ...}},
+    # and "openstate": a bool (fusion on or off); auto: config None (64 MB threshold); size:
+    # MB > 0; index (allreduce only): indices.
     # Checked and kept for MindSpore configs, without effect: XLA's combiner fuses collectives.
     comm_fusion: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Weight of per-device memory against time in the search (MindFormers' default 0.1).
@@ -114,6 +115,14 @@ class ParallelContext:
     # MindFormers' parallel_config block (data_parallel, model_parallel, micro_batch_num, ...),
     # kept as given for the features that read it.
     parallel_config: dict[str, Any] = field(default_factory=dict)
+    # Broadcast data-parallel parameters from rank 0 at initialisation. Checked and kept for
+    # MindSpore configs, without effect: jaxpar places every argument from the one global
+    # array (jaxpar.init's processes pass their copies, which must agree).
+    parameter_broadcast: bool = False
+    # Divide a loss repeated over model-parallel devices by their number (MindSpore's
+    # repeated-calculation mean). Checked and kept, without effect: a jaxpar program computes
+    # the global loss once, so no loss is repeated.
+    loss_repeated_mean: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -154,8 +163,9 @@ class ParallelContext:
         if not isinstance(data, Mapping):
             raise TypeError(f"ParallelContext.from_dict(data={data!r}): data must be a dict of "
                             f"context keys, e.g. {{'device_num': 8}}.")
+        data = _unaliased(data, "ParallelContext.from_dict")
         _check_keys(data, "ParallelContext.from_dict")
-        return cls(**_batch_partner(dict(data), cls()))
+        return cls(**_batch_partner(data, cls()))
 
 
 # ---- checks: each takes a value and returns it normalised, or raises naming key and value ----
@@ -299,9 +309,12 @@ def _indices(key: str, value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _comm_fusion(value: Any) -> dict[str, dict[str, Any]]:
-    entries = _mapping("comm_fusion", value, COMM_FUSION_MODES)
-    return {kind: _fusion_entry(kind, entry) for kind, entry in entries.items()}
+def _comm_fusion(value: Any) -> dict[str, Any]:
+    entries = _mapping("comm_fusion", value, ("openstate", *COMM_FUSION_MODES))
+    out: dict[str, Any] = {}
+    if "openstate" in entries:  # MindSpore's switch for the whole fusion (default True)
+        out["openstate"] = _bool("comm_fusion['openstate']", entries.pop("openstate"))
+    return out | {kind: _fusion_entry(kind, entry) for kind, entry in entries.items()}
 
 
 def _fusion_entry(kind: str, entry: Any) -> dict[str, Any]:
@@ -316,7 +329,7 @@ def _fusion_entry(kind: str, entry: Any) -> dict[str, Any]:
         raise _bad(ValueError, f"{label}['config']", config,
                    "mode 'auto' takes config None (a 64 MB threshold); use mode 'size' for MB.")
     if mode == "size":
-        config = _int(f"{label}['config']", config, 0)  # threshold in MB
+        config = _int(f"{label}['config']", config, 1)  # threshold in MB, above 0
     if mode == "index":
         config = _indices(f"{label}['config']", config)
     return {"mode": mode, "config": config}
@@ -405,9 +418,28 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "memory_budget": check_memory_budget,
     "hardware": _hardware,
     "parallel_config": _parallel_config,
+    "parameter_broadcast": partial(_bool, "parameter_broadcast"),
+    "loss_repeated_mean": partial(_bool, "loss_repeated_mean"),
 }
+# MindSpore's older names of keys: read as the key they name (MindSpore 2.x still takes
+# auto_parallel_search_mode, deprecated, for search_mode).
+ALIASES = {"auto_parallel_search_mode": "search_mode"}
 FIELD_NAMES = tuple(f.name for f in fields(ParallelContext))
 assert set(_CHECKS) == set(FIELD_NAMES), "every ParallelContext field needs exactly one check"
+
+
+def _unaliased(kwargs: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """`kwargs` with each older key name (ALIASES) as the key it names; both names given
+    with different values is a ValueError."""
+    out = dict(kwargs)
+    for old, new in ALIASES.items():
+        if old in out:
+            value = out.pop(old)
+            if new in out and out[new] != value:
+                raise ValueError(f"{where}({old}={value!r}, {new}={out[new]!r}): {old} is "
+                                 f"MindSpore's older name of {new}; give one of them.")
+            out[new] = value
+    return out
 
 
 def _check_keys(keys: Iterable[Any], where: str) -> None:
@@ -436,6 +468,7 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
       >>> set_auto_parallel_context(parallel_mode="auto_parallel", mem_coeff=0.1, device_num=8)
     """
     global _current
+    kwargs = _unaliased(kwargs, "set_auto_parallel_context")
     _check_keys(kwargs, "set_auto_parallel_context")
     # replace() re-runs every check before assigning
     _current = replace(_current, **_batch_partner(kwargs, _current))
@@ -477,6 +510,7 @@ def get_auto_parallel_context(name: str) -> Any:
     if not isinstance(name, str):
         raise TypeError(f"get_auto_parallel_context(name={name!r}): name must be a str key, "
                         f"one of {list(FIELD_NAMES)}.")
+    name = ALIASES.get(name, name)
     _check_keys([name], "get_auto_parallel_context")
     return copy.deepcopy(getattr(_current, name))
 
@@ -644,7 +678,7 @@ def _fields_from_yaml(data: Any) -> dict[str, Any]:
                              f"{sorted(k for k in data if k != 'parallel_context')}.")
         data = _yaml_mapping("parallel_context", data["parallel_context"])
     kwargs: dict[str, Any] = {}
-    for key, value in data.items():
+    for key, value in _unaliased(data, "the file").items():
         if key == "parallel":
             _add(kwargs, _from_parallel_block(value), "parallel")
         elif key == "parallel_config":
@@ -682,7 +716,7 @@ def _add(kwargs: dict[str, Any], new: dict[str, Any], where: str) -> None:
 
 def _from_parallel_block(block: Any) -> dict[str, Any]:
     """MindFormers' `parallel:` block: context keys; parallel_mode may be an int or upper-case."""
-    block = _yaml_mapping("parallel", block)
+    block = _unaliased(_yaml_mapping("parallel", block), "parallel")
     out: dict[str, Any] = {}
     if "auto_pipeline" in block:  # MindFormers-only switch: kept for the pipeline planner
         out["parallel_config"] = {"auto_pipeline": block.pop("auto_pipeline")}

@@ -50,6 +50,8 @@ NON_DEFAULT = [
     ("memory_budget", 2**30),
     ("hardware", "h100-nvlink"),
     ("parallel_config", {"data_parallel": 2, "model_parallel": 4, "vocab_emb_dp": False}),
+    ("parameter_broadcast", True),
+    ("loss_repeated_mean", False),
 ]
 # full_batch=True is dataset_strategy="full_batch": with split counts it would contradict them
 NON_DEFAULT_CTX = ParallelContext(**dict(NON_DEFAULT) | {"full_batch": False})
@@ -110,6 +112,10 @@ BAD = [
     ("parallel_config", {"data_parallel": 0}, ValueError),
     ("parallel_config", {"pipeline_stage": 2}, ValueError),
     ("parallel_config", {"vocab_emb_dp": 1}, TypeError),
+    ("comm_fusion", {"allgather": {"mode": "size", "config": 0}}, ValueError),  # MB above 0
+    ("comm_fusion", {"openstate": "yes"}, TypeError),
+    ("parameter_broadcast", 1, TypeError),
+    ("loss_repeated_mean", "true", TypeError),
 ]
 
 
@@ -150,6 +156,26 @@ def test_defaults_follow_mindspore():
     assert DEFAULTS.parallel_optimizer_config["parallel_optimizer_threshold"] == 64
 
 
+def test_mindspores_older_and_kept_keys_are_read():
+    """001's examples set auto_parallel_search_mode (search_mode's older name),
+    parameter_broadcast, loss_repeated_mean and comm_fusion's openstate: each was refused
+    as an unknown key."""
+    set_auto_parallel_context(parallel_mode="auto_parallel",
+                              auto_parallel_search_mode="dynamic_programming",
+                              parameter_broadcast=True, loss_repeated_mean=False,
+                              comm_fusion={"openstate": False,
+                                           "allreduce": {"mode": "size", "config": 32}})
+    assert get_auto_parallel_context("search_mode") == "dynamic_programming"
+    assert get_auto_parallel_context("auto_parallel_search_mode") == "dynamic_programming"
+    assert get_auto_parallel_context("comm_fusion")["openstate"] is False
+    with pytest.raises(ValueError, match="older name of search_mode; give one of them"):
+        set_auto_parallel_context(auto_parallel_search_mode="dynamic_programming",
+                                  search_mode="sharding_propagation")
+    assert get_auto_parallel_context("parameter_broadcast") is True  # nothing changed
+    ctx = ParallelContext.from_dict({"auto_parallel_search_mode": "sharding_propagation"})
+    assert ctx.search_mode == "sharding_propagation"
+
+
 def test_reset_restores_defaults():
     set_auto_parallel_context(**NON_DEFAULT_CTX.to_dict())
     assert current_context() == NON_DEFAULT_CTX
@@ -177,8 +203,8 @@ def test_dataclass_rejects_bad_values_too(key, value, exc):
 def test_unknown_keys_suggest_close_ones():
     with pytest.raises(ValueError, match=r"'paralel_mode'.*Did you mean 'parallel_mode'"):
         set_auto_parallel_context(paralel_mode="auto_parallel")
-    with pytest.raises(ValueError, match=r"auto_parallel_search_mode.*'search_mode'"):
-        get_auto_parallel_context("auto_parallel_search_mode")
+    with pytest.raises(ValueError, match=r"'serch_mode'.*'search_mode'"):
+        get_auto_parallel_context("serch_mode")
     with pytest.raises(TypeError, match="name must be a str"):
         get_auto_parallel_context(3)
 
