@@ -415,7 +415,10 @@ def _guard(command: str, body) -> int:
     try:
         return body()
     except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        try:  # no second error as Python flushes stdout at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # a stdout with no file descriptor (captured)
+            pass
         return 1
     except (ValueError, TypeError, OSError) as err:
         print(f"jaxpar {command}: error: {err}", file=sys.stderr)
