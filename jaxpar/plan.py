@@ -24,6 +24,7 @@ from jaxpar.context import SEARCH_MODES, is_finite
 from jaxpar.cost.comm import Collective
 from jaxpar.cost.hardware import COLLECTIVE_KINDS
 from jaxpar.cost.model import OpCost
+from jaxpar.ir.graph import body_operands
 from jaxpar.rules.registry import OpInfo, candidates, is_local
 from jaxpar.search.propagation import Choice, GraphPlan
 from jaxpar.spec import MeshInfo, OpStrategy, Spec, axes_from_json
@@ -508,7 +509,7 @@ def _check_version(data: dict, path, where: str) -> None:
 def _from_json(d, path, where: str) -> Plan:
     try:
         return Plan.from_json(d)
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
+    except (TypeError, ValueError) as err:  # from_json says what any other error meant
         raise ValueError(f"{where}({str(path)!r}): corrupt plan file ({err}).") from None
 
 
@@ -739,8 +740,6 @@ def as_run(plan: Plan, graph, model, traced) -> None:
     loop body's op keeps its saved price (a loop is priced as its search planned its bodies).
     The peak is always counted again from the specs: a file's may be edited, and the
     arguments given to donate change it."""
-    from jaxpar.search.propagation import latency_shares
-
     gp, out_specs = plan.graph_plan, dict(enumerate(plan.flat_out_specs))
     edited = []
     if not callable(plan.__dict__.get("_rows")):  # rows made from the strategies: no edits
@@ -751,14 +750,13 @@ def as_run(plan: Plan, graph, model, traced) -> None:
         plan.cost = replace(plan.cost, peak_memory_bytes=peak_memory(graph, gp, model.mesh,
                                                                       out_specs))
         return
-    share, choices = latency_shares(graph), dict(gp.choices)
+    choices = dict(gp.choices)
     for path in edited:
         if "." not in path:
             op, was = graph.ops[int(path)], gp.choices[int(path)]
             if op.regions:
                 continue
-            cost = model.op(OpInfo.of(op, graph), was.strategy,
-                            max((share(v) for v in op.outputs), default=1.0))
+            cost = model.op(OpInfo.of(op, graph), was.strategy, graph.op_latency_share(op))
             choices[op.index] = Choice(was.strategy, cost, model.score(cost), None, None,
                                        was.n_candidates, was.has_rule)
     again = build_plan(graph, GraphPlan(dict(gp.specs), choices), model, traced,
@@ -867,7 +865,7 @@ def _tally_roles(graph, gp: GraphPlan, weights: set[int], times: float,
         if choice is None:
             continue
         for r, body in enumerate(op.regions):
-            outer = _body_operands(op, r)
+            outer = body_operands(op, r)
             if outer is not None and r < len(choice.regions):
                 inner = {b for b, o in zip(body.inputs, outer, strict=True)
                          if root(o) is not None}
@@ -886,23 +884,6 @@ def _tally_roles(graph, gp: GraphPlan, weights: set[int], times: float,
                 work[a]["tp"] += done
             elif a in s.ins[1 - k].axes():
                 work[a]["dp"] += done
-
-
-def _body_operands(op, r: int) -> list | None:
-    """The operands of region op `op` that body `r`'s inputs are, in order (None: not known
-    for this op): a scan's body takes them all; a while loop's condition its constants and
-    the carry, its body its constants and the carry; a cond's branches all but the index."""
-    body, ins = op.regions[r], list(op.inputs)
-    if op.name == "scan":
-        found = ins
-    elif op.name == "while":
-        cn, bn = op.params["cond_nconsts"], op.params["body_nconsts"]
-        found = ins[:cn] + ins[cn + bn:] if r == 0 else ins[cn:]
-    elif op.name == "cond":
-        found = ins[1:]
-    else:
-        return None
-    return found if len(found) == len(body.inputs) else None
 
 
 def _by_kind(cols) -> dict[str, dict[str, float]]:

@@ -293,14 +293,6 @@ def test_nnx_objects_in_a_container_are_updated_in_place(wrap):
     """A step taking (model, optimizer) as one argument traced them as plain pytrees and
     dropped their new state: the loss stayed at its first value, the kernel at its initial
     one, where nnx.jit trains (and a BatchNorm's statistics in a dict stayed zero)."""
-    class Net(nnx.Module):
-        def __init__(self, rngs):
-            self.lin = nnx.Linear(16, 8, rngs=rngs)
-            self.bn = nnx.BatchNorm(8, rngs=rngs)
-
-        def __call__(self, x):
-            return self.bn(self.lin(x))
-
     def step(pair, x, y):
         model, opt = (pair["m"], pair["o"]) if isinstance(pair, dict) else pair
         loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
@@ -308,11 +300,11 @@ def test_nnx_objects_in_a_container_are_updated_in_place(wrap):
         return loss
 
     def made():
-        model = Net(nnx.Rngs(0))
+        model = _Norm(nnx.Rngs(0))  # a Linear then a BatchNorm
         return wrap([model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)])
 
-    x = jax.random.normal(jax.random.key(1), (16, 16))
-    y = jnp.ones((16, 8))
+    x = jax.random.normal(jax.random.key(1), (16, 4))
+    y = jnp.ones((16, 4))
     ours, theirs = made(), made()
     net, jitted = AutoParallel(step), nnx.jit(step)
     losses = [(float(net(ours, x, y)), float(jitted(theirs, x, y))) for _ in range(3)]

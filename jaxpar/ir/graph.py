@@ -55,6 +55,23 @@ def _loop_consts(op: Op) -> int:
     return 0
 
 
+def body_operands(op: Op, r: int) -> list | None:
+    """The operands of region op `op` that body `r`'s inputs are, in order (None: not known
+    for this op): a scan's body takes them all; a while loop's condition its constants and
+    the carry, its body its constants and the carry; a cond's branches all but the index."""
+    body, ins = op.regions[r], list(op.inputs)
+    if op.name == "scan":
+        found = ins
+    elif op.name == "while":
+        cn, bn = op.params["cond_nconsts"], op.params["body_nconsts"]
+        found = ins[:cn] + ins[cn + bn:] if r == 0 else ins[cn:]
+    elif op.name == "cond":
+        found = ins[1:]
+    else:
+        return None
+    return found if len(found) == len(body.inputs) else None
+
+
 def as_dtype(dtype) -> Any:
     """numpy dtype of an array, or JAX's own dtype object for extended types (PRNG keys)."""
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
