@@ -506,7 +506,7 @@ class ShardedFunction:
             if fixed[i] is None and fixed[j] is not None:
                 fixed[i] = fixed[j]  # optimizer state follows its parameter's fixed strategy
         with progress.stage("tracing"):
-            traced = trace(self.fn, args)
+            traced = trace(self.fn, args, mesh)
         _refuse_ordered_effects(self.fn, traced.closed_jaxpr, mesh.size)
         out_shapes = jax.tree_util.tree_unflatten(
             traced.out_tree, [jax.ShapeDtypeStruct(tuple(v.aval.shape), v.aval.dtype)

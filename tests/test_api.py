@@ -123,6 +123,37 @@ def test_user_sharding_constraint_is_kept(mode):
     assert choice.strategy.outs[0].to_pspec() == P(None, "d1")
 
 
+def test_a_bare_partition_spec_constraint_reads_the_plans_mesh():
+    """`with_sharding_constraint(x, P(...))` without a NamedSharding names axes of the mesh in
+    context: jaxpar traces, compiles and runs on its own mesh, so the constraint reads that one
+    as it would under the user's jax.set_mesh. With no mesh set JAX raised a RuntimeError from
+    the trace; under jax.jit and jax.grad too (an abstract mesh is set inside a trace)."""
+    mesh = jaxpar.make_mesh(8)
+
+    def fn(x, w):
+        return jnp.tanh(jax.lax.with_sharding_constraint(x @ w, P(None, "d1"))).sum()
+
+    f = jaxpar.shard(fn, in_strategy=((8, 1), None), mesh=mesh)
+    w = W[:, :8]
+    got = f(X, w), jax.jit(f)(X, w), jax.grad(f)(X, w)  # first: jit caches traces
+    with jax.set_mesh(mesh):
+        want, grad = jax.jit(fn)(X, w), jax.jit(jax.grad(fn))(X, w)
+    np.testing.assert_allclose(got[0], want, rtol=1e-5)
+    np.testing.assert_allclose(got[1], want, rtol=1e-5)
+    np.testing.assert_allclose(got[2], grad, rtol=1e-5, atol=1e-6)
+    choice = next(c for c in f.plan(X, w).graph_plan.choices.values()
+                  if c.strategy.name == "user constraint")
+    assert choice.strategy.outs[0].to_pspec() == P(None, "d1")
+    assert jax.sharding.get_abstract_mesh().empty  # nothing left set after the calls
+
+    def other(x):
+        return jax.lax.with_sharding_constraint(x * 2, P("dp"))
+
+    with pytest.raises(ValueError, match=r"other: .*bare PartitionSpec.*\('d0', 'd1', 'd2'\)"
+                       r".*make_mesh\(shape, names\)"):
+        jaxpar.shard(other, mesh=mesh)(X)
+
+
 def test_a_constraint_is_kept_where_gathering_looks_cheaper():
     """A replicated candidate was offered beside the user's constraint and chosen here, though
     XLA keeps the constraint: the plan predicted two gathers (3 KB) of a program that moved

@@ -92,14 +92,37 @@ def arg_paths(fn, args: tuple) -> list[str]:
     return [p for name, a in zip(names, args, strict=True) for p in leaf_paths(a, name)]
 
 
-def trace(fn, args: tuple) -> Traced:
-    """Trace fn(*args) to a ClosedJaxpr; args may hold ShapeDtypeStructs."""
+def trace(fn, args: tuple, mesh=None) -> Traced:
+    """Trace fn(*args) to a ClosedJaxpr; args may hold ShapeDtypeStructs. mesh: the plan's
+    (a Mesh or AbstractMesh), set for the trace where fn names its axes in a bare
+    PartitionSpec (`with_sharding_constraint(x, P("d0"))`) and no mesh is set around it."""
     in_paths = arg_paths(fn, args)
     # Traced from shapes alone: an array placed on a mesh with Explicit axes would write its
     # sharding into the program's types, which the plan's own mesh cannot replay.
     shapes = jax.tree_util.tree_map(shape_only, args)
     try:
-        closed, out_shape = _jaxpr(fn, shapes)
+        try:
+            closed, out_shape = _jaxpr(fn, shapes)
+        except RuntimeError as err:
+            # Only then: setting a mesh for every trace would refuse a shard_map over another
+            # mesh inside fn ("The context mesh ... should match the mesh passed").
+            if mesh is None or _NO_MESH not in str(err) or \
+                    not jax.sharding.get_abstract_mesh().empty:
+                raise
+            own = getattr(mesh, "abstract_mesh", mesh)
+            try:
+                with jax.sharding.use_abstract_mesh(own):
+                    closed, out_shape = _jaxpr(fn, shapes)
+            except ValueError as missing:
+                if "is not found in mesh" not in str(missing):
+                    raise
+                raise ValueError(
+                    f"{getattr(fn, '__name__', 'fn')}: a with_sharding_constraint given a bare "
+                    "PartitionSpec reads the mesh in context, and jaxpar traces the function "
+                    f"on the plan's mesh, whose axes are {tuple(own.axis_names)}: {missing} "
+                    "Name those axes in the PartitionSpec, or give jaxpar.shard(mesh=...) a "
+                    "mesh with the axis names it uses (jaxpar.make_mesh(shape, names)).") \
+                    from None
     except Exception as err:  # noqa: BLE001 - re-raised unless a capture explains it
         _refuse_explicit(fn, (), err)
         raise
@@ -108,6 +131,11 @@ def trace(fn, args: tuple) -> Traced:
     out_tree = jax.tree_util.tree_structure(out_shape)
     out_paths = leaf_paths(out_shape, "out")
     return Traced(closed, in_tree, out_tree, tuple(in_paths), tuple(out_paths))
+
+
+# JAX's words (0.10.2) where fn passes with_sharding_constraint a bare PartitionSpec with no
+# mesh set. (reshard and out_sharding= take Explicit axes only, which the plan's mesh lacks.)
+_NO_MESH = "requires a non-empty mesh in context"
 
 
 def _jaxpr(fn, shapes: tuple):
