@@ -979,6 +979,12 @@ def array_arguments(fn, args: tuple, leaves: list | None = None, tree=None
         if jax_cannot_hold(x):
             what = "jax.ShapeDtypeStruct" if isinstance(x, jax.ShapeDtypeStruct) else \
                 "numpy array"
+            if x.dtype == jax.dtypes.float0:
+                raise TypeError(
+                    f"argument {arg_paths(fn, args)[k]} is a {what} of dtype float0 (the "
+                    "zero tangent jax.grad(..., allow_int=True) gives an integer input), which "
+                    "holds no data and which jaxpar cannot place on its mesh. Leave it out of "
+                    "the call (tree_map it to None, say), or bind it into the function.")
             raise TypeError(f"argument {arg_paths(fn, args)[k]} is a {what} of dtype "
                             f"{x.dtype}, which JAX cannot hold; convert it to a numeric or "
                             "bool dtype (np.asarray(x, dtype=np.float32), say).")

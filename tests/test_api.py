@@ -1528,6 +1528,16 @@ def test_numpy_arrays_of_ml_dtypes_are_taken():
         jaxpar.shard(lambda x: x)(np.zeros(8, dtype="V4"))
 
 
+def test_a_float0_argument_is_named_as_a_zero_tangent():
+    """A float0 array (jax.grad(..., allow_int=True)'s tangent of an integer input) was refused
+    as a dtype "JAX cannot hold", which jax.jit takes: jaxpar cannot place it, and says what it
+    is and how to leave it out."""
+    zero = np.zeros((3,), jax.dtypes.float0)
+    with pytest.raises(TypeError, match=r"argument t is a numpy array of dtype float0 \(the zero "
+                       r"tangent .*allow_int=True.*Leave it out of the call"):
+        jaxpar.shard(lambda x, t: x * 2)(X, zero)
+
+
 @pytest.mark.parametrize("setting,value", [("jax_enable_x64", True),
                                            ("jax_threefry_partitionable", False)])
 def test_a_changed_jax_setting_plans_again(setting, value):

@@ -105,6 +105,28 @@ def test_fft_batch_cut_is_local():
         == {}
 
 
+@pytest.mark.xfail(strict=True, raises=jax.errors.JaxRuntimeError, reason=(
+    "XLA:CPU bug, reproduced without jaxpar: a jitted gradient through an FFT whose result is "
+    "then cut along the FFT's axis stops in the FFT thunk (RET_CHECK IsMonotonicWithDim0Major, "
+    "fft_thunk.cc). jax.grad of a sharded function hands XLA that backward unplanned "
+    "(README); a sharded jax.grad(loss) runs. This passes once XLA is fixed"))
+def test_xla_cpu_fft_gradient_with_the_result_cut_along_its_axis():
+    from jax.sharding import NamedSharding
+
+    from jaxpar.mesh import make_mesh
+
+    mesh = make_mesh(8)
+    x = arr(8, 16)
+
+    def loss(a, cut=None):
+        c = jnp.abs(jnp.fft.fft(a.astype(jnp.complex64)))
+        return jnp.tanh(c if cut is None else lax.with_sharding_constraint(c, cut)).sum()
+
+    want = jax.grad(loss)(x)
+    got = jax.jit(jax.grad(loss), static_argnums=1)(x, NamedSharding(mesh, P(None, "d0")))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
 def test_a_batched_cholesky_solve_runs_without_communication():
     # Before these rules cholesky and triangular_solve ran replicated: every device gathered
     # the whole batch of matrices and solved them all.
