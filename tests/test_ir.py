@@ -1,5 +1,7 @@
 """Tracing and the op graph: inlined calls, region ops, parameter paths."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,3 +126,21 @@ def test_shape_dtype_structs_trace_without_data():
     assert graph.values[graph.inputs[0]].dtype == np.dtype(jnp.bfloat16)
     assert traced.fingerprint == trace(lambda x: x * 2, (spec,)).fingerprint
     assert traced.fingerprint != trace(lambda x: x * 3, (spec,)).fingerprint
+
+
+def test_a_cond_without_matmuls_leaves_the_tail_going_on():
+    """The tail (values after a step's last matmul, whose reductions XLA combines) stopped at
+    any region op: under optax.apply_if_finite the gradients feed a cond, and their
+    all-reduces were each priced a whole latency. A cond with a matmul inside, or a loop,
+    still ends it."""
+    def step(g, p, ok, heavy):
+        scaled = g * 2.0
+        update = (lambda: p @ scaled) if heavy else (lambda: p - scaled)
+        return jax.lax.cond(ok, update, lambda: p)
+
+    for heavy in (False, True):
+        traced = trace(functools.partial(step, heavy=heavy),
+                       (jnp.ones((4, 4)), jnp.ones((4, 4)), True))
+        graph = build_graph(traced.closed_jaxpr)
+        (mul,) = [op for op in graph.ops if op.name == "mul"]
+        assert (mul.outputs[0] in graph.tail_values()) is not heavy

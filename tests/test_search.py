@@ -542,7 +542,9 @@ def test_dynamic_programming_offers_loops_lean_bodies_under_a_budget():
     With the conds' branches solved too, the unbudgeted plan peaks at 17616 bytes, not
     39452, and six tenths of that were met (9936 bytes). With the partial sums an op
     reduce-scatters held whole while it runs, it peaks at 18128 bytes and three quarters of
-    that are met (12752 bytes)."""
+    that are met (12752 bytes). With each cond also offered whole (operands and results
+    replicated), the unbudgeted plan takes them so (0.703 -> 0.370 ms modelled) and peaks at
+    79376 bytes; a fifth of that is met by the lean bodies (12752 bytes again)."""
     import numpy as np
 
     import jaxpar
@@ -567,10 +569,10 @@ def test_dynamic_programming_offers_loops_lean_bodies_under_a_budget():
     assert f.plan(ws, x).cost.peak_memory_bytes <= 0.9 * peak
     for got, want in zip(f(ws, x), jax.jit(fn)(ws, x), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
-    lean = jaxpar.shard(fn, search_mode="dynamic_programming", memory_budget=0.75 * peak)
-    assert lean.plan(ws, x).cost.peak_memory_bytes <= 0.75 * peak
+    lean = jaxpar.shard(fn, search_mode="dynamic_programming", memory_budget=0.2 * peak)
+    assert lean.plan(ws, x).cost.peak_memory_bytes <= 0.2 * peak
     with pytest.raises(ValueError, match="solved for the least memory"):
-        jaxpar.shard(fn, search_mode="dynamic_programming", memory_budget=0.3 * peak).plan(
+        jaxpar.shard(fn, search_mode="dynamic_programming", memory_budget=0.1 * peak).plan(
             ws, x)
 
 

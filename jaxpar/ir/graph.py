@@ -243,14 +243,16 @@ class OpGraph:
         return v.dtype if isinstance(v, Lit) else self.values[v].dtype
 
     def tail_values(self) -> frozenset[int]:
-        """Values from which no heavy op (dot_general, conv) or region op can be reached: what
-        a training step computes after its last matmul (gradient reductions, the optimizer).
-        XLA's combiners merge the independent reductions there (all-reduce, reduce-scatter)
-        into one, so they share one latency (see latency_share)."""
+        """Values from which no heavy op (dot_general, conv) or loop can be reached, nor a
+        cond with either inside: what a training step computes after its last matmul
+        (gradient reductions, the optimizer, under optax.apply_if_finite or MultiSteps a
+        cond). XLA's combiners merge the independent reductions there (all-reduce,
+        reduce-scatter) into one, so they share one latency (see latency_share)."""
         if self._tail is None:
             reaches: set[int] = set()
             for op in reversed(self.ops):
-                if op.name in _HEAVY or op.regions or any(v in reaches for v in op.outputs):
+                if op.name in _HEAVY or (op.regions and _heavy_inside(op)) or \
+                        any(v in reaches for v in op.outputs):
                     reaches.update(v for v in op.inputs if isinstance(v, int))
             self._tail = frozenset(range(len(self.values))) - reaches
         return self._tail
@@ -274,6 +276,14 @@ class OpGraph:
             yield path + (op.index,), op
             for r, body in enumerate(op.regions):
                 yield from body.walk(path + (op.index, r))
+
+
+def _heavy_inside(op: Op) -> bool:
+    """Whether a region op is a loop (scan, while) or a cond with a heavy op or loop in its
+    branches, at any depth."""
+    return op.name != "cond" or any(
+        inner.name in _HEAVY or (inner.regions and _heavy_inside(inner))
+        for body in op.regions for inner in body.ops)
 
 
 def build_graph(closed, in_names: tuple[str, ...] | None = None) -> OpGraph:

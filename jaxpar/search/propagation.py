@@ -38,8 +38,9 @@ lookup resharded its table onto d_model (cheaper for that op alone than gatherin
 activations after it were cut so (gpt_plans' FSDP layout through jaxpar, refined: 2.93 ms
 estimated from the compiled program, 1.48 with the rule; jit's own: 1.57).
 
-Region ops (scan, while, cond) get a single candidate made by planning their bodies with the
-operand specs known at that moment; a loop's carried values keep one spec across iterations.
+Region ops (scan, while, cond) get a candidate made by planning their bodies with the operand
+specs known at that moment (a cond also one with every operand and result replicated, see
+regions.region_candidates); a loop's carried values keep one spec across iterations.
 
 `fixed_ops` (op index -> strategy) are ops whose strategy a caller decided already
 (recursive_programming's main ops): they are planned first, in program order, with that single

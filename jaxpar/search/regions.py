@@ -42,15 +42,16 @@ def region_candidates(op: Op, info: OpInfo, known: list[Spec | None],
                       ) -> list[tuple]:
     """plan_region's answer, then (with model.search_bodies, for a loop) the one whose body
     dynamic_programming solved, and (with model.lean_bodies) the one it solved for the least
-    memory (model.lean()), each unless one before it is the same strategy, no costlier and
-    (lean_bodies) its bodies hold no more memory.
+    memory (model.lean()), then (a cond) its branches with every operand and result
+    replicated (_and_replicated), each unless one before it is the same strategy, no costlier
+    and (lean_bodies) its bodies hold no more memory.
 
     outs (a scan or while loop, with model.search_bodies): a spec or None per result; the
     bodies are then solved only, those results made in those specs (a loop's results are
     otherwise made where its body alone finds them cheapest: a scanned training step's
     stacked gradient reduce-scattered, where the parameters it updates are whole)."""
     if not model.search_bodies or op.name not in _SEARCHED:
-        return [plan_region(op, info, known, model)]
+        return _and_replicated(op, info, known, model, [plan_region(op, info, known, model)])
     if outs is not None and (op.name not in RESULT_SPECS or all(o is None for o in outs)):
         return []
     key = (id(op), tuple(known), outs)  # the searches ask again for the same operand specs
@@ -61,8 +62,37 @@ def region_candidates(op: Op, info: OpInfo, known: list[Spec | None],
             found = _SEARCHED[op.name](op, info, known, m, *(() if outs is None else (outs,)))
             if not any(_covers(k, found, op, model) for k in kept):
                 kept.append(found)
-        hit = model.regions_cache[key] = (op, kept)
+        hit = model.regions_cache[key] = (op, kept if outs is not None else
+                                          _and_replicated(op, info, known, model, kept))
     return hit[1]
+
+
+def _and_replicated(op: Op, info: OpInfo, known: list[Spec | None], model: CostModel,
+                    found: list[tuple]) -> list[tuple]:
+    """`found` and, for a cond, its branches planned with every operand and result replicated
+    (_whole_cond), unless one of `found` covers it. Planned from the operand specs known (or
+    free), a branch takes the cheapest layout for itself alone, its results cut where the step
+    around it wants them whole: an optimizer update under optax.apply_if_finite or MultiSteps
+    was cut over every device and the replicated parameters gathered back after it (6 to 18
+    all-gathers where data parallel pays one all-reduce)."""
+    if op.name != "cond":
+        return found
+    key = (id(op), "whole")
+    hit = model.regions_cache.get(key)
+    if hit is None or hit[0] is not op:
+        hit = model.regions_cache[key] = (op, _whole_cond(op, info, model))
+    if any(_covers(k, hit[1], op, model) for k in found):
+        return found
+    return [*found, hit[1]]
+
+
+def _whole_cond(op: Op, info: OpInfo, model: CostModel):
+    """plan_region's answer for a cond whose operands and results are all replicated."""
+    ins = [Spec.replicated(len(shape)) for shape in info.in_shapes[1:]]
+    outs = [Spec.replicated(len(shape)) for shape in info.out_shapes]
+    plans = [propagate(b, model, _fixed(b.inputs, ins), dict(enumerate(outs)))
+             for b in op.regions]
+    return _branches(op, info, plans, ins, outs, model)
 
 
 def _covers(a: tuple, b: tuple, op: Op, model: CostModel) -> bool:
