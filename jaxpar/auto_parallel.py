@@ -96,6 +96,7 @@ class _Options:
     # What set hsdp and load_operator_file, as errors name them ({}: the settings, the path)
     hsdp_by: str = "hsdp({})"
     load_by: str = "load_operator_strategy_file({!r})"
+    save_by: str = "save_operator_strategy_file"
     gradients_mean: bool = False
     fp32_communication: bool = True
     load_operator_file: str = ""
@@ -279,6 +280,7 @@ class AutoParallel:
         # now, not at the first call: a call that plans raised, the next ran without a file
         check_writable(path, "save_operator_strategy_file: file_path")
         self._opts.save_operator_file = path
+        self._opts.save_by = "save_operator_strategy_file"
         self._save_operator_plans()
 
     def load_operator_strategy_file(self, file_path: str) -> None:
@@ -426,8 +428,8 @@ class AutoParallel:
         sharded = self._shard(pure, fixed, donate)
         note = None if o.hsdp is None else _hsdp_note(*o.hsdp)
         if o.load_operator_file:
-            sharded = sharded._loaded(_load_plans(o.load_operator_file))
-            _check_loaded(sharded, args, o.load_operator_file)
+            sharded = sharded._loaded(_load_plans(o.load_operator_file, o.load_by))
+            _check_loaded(sharded, args, o.load_operator_file, o.load_by)
             loaded = sharded.plan(*args)
             made = [n for n in loaded.notes if n.startswith(_HSDP_NOTE)]
             if o.hsdp is not None and made and note not in made:
@@ -467,7 +469,7 @@ class AutoParallel:
         plans = [p for program in self._functions.values()
                  if (p := program.plan_for(None)) is not None]
         if plans:
-            save_plans(plans, path, "save_operator_strategy_file")
+            save_plans(plans, path, self._opts.save_by)
 
     def _optimizer_parallel(self, plan: Plan, paths: list[str], shapes: list[tuple],
                             args: tuple, carried: set[int]) -> dict[int, Spec]:
@@ -816,11 +818,12 @@ def _strategy_path(method: str, file_path) -> str:
     return file_path
 
 
-def _load_plans(path: str) -> list[Plan]:
+def _load_plans(path: str, by: str) -> list[Plan]:
+    """load_plans, its errors naming the setting `by` (_Options.load_by) that gave `path`."""
     try:
         return load_plans(path)
     except ValueError as err:
-        raise ValueError(f"load_operator_strategy_file(file_path={path!r}): {err}") from None
+        raise ValueError(f"{by.format(path)}: {err}") from None
 
 
 _HSDP_NOTE = "made with hsdp: "
@@ -832,11 +835,11 @@ def _hsdp_note(shard_size: int, threshold: int, level: str) -> str:
         f"threshold={threshold} KB"
 
 
-def _check_loaded(sharded: ShardedFunction, args: tuple, path: str) -> None:
+def _check_loaded(sharded: ShardedFunction, args: tuple, path: str, by: str) -> None:
     try:
         sharded.plan(*args)
     except ValueError as err:
-        raise ValueError(f"load_operator_strategy_file(file_path={path!r}): {err}") from None
+        raise ValueError(f"{by.format(path)}: {err}") from None
 
 
 # What AutoParallel's programs are planned from: setting one after construction plans again.
@@ -905,4 +908,5 @@ def _options_from_context(ctx: ParallelContext) -> _Options:
         o.load_by = "set_auto_parallel_context(strategy_ckpt_load_file={!r})"
     if ctx.strategy_ckpt_save_file:
         o.save_operator_file = ctx.strategy_ckpt_save_file
+        o.save_by = "set_auto_parallel_context(strategy_ckpt_save_file)"
     return o

@@ -1081,3 +1081,17 @@ def test_a_changed_jax_setting_plans_the_network_again():
     finally:
         jax.config.update("jax_enable_x64", False)
 
+
+def test_strategy_file_errors_name_the_context_setting_that_gave_the_file(mlp_problem, tmp_path):
+    """A strategy file given through set_auto_parallel_context was named in its errors as if
+    passed to load_operator_strategy_file / save_operator_strategy_file."""
+    step, args, _, _ = mlp_problem
+    jaxpar.set_auto_parallel_context(strategy_ckpt_load_file=str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match=r"^set_auto_parallel_context\(strategy_ckpt_load_file="
+                       r"'.*missing\.json'\): load_plans"):
+        AutoParallel(step)(*args)
+    jaxpar.reset_auto_parallel_context()
+    jaxpar.set_auto_parallel_context(strategy_ckpt_save_file=str(tmp_path / "no" / "s.json"))
+    with pytest.raises(ValueError, match=r"^set_auto_parallel_context\(strategy_ckpt_save_file\) "
+                       r"'.*s\.json': cannot write a file there"):
+        AutoParallel(step)(*args)
