@@ -690,6 +690,10 @@ def _check_choice(op: str, d: dict) -> None:
           f"[kind, [axis names], bytes, count] (kind one of {list(COLLECTIVE_KINDS)}, bytes and "
           "count numbers of 0 or more)")
     check(isinstance(d["regions"], list), "regions", d["regions"], "a list of loop bodies' plans")
+    for key in ("strategy", "runner_up"):  # (a name explain() prints)
+        s = d[key]
+        check(s is None or isinstance(s, dict) and isinstance(s.get("name"), str),
+              f"{key}.name", s.get("name") if isinstance(s, dict) else s, "a str")
 
 
 def tail_latency(graph, gp: GraphPlan, model) -> float:

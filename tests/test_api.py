@@ -1224,7 +1224,8 @@ def test_a_plan_file_with_a_corrupt_field_is_refused_when_loaded(tmp_path, field
     ("cost.collectives", [["all-gather", ["d0"], -1, 1]], "cost.collectives"),
     ("cost.collectives", [["bogus", ["d0"], 8, 1]], "cost.collectives"),
     ("cost.collectives", [["all-gather", ["zz"], 8, 1]], "axes .'zz'. outside the mesh"),
-    ("regions", {}, "regions")])
+    ("regions", {}, "regions"),
+    ("strategy.name", 3, "strategy.name: a str expected, not 3")])  # explain() failed in rich
 def test_a_hand_edited_choice_in_a_plan_file_is_refused_with_its_op(tmp_path, key, value, said):
     """A choice's costs were loaded unchecked: a negative or NaN score, a string for bytes or
     an unknown collective kind was explained or verified as written."""
