@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
@@ -233,14 +234,41 @@ def _check_saveable(keypath: KeyPath, leaf: Any) -> None:
                          "checkpoint, written by all processes together, cannot hold it "
                          "(optax's step count right after init, say). Place it over the mesh "
                          "first: jax.device_put(x, NamedSharding(mesh, PartitionSpec())).")
+    if isinstance(leaf, np.ndarray | np.generic) and not _storable(leaf.dtype):
+        raise TypeError(f"save_checkpoint: {where} is a numpy {type(leaf).__name__} of dtype "
+                        f"{leaf.dtype}, which the checkpoint format cannot hold; convert it to "
+                        "a numeric or bool dtype JAX has, or leave it out of the state.")
+    if type(leaf) is int and not -2 ** 63 <= leaf < 2 ** 64:
+        raise ValueError(f"save_checkpoint: {where} is the int {leaf}, outside 64 bits, which "
+                         "the checkpoint format cannot hold; save it as a str elsewhere, or "
+                         "split it.")
     if isinstance(leaf, jax.Array | np.ndarray) and leaf.size == 0:
         raise ValueError(f"save_checkpoint: {where} has no elements (shape {leaf.shape}), "
                          "which the checkpoint format cannot hold; leave it out of the state.")
 
 
+def _storable(dtype) -> bool:
+    """Whether a numpy dtype is one JAX has (bool; ints and floats of up to 64 bits, complex
+    of up to 128; ml_dtypes' bfloat16, float8s, int4s): tensorstore refuses strings,
+    objects, datetimes, structured dtypes and long doubles, naming no leaf."""
+    d = np.dtype(dtype)
+    if d.kind == "b":
+        return True
+    if d.kind in "iufc":
+        return d.itemsize <= (16 if d.kind == "c" else 8)
+    return d.kind == "V" and d.fields is None and bool(jnp.issubdtype(d, jnp.number))
+
+
 def _check_destination(directory: Path, overwrite: bool) -> bool:
-    """Whether orbax must replace `directory`; raises when that is not allowed."""
+    """Whether orbax must replace `directory`; raises when that is not allowed, or where it
+    cannot be made (orbax raised about its own temporary directory, and its threads then held
+    the process for five minutes at exit)."""
     if not directory.exists():
+        above = next(p for p in directory.parents if p.exists())
+        if not above.is_dir() or not os.access(above, os.W_OK | os.X_OK):
+            what = "is a file" if not above.is_dir() else "is not writable"
+            raise ValueError(f"save_checkpoint: cannot make {directory}: {above} {what}. Pass "
+                             "a path under a directory you can write to.")
         return False
     if not directory.is_dir():
         raise ValueError(f"save_checkpoint: {directory} is a file, not a checkpoint directory.")
@@ -545,7 +573,7 @@ def _placement(leaf: Any, explicit: Sharding | None, mesh: Mesh | None) -> Shard
         return NamedSharding(mesh, PartitionSpec())
     if isinstance(leaf, np.ndarray | np.generic):
         return None
-    return SingleDeviceSharding(jax.devices()[0])
+    return SingleDeviceSharding(jax.local_devices()[0])  # (jax.devices()[0]: process 0's)
 
 
 def _check_shape(where: str, shape: tuple[int, ...], saved: Any) -> None:

@@ -28,6 +28,12 @@ print("checksums", (root / "1" / "_CHECKSUMS.json").is_file(), flush=True)
 back = restore_checkpoint(root, state, step=1)
 print("restored equal", bool(np.array_equal(
     multihost_utils.process_allgather(back["w"], tiled=True), values)), flush=True)
+# Shapes alone, with no mesh: each rank's own default device (it was process 0's, which rank 1
+# cannot place onto: "the data files may be missing or damaged").
+whole = restore_checkpoint(root, {"w": jax.ShapeDtypeStruct(values.shape, values.dtype)},
+                           step=1)["w"]
+print("restored whole here", whole.sharding.device_set == {jax.local_devices()[0]} and
+      bool(np.array_equal(np.asarray(whole), values)), flush=True)
 multihost_utils.sync_global_devices("restored once")
 if info.process_id == 0:
     data = max((p for p in (root / "1").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
