@@ -179,12 +179,20 @@ class AutoParallel:
         self._functions: dict[Any, _Program] = {}
         self._check_now()
         k = ctx.grad_accumulation_step
-        if k > 1 and getattr(network, "grad_accumulation_step", None) is None:
+        built = getattr(network, "grad_accumulation_step", None)
+        if k > 1 and built is None:
             warnings.warn(
                 f"set_auto_parallel_context(grad_accumulation_step={k}) does not change "
                 f"AutoParallel({_name(network)}): it runs the step as written. Build the step "
                 "with jaxpar.make_train_step(loss_fn, optimizer), which reads the key and "
                 f"accumulates the gradients of {k} microbatches.", stacklevel=2)
+        elif built is not None and k != 1 and built != k:  # read when the step was built
+            warnings.warn(
+                f"set_auto_parallel_context(grad_accumulation_step={k}) does not change "
+                f"AutoParallel({_name(network)}): the step was built by make_train_step with "
+                f"grad_accumulation_step={built} (the context's when it was built) and runs "
+                f"so. Build it after setting the context, or pass grad_accumulation_step={k} "
+                "to make_train_step.", stacklevel=2)
         pc = ctx.parallel_config
         dp, mp = pc.get("data_parallel"), pc.get("model_parallel", 1)
         if parallel_mode == "semi_auto" and not self.parameter_plan and (

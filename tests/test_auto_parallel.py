@@ -564,6 +564,13 @@ def test_the_contexts_grad_accumulation_step_warns_where_autoparallel_cannot_tak
     params = {"w": jnp.ones((16, 8)) * 0.1}
     x, y = jnp.ones((32, 16)), jnp.zeros((32, 8))
     assert "while" in net.lower(params, tx.init(params), x, y).as_text()  # the microbatches
+    # Built before the context set the key, the step read k=1 and ran so, silently.
+    jaxpar.reset_auto_parallel_context()
+    early = jaxpar.make_train_step(loss_fn, tx)
+    jaxpar.set_auto_parallel_context(grad_accumulation_step=4)
+    with pytest.warns(UserWarning, match=r"built by make_train_step with "
+                                         r"grad_accumulation_step=1 .*Build it after"):
+        AutoParallel(early)
 
 
 def test_the_mode_comes_from_the_context_unless_given():
