@@ -520,7 +520,7 @@ class ShardedFunction:
         profile = load_profile(o.hardware)
         model = CostModel(MeshInfo.of(mesh), profile, o.level, o.mem_coeff,
                           recompute_heavy=o.search_mode not in AUTOMATIC_MODES,
-                          search_bodies=o.search_mode in AUTOMATIC_MODES,
+                          search_bodies=True,  # sharding_propagation too (regions.py)
                           fp32_communication=o.fp32_communication)
         if self._pinned is not None:
             pinned = self._pinned if isinstance(self._pinned, Plan) else next(

@@ -142,11 +142,12 @@ def test_layout_names_the_logical_mesh_of_a_hand_written_plan():
     (((8, 1), None), "dp8"), (((2, 1), (1, 1, 4)), "dp2 x tp4")])
 def test_layout_counts_the_matmuls_of_a_scanned_models_layers(in_strategy, want):
     # Every matmul in the scan's body: the layout was "rep8" (no matmul counted) whatever
-    # the body cut.
+    # the body cut. (Weights big enough that gathering them costs more than the matmuls.)
     def f(x, ws):
         return jnp.sum(jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0])
 
-    x, ws = jnp.ones((32, 64)), jnp.ones((4, 64, 64)) / 64
+    x = jax.ShapeDtypeStruct((32, 1024), jnp.float32)
+    ws = jax.ShapeDtypeStruct((4, 1024, 1024), jnp.float32)
     plan = jaxpar.shard(f, in_strategy=in_strategy, mesh=jaxpar.make_mesh((2, 4))).plan(x, ws)
     assert plan.layout == want
 

@@ -236,3 +236,28 @@ def test_indivisible_batch_fails_at_trace_time_before_the_loss_runs():
 def test_accumulate_gradients_errors(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+def test_semi_auto_accumulates_without_gathering_the_sums_after_the_loop():
+    """In semi_auto (sharding_propagation) a loop's body was planned by propagation alone, and
+    the gradient accumulators (the scan's carries, zeros any layout makes for free) came out
+    cut on a weight dim: each microbatch's matmuls ran whole on every device and the sums were
+    gathered after the loop, 30,720 bytes moved where jit's data parallel moves 24,592 (now
+    6,144: the batch gathered once, modelled cheaper here). The body is now solved as the
+    automatic searches solve it (CostModel.search_bodies)."""
+    def loss(p, x, y):
+        return jnp.mean((jax.nn.relu(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+    params = {"w1": jnp.full((16, 64), 0.1), "w2": jnp.full((64, 8), 0.1)}
+    opt = optax.adam(1e-2)
+    x, y = jnp.ones((64, 16)), jnp.ones((64, 8))
+    step = make_train_step(loss, opt, grad_accumulation_step=4)
+    mesh = jaxpar.make_mesh(8)
+    whole, cut = NamedSharding(mesh, P()), NamedSharding(mesh, P(("d0", "d1", "d2")))
+    dp = jax.jit(step, in_shardings=(whole, whole, cut, cut))
+    args = (params, opt.init(params), x, y)
+    net = jaxpar.AutoParallel(step, parallel_mode="semi_auto")
+    moved = sum(c["bytes"] for c in jaxpar.collective_stats(net.lower(*args).compile()).values())
+    assert moved < sum(c["bytes"] for c in
+                       jaxpar.collective_stats(dp.lower(*args).compile()).values())
+    assert_tree_close(net(*args), dp(*args), rtol=1e-5)

@@ -38,8 +38,8 @@ ops (resolve._tie: tie_repeats=True): untied, recursive_programming planned the 
 step in 1.4 times the time, sharding_propagation in 3.4 times.
 
 A loop (scan, while; and a cond, see regions.py) is one node whose candidates are plans of its
-bodies (regions.region_candidates): by propagation, and with `CostModel.search_bodies` (the
-automatic modes) also solved exactly, for free operands. Such a graph is then solved again
+bodies (regions.region_candidates): by propagation, and with `CostModel.search_bodies`
+(jaxpar.shard sets it) also solved exactly, for free operands. Such a graph is then solved again
 with each loop also offering its bodies solved for the operand specs the first answer gives
 it, so that a step's forward and backward scans agree on the residuals passed between them,
 and (a scan or while loop) for the specs that answer wants its results in (_wanted: a
