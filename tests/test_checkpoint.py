@@ -506,3 +506,21 @@ def test_processes_verify_shares_of_the_files_that_cover_them_once():
     shares = [_share(saved, p, 2) for p in range(2)]
     assert sorted(shares[0] + shares[1]) == sorted(saved)  # every file, once
     assert sorted(sum(saved[n]["size"] for n in share) for share in shares) == [900, 901]
+
+
+def test_a_failed_read_of_verified_files_points_at_the_placement(tmp_path, monkeypatch):
+    """Every orbax failure was reported as data files "missing or damaged", also after the
+    files had matched their checksums (a restore onto devices another process owns)."""
+    save_checkpoint(tmp_path / "ckpt", {"w": jnp.ones(4)})
+
+    def refuse(self, *args, **kwargs):
+        raise ValueError("If the Array has no addressable shards, dtype must be provided")
+
+    monkeypatch.setattr(ocp.StandardCheckpointer, "restore", refuse)
+    with pytest.raises(ValueError, match=r"cannot be read \(ValueError: If the Array has no "
+                       r"addressable shards.*match the checksums saved with them, so look at "
+                       r"where the target places them"):
+        restore_checkpoint(tmp_path / "ckpt", {"w": jnp.ones(4)})
+    (tmp_path / "ckpt" / "_CHECKSUMS.json").unlink()  # saved before jaxpar kept checksums
+    with pytest.raises(ValueError, match="its data files may be missing or damaged"):
+        restore_checkpoint(tmp_path / "ckpt", {"w": jnp.ones(4)})

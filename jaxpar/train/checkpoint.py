@@ -122,7 +122,7 @@ def restore_checkpoint(path: PathLike, target: Any, *, step: int | None = None,
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"restore_checkpoint: mesh={mesh!r} must be a jax.sharding.Mesh or None.")
     directory = _checkpoint_directory(_absolute(path, "path"), step)
-    _verify_checksums(directory)
+    verified = _verify_checksums(directory)
     tree = _tree_metadata(directory)
     saved = _saved_leaves(tree, directory)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
@@ -140,10 +140,12 @@ def restore_checkpoint(path: PathLike, target: Any, *, step: int | None = None,
                     f"{directory} (orbax: {_first_line(err)}): its leaves have the saved names "
                     "but a tuple or list was saved where target has a dict, or the reverse. "
                     "The target must have the saved structure.") from None
+            why = ("its files match the checksums saved with them, so look at where the "
+                   "target places them (shardings, mesh: devices this process can use)"
+                   if verified else "its data files may be missing or damaged")
             raise ValueError(f"restore_checkpoint: the arrays of the checkpoint at "
                              f"{directory} cannot be read ({type(err).__name__}: "
-                             f"{_first_line(err)}); its data files may be missing or "
-                             "damaged.") from None
+                             f"{_first_line(err)}); {why}.") from None
     # A numpy scalar target (np.float32(0.1)) is restored through a 0-d array: back to one.
     scalars = [isinstance(leaf, np.generic) for _, leaf in leaves]
     if not any(scalars):
@@ -362,9 +364,10 @@ def _record_crc(files: Any) -> int:
     return zlib.crc32(json.dumps(files, sort_keys=True).encode())
 
 
-def _verify_checksums(directory: Path) -> None:
+def _verify_checksums(directory: Path) -> bool:
     """Raise a ValueError naming every file of `directory` that is missing or differs from its
-    saved size and crc32; nothing to check in a checkpoint saved without checksums. With several
+    saved size and crc32; nothing to check in a checkpoint saved without checksums (False is
+    returned then; True where every file was checked and found as saved). With several
     processes each reads a share of the bytes (_share), so the checkpoint is read once more in
     all, not once per process, and one small all-gather tells every process whether any share
     was damaged: all of them raise."""
@@ -372,7 +375,7 @@ def _verify_checksums(directory: Path) -> None:
     if saved is None:
         log.debug("%s has no %s (saved before jaxpar recorded checksums): restored unverified.",
                   directory, _CHECKSUM_FILE)
-        return
+        return False
     mine = _share(saved, jax.process_index(), jax.process_count())
     found = _checksums(directory, mine)
     damaged = [_damage(name, saved[name], found[name]) for name in mine
@@ -381,7 +384,7 @@ def _verify_checksums(directory: Path) -> None:
     if jax.process_count() > 1:
         counts = gather_rows(np.array([len(damaged)])).reshape(-1).tolist()
     if not any(counts):
-        return
+        return True
     again = ("restore an earlier step, or copy the checkpoint again from where it was "
              "written.")
     if not damaged:
