@@ -307,6 +307,36 @@ def test_a_while_loop_counted_between_literals_is_priced_per_trip(mode):
         assert known_trips(loop) == trips
 
 
+@pytest.mark.parametrize("start, test, step, trips", [
+    (0, lambda i: i <= 4, lambda i: i + 1, 5), (0, lambda i: i != 5, lambda i: 1 + i, 5),
+    (0, lambda i: i < 10, lambda i: i + 2, 5), (5, lambda i: i > 0, lambda i: i - 1, 5),
+    (5, lambda i: 0 < i, lambda i: i + -1, 5), (9, lambda i: i >= 1, lambda i: i - 2, 5),
+    (7, lambda i: i < 5, lambda i: i + 1, 0), (0, lambda i: i != 9, lambda i: i + 2, None),
+    (0, lambda i: i < 5, lambda i: i - 1, None), (0, lambda i: i < 5, lambda i: 5 - i, None)])
+def test_while_trip_counts_in_the_forms_xla_counts(start, test, step, trips):
+    """Only `i < literal` with `i + 1` was counted: `i <= 4`, `i != 5`, a step of 2 or a
+    counter going down priced one trip where XLA ran five (the compiled program moved 5x the
+    predicted bytes). None: forever (9 never met by even steps; moving away from the bound),
+    or not a step (5 - i)."""
+    from jaxpar.ir import build_graph, trace
+    from jaxpar.search.regions import known_trips
+
+    def fn(x, w):
+        return jax.lax.while_loop(lambda s: test(s[1]), lambda s: (jnp.tanh(s[0] @ w),
+                                                                   step(s[1])), (x, start))[0]
+
+    x, w = jnp.ones((32, 16)), jnp.eye(16)
+    t = trace(fn, (x, w))
+    (loop,) = [op for op in build_graph(t.closed_jaxpr, t.in_paths).ops if op.name == "while"]
+    assert known_trips(loop) == trips
+    if trips == 5 and start == 0 and test(4) and not test(5):  # i <= 4 and i != 5: compiled
+        f = jaxpar.shard(fn, in_strategy=((1, 8), None), search_mode="sharding_propagation")
+        check = f.plan(x, w).verify(f.lower(x, w).compile())
+        assert check.ok and check.predicted == {
+            k: {"count": v["count"], "bytes": float(v["bytes"])}
+            for k, v in check.measured.items()}, str(check)
+
+
 def test_a_while_loops_condition_is_priced_one_run_more_than_its_body():
     """The condition of a while loop whose bound is traced runs twice for the body's one trip
     (the test that ends the loop), as the compiled program's collectives count it; the plan

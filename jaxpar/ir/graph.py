@@ -344,9 +344,10 @@ def literal(atom) -> Lit | None:
 
 def while_trips(params: dict, operands: Sequence) -> int | None:
     """How many times a while loop runs, where XLA can tell (it then runs each collective in
-    the body that many times): a carried counter that starts at a literal, goes up by a
-    literal 1 each trip, and is tested against a literal bound (`while i < n`, i an integer).
-    None where it cannot be told (a bound known only when the program runs).
+    the body that many times): a carried integer counter that starts at a literal, goes up or
+    down by a literal step each trip (`i + s`, `s + i`, `i - s`), and is compared with a
+    literal bound (`<`, `<=`, `>`, `>=`, `!=`, the counter on either side). None where it
+    cannot be told (a bound known only when the program runs) or the loop would not end.
 
     Args:
       params: the while eqn's params (its cond_jaxpr, body_jaxpr and their const counts).
@@ -355,20 +356,55 @@ def while_trips(params: dict, operands: Sequence) -> int | None:
     cn, bn = params["cond_nconsts"], params["body_nconsts"]
     cond, body = params["cond_jaxpr"].jaxpr, params["body_jaxpr"].jaxpr
     test = _made_by(cond, cond.outvars[0])
-    if test is None or test.primitive.name != "lt" or literal(test.invars[1]) is None or \
-            not any(test.invars[0] is v for v in cond.invars[cn:]):
+    if test is None or test.primitive.name not in _FLIPPED or len(test.invars) != 2:
         return None
-    k = next(i for i, v in enumerate(cond.invars[cn:]) if v is test.invars[0])
-    start, counter = operands[cn + bn + k], body.invars[bn + k]
-    step = _made_by(body, body.outvars[k])
-    if not isinstance(start, Lit) or not np.issubdtype(start.dtype, np.integer) or \
-            step is None or step.primitive.name != "add" or \
-            not any(v is counter for v in step.invars):
+    carried = cond.invars[cn:]
+    sides = [next((k for k, v in enumerate(carried) if v is x), None) for x in test.invars]
+    if (sides[0] is None) == (sides[1] is None):  # one side the counter, the other a literal
         return None
-    one = literal(step.invars[1] if step.invars[0] is counter else step.invars[0])
-    if one is None or one.shape != () or one.value != 1:
+    k, bound = (sides[0], test.invars[1]) if sides[0] is not None else (sides[1], test.invars[0])
+    compare = test.primitive.name if sides[0] is not None else _FLIPPED[test.primitive.name]
+    bound, start = literal(bound), operands[cn + bn + k]
+    step = _step(body, body.invars[bn + k], body.outvars[k])
+    if bound is None or bound.shape != () or not isinstance(start, Lit) or \
+            not np.issubdtype(start.dtype, np.integer) or step is None:
         return None
-    return max(int(test.invars[1].val) - int(start.value), 0)
+    return _trips(compare, int(start.value), int(bound.value), step)
+
+
+# A comparison with its operands swapped: `n > i` is `i < n`.
+_FLIPPED = {"lt": "gt", "gt": "lt", "le": "ge", "ge": "le", "ne": "ne"}
+
+
+def _step(body, counter, new) -> int | None:
+    """What the body adds to `counter` each trip (`new` its next value), where a literal: a
+    nonzero int; else None."""
+    eqn = _made_by(body, new)
+    if eqn is None or eqn.primitive.name not in ("add", "sub") or \
+            not any(v is counter for v in eqn.invars):
+        return None
+    if eqn.primitive.name == "sub" and eqn.invars[0] is not counter:
+        return None  # s - i: not a step
+    by = literal(eqn.invars[1] if eqn.invars[0] is counter else eqn.invars[0])
+    if by is None or by.shape != () or not np.issubdtype(np.asarray(by.value).dtype, np.integer):
+        return None
+    step = int(by.value) * (-1 if eqn.primitive.name == "sub" else 1)
+    return step or None
+
+
+def _trips(compare: str, start: int, bound: int, step: int) -> int | None:
+    """How many times `i = start; while i <compare> bound: i += step` runs (None: forever)."""
+    if compare == "ne":
+        gap = bound - start
+        return gap // step if gap % step == 0 and gap // step >= 0 else None
+    up = compare in ("lt", "le")
+    if not (start < bound if compare == "lt" else start <= bound if compare == "le" else
+            start > bound if compare == "gt" else start >= bound):
+        return 0
+    if (step > 0) != up:
+        return None  # moving away from the bound
+    reach = abs(bound - start) + (1 if compare in ("le", "ge") else 0)
+    return -(-reach // abs(step))
 
 
 def _made_by(jaxpr, var):
