@@ -696,20 +696,22 @@ def _check_choice(op: str, d: dict) -> None:
               f"{key}.name", s.get("name") if isinstance(s, dict) else s, "a str")
 
 
-def tail_latency(graph, gp: GraphPlan, model) -> float:
+def tail_latency(graph, gp: GraphPlan, model, ops=None) -> float:
     """Seconds to add to graph_cost's communication for the step's tail (OpGraph.tail_values:
     the gradient reductions), priced as XLA runs it: one latency per kind and device group
     (search.exact.tail_latency), where graph_cost gives each reduction a share of one
     (a third of a latency for an Adam step's one combined gradient all-reduce). The groups are
     those of the collectives each op's cost holds: a partial sum reduce-scattered over some
     axes and all-reduced over others is two groups (exact._reductions, from the strategy
-    alone, counts it one: its tables' coarser price)."""
+    alone, counts it one: its tables' coarser price). ops: the indices of the ops to count
+    (None: all)."""
     from jaxpar.search.exact import tail_latency as combined
 
     tail, groups = graph.tail_values(), {}
     for op in graph.ops:
         choice = gp.choices.get(op.index)
-        if op.regions or choice is None or not any(v in tail for v in op.outputs):
+        if op.regions or choice is None or not any(v in tail for v in op.outputs) or \
+                (ops is not None and op.index not in ops):
             continue
         for c in choice.cost.collectives:
             if c.kind in ("all-reduce", "reduce-scatter"):

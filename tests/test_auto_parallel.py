@@ -137,6 +137,41 @@ def test_semi_auto_under_an_optimizer_in_a_cond_is_data_parallel(wrap):
     _close_trees(got, want)
 
 
+def test_semi_auto_with_a_while_loop_in_the_tail_is_data_parallel():
+    """A while_loop after the update, driven by its norm (a step-size search): its
+    condition, run twice, reduced three loop constants and was priced at minus one latency
+    (each run paid the tail's correction, the reductions were priced once, hoisted), and
+    dynamic_programming refused the negative cost ("node_cost ... must be finite and >= 0").
+    With the loop's ops no matmul, the gradients' all-reduces ahead of it are the tail's too:
+    one all-reduce, as jit's data parallel."""
+    k = jax.random.split(jax.random.key(0), 4)
+    params = {"emb": jax.random.normal(k[0], (64, 32)) * 0.1,
+              "w": jax.random.normal(k[1], (32, 32)) * 0.1,
+              "head": jax.random.normal(k[2], (32, 64)) * 0.1}
+    tokens = jax.random.randint(k[3], (16, 8), 0, 64)
+    targets = jnp.roll(tokens, -1, 1)
+    tx = optax.sgd(0.1)
+
+    def loss(p, tokens, targets):
+        h = jnp.tanh(p["emb"][tokens] @ p["w"])
+        return optax.softmax_cross_entropy_with_integer_labels(h @ p["head"], targets).mean()
+
+    def step(p, s, tokens, targets):
+        value, g = jax.value_and_grad(loss)(p, tokens, targets)
+        u, s = tx.update(g, s, p)
+        _, scale = jax.lax.while_loop(
+            lambda c: (c[0] < 4) & (optax.tree.norm(u) * c[1] > 1e-3),
+            lambda c: (c[0] + 1, c[1] * 0.5), (0, 1.0))
+        return optax.apply_updates(p, jax.tree.map(lambda v: scale * v, u)), s, value
+
+    net = AutoParallel(step, parallel_mode="semi_auto")
+    args = (params, tx.init(params), tokens, targets)
+    stats = jaxpar.collective_stats(net.lower(*args).compile())
+    grads = sum(a.nbytes for a in jax.tree.leaves(params))
+    assert set(stats) == {"all-reduce"} and stats["all-reduce"]["bytes"] == grads + 4, stats
+    _close_trees(net(*args), jax.jit(step)(*args))
+
+
 @pytest.mark.parametrize("batch, axes", [(12, ("d0", "d1")), (6, ("d0",)), (7, None)])
 def test_data_parallel_cuts_a_batch_the_devices_do_not_divide_as_far_as_it_goes(batch, axes):
     # semi_auto's data parallel with a batch of 12 on 8 devices: cut 4 ways (it ran

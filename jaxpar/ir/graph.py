@@ -243,11 +243,12 @@ class OpGraph:
         return v.dtype if isinstance(v, Lit) else self.values[v].dtype
 
     def tail_values(self) -> frozenset[int]:
-        """Values from which no heavy op (dot_general, conv) or loop can be reached, nor a
-        cond with either inside: what a training step computes after its last matmul
-        (gradient reductions, the optimizer, under optax.apply_if_finite or MultiSteps a
-        cond). XLA's combiners merge the independent reductions there (all-reduce,
-        reduce-scatter) into one, so they share one latency (see latency_share)."""
+        """Values from which no heavy op (dot_general, conv) can be reached, nor a region op
+        (scan, while, cond) with one inside: what a training step computes after its last
+        matmul (gradient reductions, the optimizer; under optax.apply_if_finite or MultiSteps
+        a cond, a norm-driven while_loop). XLA's combiners merge the independent reductions
+        there (all-reduce, reduce-scatter) into one, so they share one latency (see
+        latency_share)."""
         if self._tail is None:
             reaches: set[int] = set()
             for op in reversed(self.ops):
@@ -279,11 +280,9 @@ class OpGraph:
 
 
 def _heavy_inside(op: Op) -> bool:
-    """Whether a region op is a loop (scan, while) or a cond with a heavy op or loop in its
-    branches, at any depth."""
-    return op.name != "cond" or any(
-        inner.name in _HEAVY or (inner.regions and _heavy_inside(inner))
-        for body in op.regions for inner in body.ops)
+    """Whether a region op (scan, while, cond) has a heavy op in its bodies, at any depth."""
+    return any(inner.name in _HEAVY or (inner.regions and _heavy_inside(inner))
+               for body in op.regions for inner in body.ops)
 
 
 def build_graph(closed, in_names: tuple[str, ...] | None = None) -> OpGraph:

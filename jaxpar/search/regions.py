@@ -193,13 +193,32 @@ def body_cost(body: OpGraph, plan: GraphPlan, model: CostModel,
               fixed_out: dict[int, Spec] | None = None, trips: float = 1,
               invariant: frozenset[int] = frozenset()) -> OpCost:
     """A body's modelled cost over `trips` runs (graph_cost, what the compiled program moves),
-    its tail reductions paying one latency per kind and device group each run."""
+    its tail reductions paying one latency per kind and device group each run; those XLA moves
+    out of the loop (computed from `invariant` alone) once. (All of them paid it each run: a
+    while loop's condition, run twice, reducing three loop constants came out of it at minus
+    one latency, and dynamic_programming refused the negative cost.)"""
     from jaxpar.plan import tail_latency
 
     cost = graph_cost(body, plan, model, fixed_out, shared=True, trips=trips,
                       invariant=invariant)
-    extra = tail_latency(body, plan, model)
-    return cost + OpCost(comm_s=extra * trips) if extra else cost
+    once = hoisted_ops(body, invariant) if trips != 1 else set()
+    every = {op.index for op in body.ops} - once
+    extra = tail_latency(body, plan, model, every) * trips + \
+        (tail_latency(body, plan, model, once) if once else 0.0)
+    return cost + OpCost(comm_s=extra) if extra else cost
+
+
+def hoisted_ops(body: OpGraph, invariant: frozenset[int]) -> set[int]:
+    """The ops of a loop body XLA computes once, out of the loop: those computed from the
+    values in `invariant` (its constants) alone, loops and effects aside (as graph_cost prices
+    them)."""
+    fixed, out = set(invariant), set()
+    for op in body.ops:
+        if not op.regions and not op.effectful and \
+                all(v in fixed for v in op.inputs if isinstance(v, int)):
+            fixed.update(op.outputs)
+            out.add(op.index)
+    return out
 
 
 def known_trips(op: Op) -> int | None:
