@@ -312,12 +312,15 @@ def test_a_while_loop_counted_between_literals_is_priced_per_trip(mode):
     (0, lambda i: i < 10, lambda i: i + 2, 5), (5, lambda i: i > 0, lambda i: i - 1, 5),
     (5, lambda i: 0 < i, lambda i: i + -1, 5), (9, lambda i: i >= 1, lambda i: i - 2, 5),
     (7, lambda i: i < 5, lambda i: i + 1, 0), (0, lambda i: i != 9, lambda i: i + 2, None),
-    (0, lambda i: i < 5, lambda i: i - 1, None), (0, lambda i: i < 5, lambda i: 5 - i, None)])
+    (0, lambda i: i < 5, lambda i: i - 1, None), (0, lambda i: i < 5, lambda i: 5 - i, None),
+    (0, lambda i: i < 200, lambda i: i + 3, 67), (0, lambda i: 200 > i, lambda i: i + 1, 200),
+    (0, lambda i: i != 128, lambda i: i + 1, 128), (0, lambda i: i != 129, lambda i: i + 1, None),
+    (199, lambda i: i >= 0, lambda i: i - 1, None)])
 def test_while_trip_counts_in_the_forms_xla_counts(start, test, step, trips):
     """Only `i < literal` with `i + 1` was counted: `i <= 4`, `i != 5`, a step of 2 or a
     counter going down priced one trip where XLA ran five (the compiled program moved 5x the
     predicted bytes). None: forever (9 never met by even steps; moving away from the bound),
-    or not a step (5 - i)."""
+    not a step (5 - i), or a form XLA only runs through (over 128 trips it counts one)."""
     from jaxpar.ir import build_graph, trace
     from jaxpar.search.regions import known_trips
 
@@ -335,6 +338,26 @@ def test_while_trip_counts_in_the_forms_xla_counts(start, test, step, trips):
         assert check.ok and check.predicted == {
             k: {"count": v["count"], "bytes": float(v["bytes"])}
             for k, v in check.measured.items()}, str(check)
+
+
+@pytest.mark.parametrize("mode", ["sharding_propagation", "dynamic_programming"])
+def test_a_loop_that_never_runs_moves_nothing(mode):
+    """XLA deletes a loop it knows never runs; a reduction of a loop constant in its body was
+    still priced once, as if hoisted out of it (256 bytes predicted, none moved)."""
+    def never(x):
+        return jax.lax.while_loop(lambda s: s[0] != 0, lambda s: (s[0] - 1, s[1] + x.sum(0)),
+                                  (0, jnp.zeros(16)))[1]
+
+    def empty(x):
+        return jax.lax.scan(lambda c, _: (c + x.sum(0), None), jnp.zeros(16), None,
+                            length=0)[0]
+
+    x = jnp.ones((64, 16))
+    for fn in (never, empty):
+        f = jaxpar.shard(fn, in_strategy=((8, 1),), search_mode=mode)
+        np.testing.assert_allclose(f(x), jax.jit(fn)(x))
+        check = f.plan(x).verify(f.lower(x).compile())
+        assert check.ok and check.predicted == {} and check.measured == {}, str(check)
 
 
 def test_a_while_loops_condition_is_priced_one_run_more_than_its_body():

@@ -346,7 +346,9 @@ def while_trips(params: dict, operands: Sequence) -> int | None:
     the body that many times): a carried integer counter that starts at a literal, goes up or
     down by a literal step each trip (`i + s`, `s + i`, `i - s`), and is compared with a
     literal bound (`<`, `<=`, `>`, `>=`, `!=`, the counter on either side). None where it
-    cannot be told (a bound known only when the program runs) or the loop would not end.
+    cannot be told (a bound known only when the program runs), the loop would not end, or XLA
+    does not count it (a form other than a counter going up to a `<` or `<=` bound, over
+    _BRUTE_FORCE trips: XLA then runs and counts its body once).
 
     Args:
       params: the while eqn's params (its cond_jaxpr, body_jaxpr and their const counts).
@@ -368,7 +370,13 @@ def while_trips(params: dict, operands: Sequence) -> int | None:
     if bound is None or bound.shape != () or not isinstance(start, Lit) or \
             not np.issubdtype(start.dtype, np.integer) or step is None:
         return None
-    return _trips(compare, int(start.value), int(bound.value), step)
+    trips = _trips(compare, int(start.value), int(bound.value), step)
+    if trips is not None and trips > _BRUTE_FORCE and not (compare in ("lt", "le") and step > 0):
+        return None  # XLA matches only a counter going up to a bound; others it runs through
+    return trips     # (up to _BRUTE_FORCE trips), and past that it counts one trip
+
+
+_BRUTE_FORCE = 128  # the trips XLA's trip-count analysis simulates a loop for (jax 0.10.2)
 
 
 # A comparison with its operands swapped: `n > i` is `i < n`.

@@ -183,8 +183,10 @@ def _while(op: Op, info: OpInfo, known, model: CostModel, plan_body=_loop_body, 
     trips = 1 if known_count is None else known_count  # unknown: priced as one trip
     # The condition runs once more than the body (the test that ends the loop), as the
     # compiled program's collectives count it (analysis: trip + 1) for an unknown count too.
-    cost = body_cost(body, plan, model, dict(enumerate(carry)), trips=trips,
-                     invariant=frozenset(body.inputs[:bn])) + \
+    # A loop XLA knows never runs is deleted, its condition too.
+    cost = OpCost() if trips == 0 else \
+        body_cost(body, plan, model, dict(enumerate(carry)), trips=trips,
+                  invariant=frozenset(body.inputs[:bn])) + \
         body_cost(cond, cond_plan, model, trips=trips + 1, invariant=frozenset(cond.inputs[:cn]))
     return _strategy(ins, carry), (cond_plan, plan), cost, trips
 
@@ -199,6 +201,8 @@ def body_cost(body: OpGraph, plan: GraphPlan, model: CostModel,
     one latency, and dynamic_programming refused the negative cost.)"""
     from jaxpar.plan import tail_latency
 
+    if trips == 0:  # XLA deletes a loop that never runs: nothing is hoisted out of it either
+        return OpCost()
     cost = graph_cost(body, plan, model, fixed_out, shared=True, trips=trips,
                       invariant=invariant)
     once = hoisted_ops(body, invariant) if trips != 1 else set()
