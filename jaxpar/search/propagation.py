@@ -693,9 +693,12 @@ def graph_cost(graph: OpGraph, plan: GraphPlan, model: CostModel,
     share = latency_shares(graph)
     parts, hoisted = [], []
     done: set = set()  # shared: (value, its resharding's collectives) already priced
-    fixed = set(invariant) if trips != 1 else set()  # what the loop computes once
+    # what the loop computes once: its constants (for the outputs' resharding, priced first)
+    # and, for the ops' operands, what the hoisted ops make from them
+    once, made_once = hoisted_ops(graph, invariant) if trips != 1 else (set(), set())
+    constants = set(invariant) if trips != 1 else set()
 
-    def reshard(v: int, have: Spec, need: Spec, shape, dtype) -> None:
+    def reshard(v: int, have: Spec, need: Spec, shape, dtype, fixed: set[int]) -> None:
         cost = model.reshard(have, need, shape, dtype, share(v))
         if shared and cost.collectives:
             key = (v, cost.collectives)
@@ -708,18 +711,13 @@ def graph_cost(graph: OpGraph, plan: GraphPlan, model: CostModel,
         v = graph.outputs[pos]
         have = out_spec(graph, plan, v)
         if isinstance(v, int):
-            reshard(v, have, need, graph.shape(v), graph.dtype(v))
+            reshard(v, have, need, graph.shape(v), graph.dtype(v), constants)
         else:
             parts.append(model.reshard(have, need, graph.shape(v), graph.dtype(v), share(v)))
     specs, values = plan.specs, graph.values
     for op in graph.ops:
         choice = plan.choices[op.index]
-        if fixed and not op.regions and not op.effectful and \
-                all(v in fixed for v in op.inputs if isinstance(v, int)):
-            fixed.update(op.outputs)
-            hoisted.append(choice.cost)
-        else:
-            parts.append(choice.cost)
+        (hoisted if op.index in once else parts).append(choice.cost)
         for v, need in zip(op.inputs, choice.strategy.ins, strict=True):
             if isinstance(v, int):
                 have = specs[v]
@@ -727,11 +725,26 @@ def graph_cost(graph: OpGraph, plan: GraphPlan, model: CostModel,
                     continue  # read as it is (CostModel.reshard's first test, before its
                               # call: the recursive search totals plans of 20k ops often)
                 info = values[v]
-                reshard(v, have, need, info.shape, info.dtype)
+                reshard(v, have, need, info.shape, info.dtype, made_once)
     total = _total(parts)
     if trips != 1:
         total = total.scaled(trips)
     return total + _total(hoisted) if hoisted else total
+
+
+def hoisted_ops(graph: OpGraph, invariant: Collection[int]) -> tuple[set[int], set[int]]:
+    """(the ops, their results and `invariant`) a loop body computes once: XLA's loop-invariant
+    code motion moves out of the loop the ops computed from the values in `invariant` (the
+    body's constants) alone, loops and effects aside. None without constants."""
+    made, ops = set(invariant), set()
+    if not made:
+        return ops, made
+    for op in graph.ops:
+        if not op.regions and not op.effectful and \
+                all(v in made for v in op.inputs if isinstance(v, int)):
+            made.update(op.outputs)
+            ops.add(op.index)
+    return ops, made
 
 
 def latency_shares(graph: OpGraph):

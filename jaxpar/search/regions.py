@@ -29,7 +29,7 @@ from __future__ import annotations
 from jaxpar.cost.model import CostModel, OpCost
 from jaxpar.ir.graph import Op, OpGraph, scan_counts, while_trips
 from jaxpar.rules.registry import OpInfo
-from jaxpar.search.propagation import GraphPlan, graph_cost, out_spec, propagate
+from jaxpar.search.propagation import GraphPlan, graph_cost, hoisted_ops, out_spec, propagate
 from jaxpar.spec import OpStrategy, Spec
 
 
@@ -55,16 +55,24 @@ def region_candidates(op: Op, info: OpInfo, known: list[Spec | None],
         return _and_replicated(op, info, known, model, [plan_region(op, info, known, model)])
     if outs is not None and (op.name not in RESULT_SPECS or all(o is None for o in outs)):
         return []
-    key = (id(op), tuple(known), outs)  # the searches ask again for the same operand specs
-    hit = model.regions_cache.get(key)
-    if hit is None or hit[0] is not op:
+    def solve() -> list[tuple]:
         kept = [] if outs is not None else [plan_region(op, info, known, model)]
         for m in (model, model.lean()) if model.lean_bodies else (model,):
             found = _SEARCHED[op.name](op, info, known, m, *(() if outs is None else (outs,)))
             if not any(_covers(k, found, op, model) for k in kept):
                 kept.append(found)
-        hit = model.regions_cache[key] = (op, kept if outs is not None else
-                                          _and_replicated(op, info, known, model, kept))
+        return kept if outs is not None else _and_replicated(op, info, known, model, kept)
+
+    # the searches ask again for the same operand specs
+    return _cached(model, (id(op), tuple(known), outs), op, solve)
+
+
+def _cached(model: CostModel, key: tuple, op: Op, make):
+    """model.regions_cache[key], made by make() where it is missing or another op's (a key
+    holds the op's id, which a later op may take)."""
+    hit = model.regions_cache.get(key)
+    if hit is None or hit[0] is not op:
+        hit = model.regions_cache[key] = (op, make())
     return hit[1]
 
 
@@ -81,13 +89,10 @@ def _and_replicated(op: Op, info: OpInfo, known: list[Spec | None], model: CostM
     setting) its loop passes ended a scanned GPT step at 1.656 ms, not 0.991."""
     if op.name != "cond":
         return found
-    key = (id(op), "whole")
-    hit = model.regions_cache.get(key)
-    if hit is None or hit[0] is not op:
-        hit = model.regions_cache[key] = (op, _whole_cond(op, info, model))
-    if any(_covers(k, hit[1], op, model) for k in found):
+    whole = _cached(model, (id(op), "whole"), op, lambda: _whole_cond(op, info, model))
+    if any(_covers(k, whole, op, model) for k in found):
         return found
-    return [*found, hit[1]]
+    return [*found, whole]
 
 
 def _whole_cond(op: Op, info: OpInfo, model: CostModel):
@@ -205,24 +210,11 @@ def body_cost(body: OpGraph, plan: GraphPlan, model: CostModel,
         return OpCost()
     cost = graph_cost(body, plan, model, fixed_out, shared=True, trips=trips,
                       invariant=invariant)
-    once = hoisted_ops(body, invariant) if trips != 1 else set()
+    once = hoisted_ops(body, invariant)[0] if trips != 1 else set()
     every = {op.index for op in body.ops} - once
     extra = tail_latency(body, plan, model, every) * trips + \
         (tail_latency(body, plan, model, once) if once else 0.0)
     return cost + OpCost(comm_s=extra) if extra else cost
-
-
-def hoisted_ops(body: OpGraph, invariant: frozenset[int]) -> set[int]:
-    """The ops of a loop body XLA computes once, out of the loop: those computed from the
-    values in `invariant` (its constants) alone, loops and effects aside (as graph_cost prices
-    them)."""
-    fixed, out = set(invariant), set()
-    for op in body.ops:
-        if not op.regions and not op.effectful and \
-                all(v in fixed for v in op.inputs if isinstance(v, int)):
-            fixed.update(op.outputs)
-            out.add(op.index)
-    return out
 
 
 def known_trips(op: Op) -> int | None:
