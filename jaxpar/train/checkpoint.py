@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from jaxpar.distributed import gather_rows
+from jaxpar.ir.trace import jax_cannot_hold
 
 PathLike = str | os.PathLike[str]
 KeyPath = tuple[Any, ...]
@@ -236,7 +236,8 @@ def _check_saveable(keypath: KeyPath, leaf: Any) -> None:
                          "checkpoint, written by all processes together, cannot hold it "
                          "(optax's step count right after init, say). Place it over the mesh "
                          "first: jax.device_put(x, NamedSharding(mesh, PartitionSpec())).")
-    if isinstance(leaf, np.ndarray | np.generic) and not _storable(leaf.dtype):
+    if isinstance(leaf, np.ndarray | np.generic) and (jax_cannot_hold(leaf) or
+                                                      _too_wide(leaf.dtype)):
         raise TypeError(f"save_checkpoint: {where} is a numpy {type(leaf).__name__} of dtype "
                         f"{leaf.dtype}, which the checkpoint format cannot hold; convert it to "
                         "a numeric or bool dtype JAX has, or leave it out of the state.")
@@ -249,16 +250,12 @@ def _check_saveable(keypath: KeyPath, leaf: Any) -> None:
                          "which the checkpoint format cannot hold; leave it out of the state.")
 
 
-def _storable(dtype) -> bool:
-    """Whether a numpy dtype is one JAX has (bool; ints and floats of up to 64 bits, complex
-    of up to 128; ml_dtypes' bfloat16, float8s, int4s): tensorstore refuses strings,
-    objects, datetimes, structured dtypes and long doubles, naming no leaf."""
+def _too_wide(dtype) -> bool:
+    """Whether a numpy float or complex dtype is wider than any JAX has (long double): JAX
+    cannot hold it either, and tensorstore refused it mid-save, naming no leaf (as it did
+    strings, objects, datetimes and structured dtypes: ir.trace.jax_cannot_hold)."""
     d = np.dtype(dtype)
-    if d.kind == "b":
-        return True
-    if d.kind in "iufc":
-        return d.itemsize <= (16 if d.kind == "c" else 8)
-    return d.kind == "V" and d.fields is None and bool(jnp.issubdtype(d, jnp.number))
+    return d.kind in "fc" and d.itemsize > (16 if d.kind == "c" else 8)
 
 
 def _check_destination(directory: Path, overwrite: bool) -> bool:
