@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -381,6 +382,7 @@ _BRUTE_FORCE = 128  # the trips XLA's trip-count analysis simulates a loop for (
 
 # A comparison with its operands swapped: `n > i` is `i < n`.
 _FLIPPED = {"lt": "gt", "gt": "lt", "le": "ge", "ge": "le", "ne": "ne"}
+_COMPARE = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge}
 
 
 def _step(body, counter, new) -> int | None:
@@ -404,11 +406,9 @@ def _trips(compare: str, start: int, bound: int, step: int) -> int | None:
     if compare == "ne":
         gap = bound - start
         return gap // step if gap % step == 0 and gap // step >= 0 else None
-    up = compare in ("lt", "le")
-    if not (start < bound if compare == "lt" else start <= bound if compare == "le" else
-            start > bound if compare == "gt" else start >= bound):
+    if not _COMPARE[compare](start, bound):
         return 0
-    if (step > 0) != up:
+    if (step > 0) != (compare in ("lt", "le")):
         return None  # moving away from the bound
     reach = abs(bound - start) + (1 if compare in ("le", "ge") else 0)
     return -(-reach // abs(step))
