@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from jaxpar.search import dual, dynamic
+from jaxpar.search import dual, dynamic, elimination
 from jaxpar.search.compress import reduce_problem
 from jaxpar.search.dynamic import (
     Problem,
@@ -257,7 +257,9 @@ def test_methods_chain_tree_dp_and_core():
 def test_small_core_goes_to_the_ilp_after_four_sweeps(monkeypatch):
     # Three candidates on a 4-clique that pays for agreeing: no assignment is free (four nodes,
     # three colours) but the LP relaxation is (spread evenly), so dual ascent would creep
-    # until it stalls; a core this small goes to HiGHS after the first four sweeps.
+    # until it stalls; a core this small goes to HiGHS after the first four sweeps (where
+    # elimination declines it: here its table limit is 0).
+    monkeypatch.setattr(elimination, "TABLE_LIMIT", 0)
     sweeps = []
     sweep = dual.DualAscent.sweep
     monkeypatch.setattr(dual.DualAscent, "sweep",
