@@ -406,6 +406,29 @@ def test_a_loop_offers_its_propagated_and_its_solved_body():
     assert region_candidates(backward, info, free, model) is found  # asked once
 
 
+def test_a_loop_body_is_solved_within_its_own_time_limit(monkeypatch):
+    # Each exact solve of a body gets BODY_S seconds, not the 30 s of a whole search: a search
+    # may solve a body several times, each outside the search's own limit (a scan's gradient
+    # of 20 equations took 142 s to plan, 53 s with one scan, when its solves went to the MIP).
+    from jaxpar.rules.registry import OpInfo
+    from jaxpar.search import exact, regions
+
+    limits = []
+    solve = exact.dynamic_programming
+
+    def spy(graph, *args, **kwargs):
+        limits.append((graph, kwargs.get("time_limit")))
+        return solve(graph, *args, **kwargs)
+
+    monkeypatch.setattr(exact, "dynamic_programming", spy)
+    graph, _ = _scanned_gpt_step()
+    backward = [op for op in graph.ops if op.name == "scan"][1]
+    info = OpInfo.of(backward, graph)
+    regions.region_candidates(backward, info, [None] * len(backward.inputs), _models(True))
+    assert [limit for body, limit in limits] == [regions.BODY_S]
+    assert limits[0][0] is backward.regions[0]
+
+
 @pytest.mark.parametrize("mode", ["recursive_programming", "dynamic_programming"])
 def test_a_scanned_gpt_step_runs_like_jit_and_moves_what_it_predicts(mode):
     import numpy as np

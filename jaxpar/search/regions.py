@@ -12,16 +12,17 @@ were modelled at 155 us where the compiled program's collectives cost 421 us).
 Carried values keep one spec across iterations: the body is planned once with the unknown
 carries free, then again with every carry fixed, in and out, to the spec the first pass gave it.
 
-With `CostModel.search_bodies` (jaxpar.shard sets it in every mode), a loop's body (scan, while) is
-also solved by dynamic_programming, exactly, the carries tied in and out and the known operand
-specs fixed: `region_candidates` then offers both plans and the search around the loop picks by
-its own costs (a scan over a GPT's layers is otherwise planned by propagation alone). So are
-a cond's branches: each leads in turn, solved for the known operand specs with its free
-operands in the specs its readers read them in, and the other branches are solved for the
-operand and result specs it gives; the lead whose dearest branch costs least is offered (an
-optimizer update under optax.apply_if_finite or MultiSteps is a branch: propagated from free
-operands it ran replicated). A cond is also offered with every operand and result replicated
-(_and_replicated). In what follows "loop" means any of these region ops.
+With `CostModel.search_bodies` (jaxpar.shard sets it in every mode), a loop's body (scan, while)
+is also solved by dynamic_programming, exactly (within BODY_S seconds a solve), the carries tied
+in and out and the known operand specs fixed: `region_candidates` then offers both plans and the
+search around the loop picks by its own costs (a scan over a GPT's layers is otherwise planned
+by propagation alone). So are a cond's branches: each leads in turn, solved for the known
+operand specs with its free operands in the specs its readers read them in, and the other
+branches are solved for the operand and result specs it gives; the lead whose dearest branch
+costs least is offered (an optimizer update under optax.apply_if_finite or MultiSteps is a
+branch: propagated from free operands it ran replicated). A cond is also offered with every
+operand and result replicated (_and_replicated). In what follows "loop" means any of these
+region ops.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ from jaxpar.ir.graph import Op, OpGraph, scan_counts, while_trips
 from jaxpar.rules.registry import OpInfo
 from jaxpar.search.propagation import GraphPlan, graph_cost, hoisted_ops, out_spec, propagate
 from jaxpar.spec import OpStrategy, Spec
+
+# Seconds for one exact solve of a loop body (_solved_body): a search may solve a body several
+# times (for other operand specs, for the least memory), each outside the search's own time
+# limit. A body the exact search cannot prove within it is planned as well as it found by then.
+BODY_S = 10.0
 
 
 def plan_region(op: Op, info: OpInfo, known: list[Spec | None], model: CostModel):
@@ -148,7 +154,7 @@ def _solved_body(body: OpGraph, known: list[Spec | None], n_lead: int, n_carry: 
     fixed_out.update((i, s.resolved()) for i, s in enumerate(wanted)
                      if i >= n_carry and s is not None)
     ties = [(v, i) for i, v in enumerate(carry_vs) if v not in fixed]
-    plan, _ = dynamic_programming(body, model, fixed, fixed_out, ties=ties)
+    plan, _ = dynamic_programming(body, model, fixed, fixed_out, ties=ties, time_limit=BODY_S)
     return plan, [plan.specs[v].resolved() for v in carry_vs]
 
 
