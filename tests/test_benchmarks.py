@@ -25,9 +25,9 @@ def _load(name):
     return module
 
 
-gpt_plans, search_time, search_gap, reshard_accuracy, memory_budget = (
+gpt_plans, search_time, search_gap, reshard_accuracy, memory_budget, search_programs = (
     _load("gpt_plans"), _load("search_time"), _load("search_gap"), _load("reshard_accuracy"),
-    _load("memory_budget"))
+    _load("memory_budget"), _load("search_programs"))
 TINY = {"d_model": 32, "heads": 4, "vocab": 64, "seq": 8, "batch": 8}
 
 
@@ -135,6 +135,37 @@ def test_search_time_records_timeouts_and_skips_larger_programs():
     result = search_time.run([1, 2], ["sharding_propagation"], search_time.Config(**TINY), 0.01,
                              None)
     assert [r["status"] for r in result["rows"]] == ["timeout", "skipped"]
+
+
+def test_search_programs_tiny(tmp_path):
+    search_programs.main(["--programs", "scan_grad:1", "--modes", "dynamic_programming",
+                          "--out", str(tmp_path)])
+    (row,) = json.loads((tmp_path / "search_programs.json").read_text())
+    assert row["status"] == "ok", row.get("error")
+    assert (row["program"], row["mode"]) == ("scan_grad:1", "dynamic_programming")
+    assert row["eqns"] > 0 and row["plan_s"] >= row["search_s"] >= 0
+    assert math.isfinite(row["cost"]) and row["cost"] > 0
+    assert row["notes"][0].startswith("dynamic_programming: optimal")
+    table = (tmp_path / "search_programs.md").read_text().splitlines()
+    assert table[0].startswith("8 devices, cpu profile") and table[-1].startswith(
+        "| scan_grad:1 | dynamic_programming | ")
+
+
+@pytest.mark.parametrize("name", ["scan_grad", "scan_forward", "mlp_step"])
+def test_search_programs_build_what_they_say(name):
+    fn, args = search_programs.program(name, 2)
+    eqns = jax.make_jaxpr(fn)(*args).jaxpr.eqns
+    loops = [e for e in eqns if e.primitive.name == "scan"]
+    assert len(loops) == {"scan_grad": 2, "scan_forward": 1, "mlp_step": 0}[name]
+    if name == "mlp_step":  # two layers, no two of one width
+        assert [a.shape for a in jax.tree_util.tree_leaves(args[0])] == [
+            (72,), (64, 72), (80,), (72, 80)]
+
+
+@pytest.mark.parametrize("text", ["scan:2", "scan_grad", "scan_grad:0", "mlp_step:x"])
+def test_search_programs_refuse_a_bad_program(text):
+    with pytest.raises(Exception, match="write NAME:N"):
+        search_programs.parse_program(text)
 
 
 @pytest.mark.parametrize("notes,want", [
