@@ -41,11 +41,13 @@ RATE = 2e8
 
 @dataclass
 class _Factor:
-    """table[i_1, ..., i_n] for the variables of `scope`, axis k indexed by maps[k][candidate]."""
+    """table[i_1, ..., i_n] for the variables of `scope`, axis k indexed by maps[k][candidate]
+    and `sizes[k]` long (every class used)."""
 
     scope: tuple[int, ...]
     maps: tuple[np.ndarray, ...]
     table: np.ndarray | None  # None: planning the order only
+    sizes: tuple[int, ...]
 
 
 @dataclass
@@ -92,7 +94,7 @@ def order(core: Core, limit: float | None = None, total: float = np.inf) -> Orde
         for u in scope:
             plans.pop(u, None)  # its factors change
         if len(scope) > 1:
-            bank.add(_Factor(scope, maps, None))
+            bank.add(_Factor(scope, maps, None, tuple(int(m.max()) + 1 for m in maps)))
         variables.append(var)
     return Order(tuple(variables), work)
 
@@ -115,7 +117,7 @@ def eliminate(core: Core, limit: float | None = None, total: float = np.inf,
         if len(scope) == 1:
             unary[scope[0]] = unary[scope[0]] + table[maps[0]]
         elif scope:
-            bank.add(_Factor(scope, maps, table))
+            bank.add(_Factor(scope, maps, table, table.shape))
     choice: dict[int, int] = {}
     for s in reversed(steps):
         at = tuple(m[choice[u]] for u, m in zip(s.scope, s.maps, strict=True))
@@ -132,7 +134,8 @@ class _Bank:
         self.holding: dict[int, set[int]] = {v: set() for v in core.alive}
         self.made = 0  # factors added so far: the next one's id
         for key, e in core.edges.items():
-            self.add(_Factor(key, (e.row, e.col), e.K))
+            self.add(_Factor(key, (e.row, e.col), e.K,
+                             (len(np.unique(e.row)), len(np.unique(e.col)))))
 
     def add(self, f: _Factor) -> None:
         self.factors[self.made] = f
@@ -153,7 +156,15 @@ class _Bank:
 def _plan(var: int, k: int, mine: list[_Factor], limit: float = np.inf) -> tuple:
     """(table size, neighbours, their refined maps, var's refined map) of eliminating var,
     which has k candidates and the factors `mine`; (inf, ...) as soon as the size passes
-    `limit` (a variable joined to many is not refined further)."""
+    `limit` (a variable joined to many is not refined further; nor at all where its factors'
+    own sizes already tell: a variable's refined classes are at least as many as any factor's
+    axis for it has)."""
+    least: dict[int, int] = {}
+    for f in mine:
+        for u, n in zip(f.scope, f.sizes, strict=True):
+            least[u] = max(least.get(u, 1), n)
+    if float(np.prod([float(n) for n in least.values()])) > limit:
+        return np.inf, tuple(sorted(u for u in least if u != var)), (), None
     own = _refine([f.maps[f.scope.index(var)] for f in mine], k)
     scope = tuple(sorted({u for f in mine for u in f.scope if u != var}))
     size, maps = float(own.max()) + 1, []
