@@ -4,6 +4,7 @@ No timings are asserted; the full-size runs are `benchmarks/gpt_plans.py` and
 `benchmarks/search_time.py` themselves.
 """
 
+import argparse
 import importlib.util
 import json
 import math
@@ -164,7 +165,7 @@ def test_search_programs_build_what_they_say(name):
 
 @pytest.mark.parametrize("text", ["scan:2", "scan_grad", "scan_grad:0", "mlp_step:x"])
 def test_search_programs_refuse_a_bad_program(text):
-    with pytest.raises(Exception, match="write NAME:N"):
+    with pytest.raises(argparse.ArgumentTypeError, match="write NAME:N"):
         search_programs.parse_program(text)
 
 
