@@ -735,7 +735,7 @@ def graph_cost(graph: OpGraph, plan: GraphPlan, model: CostModel,
 def hoisted_ops(graph: OpGraph, invariant: Collection[int]) -> tuple[set[int], set[int]]:
     """(the ops, their results and `invariant`) a loop body computes once: XLA's loop-invariant
     code motion moves out of the loop the ops computed from the values in `invariant` (the
-    body's constants) alone, loops and effects aside. None without constants."""
+    body's constants) alone, loops and effects aside. Both empty without constants."""
     made, ops = set(invariant), set()
     if not made:
         return ops, made

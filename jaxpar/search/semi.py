@@ -113,17 +113,15 @@ def sharding_propagation(graph: OpGraph, model: CostModel, fixed_in: dict[int, S
         first = propagate(graph, model, fixed_in, fixed_out, ties=ties, index=index, kept=kept)
         placed |= {v: first.specs[v].resolved() for v in free}
 
-    def start(out: dict[int, Spec], tied: tuple) -> GraphPlan:
+    def start(out: dict[int, Spec], tied: tuple, also: tuple = ()) -> GraphPlan:
         """Propagation both ways (ops planned as reached, or waiting for a bigger operand),
-        and the first pass (its state placed as it went, which is where the others start):
-        the plan of lower objective."""
+        and the plans `also`: the one of lower objective."""
         plans = [propagate(graph, model, placed, out, ties=tied, index=index, kept=kept,
                            wait=wait) for wait in (False, True)]
-        if first is not None and out is fixed_out:
-            plans.append(first)
-        return min(plans, key=lambda gp: objective(graph, model, gp, fixed_out, ties))
+        return min([*plans, *also], key=lambda gp: objective(graph, model, gp, fixed_out, ties))
 
-    starts = [start(fixed_out, ties)]
+    # the first pass too: its state placed as it went, where the passes from it start
+    starts = [start(fixed_out, ties, () if first is None else (first,))]
     back = handed_back(graph, fixed_in, fixed_out, ties)
     if len(back) > len(fixed_out):
         starts.append(start(back, tuple((v, pos) for v, pos in ties if pos not in back)))
