@@ -15,11 +15,13 @@ MODES = ["sharding_propagation", "recursive_programming", "dynamic_programming"]
 
 def _every_collective(mesh):
     def inner(xb, w):
+        # y varies along d0 alone: jax 0.11 refuses a pmax over d1 until pcast says it varies
         y = xb @ w
         return (jax.lax.psum(y, "d0"), jax.lax.all_gather(y, "d1", axis=0, tiled=True),
                 jax.lax.ppermute(y, "d2", [(0, 1), (1, 0)]),
                 jax.lax.psum_scatter(y, "d1", scatter_dimension=0, tiled=True),
-                jax.lax.pmax(y, ("d0", "d1")), jax.lax.all_to_all(y, "d2", 0, 1, tiled=True))
+                jax.lax.pmax(jax.lax.pcast(y, "d1", to="varying"), ("d0", "d1")),
+                jax.lax.all_to_all(y, "d2", 0, 1, tiled=True))
 
     def f(x, w):
         return jax.shard_map(inner, mesh=mesh, in_specs=(P("d0", None), P()),
