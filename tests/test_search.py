@@ -226,8 +226,9 @@ def test_paused_gc_leaves_what_the_search_kept_out_of_the_young_generation():
         dropped = weakref.ref(_Node())  # garbage: a cycle no one refers to
     assert gc.isenabled()
     # Without the move to the oldest generation the next allocation would walk 40k objects.
+    # (Python 3.11 keeps the cycle until a full collection; 3.12 frees it at the next young
+    # one: either way it goes.)
     assert gc.get_count()[0] < 1000
-    assert dropped() is not None
     gc.collect()
     assert dropped() is None and len(kept) == 20000  # garbage still goes in a full collection
 
@@ -451,13 +452,13 @@ def test_a_scanned_gpt_step_runs_like_jit_and_moves_what_it_predicts(mode):
     assert check.bytes_ok, str(check)
 
 
-def _scanned_mlp_step(opt, layers: int, d: int, batch: int):
-    """An optax step of a tanh MLP whose `layers` square weights (d x d) run under lax.scan,
-    and its arguments (weights, optimizer state, a batch)."""
+def _scanned_mlp_step(opt, layers: int, d: int, batch: int, act=jnp.tanh):
+    """An optax step of an MLP (activation `act`) whose `layers` square weights (d x d) run
+    under lax.scan, and its arguments (weights, optimizer state, a batch)."""
     import optax
 
     def loss(ws, x):
-        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        h, _ = jax.lax.scan(lambda h, w: (act(h @ w), None), x, ws)
         return jnp.mean(h ** 2)
 
     def step(ws, state, x):
@@ -600,6 +601,35 @@ def test_dynamic_programming_offers_loops_lean_bodies_under_a_budget():
 
 
 
+def test_recursive_programming_solves_each_starts_loops_with_their_neighbours():
+    """On a scanned Adam MLP step (sin, 2 layers, d 1024, batch 16) the walk's plan scored
+    1.09x the best plan using every axis together (2.540e-4 vs 2.327e-4), so the loops and
+    the ops around them were solved again from that plan alone: 2.026e-4, in both modes.
+    Solved so, the walk's plan scores 1.338e-4; the plan with the inputs fixed in its
+    layout 1.332e-4. (With tanh, jax 0.10's derivative happened to lead the walk there.)"""
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    import jaxpar
+
+    step, args = _scanned_mlp_step(optax.adam(1e-3), 2, 1024, 16, act=jnp.sin)
+    graph = build_graph(trace(step, args).closed_jaxpr)
+    model = CostModel(MESH, load_profile("h100-nvlink"), 0, 0.1)
+    cut = P(None, ("d1", "d2"))
+    state = jax.tree_util.tree_map(lambda a: cut if a.ndim == 3 else P(), args[1])
+    layout = (cut, state, P("d0", ("d1", "d2")))
+    scores = {}
+    for mode in ("recursive_programming", "dynamic_programming", "fixed"):
+        f = jaxpar.shard(step, search_mode="sharding_propagation", in_strategy=layout,
+                         hardware="h100-nvlink") if mode == "fixed" else \
+            jaxpar.shard(step, search_mode=mode, hardware="h100-nvlink")
+        plan = f.plan(*args)
+        scores[mode] = model.score(graph_cost(graph, plan.graph_plan, model,
+                                              dict(enumerate(plan.flat_out_specs))))
+    assert scores["recursive_programming"] <= scores["fixed"] * 1.01, scores
+    assert scores["dynamic_programming"] <= scores["fixed"] * 1.01, scores
+
+
 @pytest.mark.parametrize("mode", ["dynamic_programming", "recursive_programming"])
 def test_a_budget_counts_each_result_of_a_loop_until_its_own_last_reader(mode):
     """A scan's results die at different points: its final carry at its one reader, the
@@ -627,7 +657,9 @@ def test_a_budget_counts_each_result_of_a_loop_until_its_own_last_reader(mode):
     w = jnp.asarray(rng.standard_normal((32, 32)) * 0.2, jnp.float32)
     f = jaxpar.shard(grad_scan, search_mode=mode, memory_budget=8000)
     assert f.plan(xs, w).cost.peak_memory_bytes <= 8000
-    np.testing.assert_allclose(f(xs, w), jax.jit(grad_scan)(xs, w), rtol=1e-5, atol=1e-6)
+    # the gradient sums over shards in another order: entries near 0 differ by ~2e-6 under
+    # XLA's default optimisation (jaxlib 0.11, where conftest's fast-compile flags are off)
+    np.testing.assert_allclose(f(xs, w), jax.jit(grad_scan)(xs, w), rtol=1e-5, atol=1e-5)
 
 def test_sharding_propagation_plans_a_data_parallel_gpt_step_as_well_as_the_exact_search():
     # gpt_plans' data-parallel layout (parameters replicated, the batch cut 8 ways) on a
