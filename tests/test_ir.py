@@ -46,6 +46,21 @@ def test_nested_calls_are_inlined():
         made |= set(op.outputs)
 
 
+def test_an_inner_jit_keeps_the_constants_it_closes_over():
+    """jax 0.11 merged ClosedJaxpr into Jaxpr (a body carries its constants); wrapped again
+    with none, an inner jit's constant became an operand with no value ("zip() argument 2 is
+    shorter than argument 1"): jaxpar.shard(jax.jit(f)) over a closure failed."""
+    import jaxpar
+
+    w = jnp.asarray(np.arange(32 * 8).reshape(32, 8) / 256.0, jnp.float32)
+    scale = jax.jit(lambda x: x * jnp.arange(1.0, 9.0))  # a constant array inside the jit
+    g = jax.jit(lambda x: scale(jnp.tanh(x @ w)))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((16, 32)), jnp.float32)
+    graph = build_graph(trace(g, (x,)).closed_jaxpr)
+    assert "jit" not in names(graph) and len(graph.consts) >= 1
+    np.testing.assert_allclose(jaxpar.shard(g)(x), g(x), rtol=1e-5)
+
+
 def test_regions_keep_their_bodies_once():
     def f(x, ws):
         x = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, ws)[0]

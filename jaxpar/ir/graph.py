@@ -476,11 +476,15 @@ def _inline_body(eqn):
     """The ClosedJaxpr to inline for call-like eqns, else None."""
     key = _INLINE_PARAM.get(eqn.primitive.name)
     body = eqn.params.get(key) if key else None
-    if body is None:
-        return None
-    if isinstance(body, jcore.Jaxpr):
-        return jcore.ClosedJaxpr(body, ())
-    return body
+    return None if body is None else _closed(body)
+
+
+def _closed(body):
+    """A body as a ClosedJaxpr. jax 0.10 keeps loop bodies (and some call bodies) as plain
+    Jaxprs, with no constants of their own; jax 0.11 merged the two classes (ClosedJaxpr is
+    Jaxpr) and a body carries its constants, which wrapping it again would drop: an inner
+    jax.jit closing over an array then read its constant as a missing operand."""
+    return body if isinstance(body, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(body, ())
 
 
 def _linear_solve(eqn, ins: tuple) -> tuple[Any, tuple]:
@@ -497,5 +501,4 @@ def _region_bodies(eqn) -> list:
     for key in REGION_PARAMS[eqn.primitive.name]:
         val = eqn.params[key]
         bodies.extend(val if isinstance(val, tuple | list) else [val])
-    # jax 0.11 keeps loop bodies as plain Jaxprs (their constants are loop inputs)
-    return [jcore.ClosedJaxpr(b, ()) if isinstance(b, jcore.Jaxpr) else b for b in bodies]
+    return [_closed(b) for b in bodies]
