@@ -209,7 +209,7 @@ def test_memory_stats_and_flops_are_per_device():
 
 
 def test_memory_stats_peak_counts_temporaries():
-    # XLA:CPU's peak_memory_in_bytes is arguments + outputs - aliased (1 MiB + 4 B here):
+    # XLA:CPU's peak_memory_in_bytes is arguments + outputs - aliased (1 MiB and 20 B here):
     # the temporaries the matmuls' results take were left out. The sort keeps them apart:
     # jaxlib 0.11's CPU backend fuses two matmuls and their elementwise ops into one YNNPACK
     # fusion that reports no temporaries at all.

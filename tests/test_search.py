@@ -600,7 +600,6 @@ def test_dynamic_programming_offers_loops_lean_bodies_under_a_budget():
             ws, x)
 
 
-
 def test_recursive_programming_solves_each_starts_loops_with_their_neighbours():
     """On a scanned Adam MLP step (sin, 2 layers, d 1024, batch 16) the walk's plan scored
     1.09x the best plan using every axis together (2.540e-4 vs 2.327e-4), so the loops and
@@ -660,6 +659,7 @@ def test_a_budget_counts_each_result_of_a_loop_until_its_own_last_reader(mode):
     # the gradient sums over shards in another order: entries near 0 differ by ~2e-6 under
     # XLA's default optimisation (jaxlib 0.11, where conftest's fast-compile flags are off)
     np.testing.assert_allclose(f(xs, w), jax.jit(grad_scan)(xs, w), rtol=1e-5, atol=1e-5)
+
 
 def test_sharding_propagation_plans_a_data_parallel_gpt_step_as_well_as_the_exact_search():
     # gpt_plans' data-parallel layout (parameters replicated, the batch cut 8 ways) on a
