@@ -65,7 +65,7 @@ def region_candidates(op: Op, info: OpInfo, known: list[Spec | None],
         kept = [] if outs is not None else [plan_region(op, info, known, model)]
         for m in (model, model.lean()) if model.lean_bodies else (model,):
             found = _SEARCHED[op.name](op, info, known, m, *(() if outs is None else (outs,)))
-            if not any(_covers(k, found, op, model) for k in kept):
+            if not any(covers(k, found, op, model) for k in kept):
                 kept.append(found)
         return kept if outs is not None else _and_replicated(op, info, known, model, kept)
 
@@ -96,7 +96,7 @@ def _and_replicated(op: Op, info: OpInfo, known: list[Spec | None], model: CostM
     if op.name != "cond":
         return found
     whole = _cached(model, (id(op), "whole"), op, lambda: _whole_cond(op, info, model))
-    if any(_covers(k, whole, op, model) for k in found):
+    if any(covers(k, whole, op, model) for k in found):
         return found
     return [*found, whole]
 
@@ -110,7 +110,13 @@ def _whole_cond(op: Op, info: OpInfo, model: CostModel):
     return _branches(op, info, plans, ins, outs, model)
 
 
-def _covers(a: tuple, b: tuple, op: Op, model: CostModel) -> bool:
+def held_candidate(choice) -> tuple:
+    """A region op's choice in a plan (propagation.Choice) as region_candidates lists one:
+    (strategy, body plans, cost, trips)."""
+    return choice.strategy, choice.regions, choice.cost, choice.trips
+
+
+def covers(a: tuple, b: tuple, op: Op, model: CostModel) -> bool:
     """Region candidate a makes b needless (see region_candidates)."""
     if a[0] != b[0] or model.score(a[2]) > model.score(b[2]):
         return False

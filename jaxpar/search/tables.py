@@ -28,8 +28,8 @@ import numpy as np
 from jaxpar.cost.model import CostModel, nbytes
 from jaxpar.ir.graph import Lit, OpGraph
 from jaxpar.rules.registry import OpInfo
-from jaxpar.search.propagation import GraphPlan, handed_back
-from jaxpar.search.regions import region_candidates
+from jaxpar.search.propagation import Choice, GraphPlan, handed_back
+from jaxpar.search.regions import covers, held_candidate, region_candidates
 from jaxpar.spec import Spec
 
 
@@ -55,6 +55,9 @@ class Allow(Protocol):
 
     def specs(self, v: int, specs: tuple[Spec, ...]) -> tuple[Spec, ...]:
         """The specs free input v may take, from `specs` (those its first reader reads)."""
+
+    # An Allow may also name the plan it searches around as `plan` (a GraphPlan: resolve's
+    # _OtherAxes); build_tables then offers each loop and cond its choice there.
 
 
 @dataclass(frozen=True)
@@ -128,8 +131,16 @@ def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     free): the op also takes the candidates regions.region_candidates plans from each pair
     (dynamic_programming seeds them from a first solution, so that a loop's body can be
     solved for its neighbours).
+
+    A loop or cond also takes its choice in the plan searched around (the region's, or
+    `allow.plan` where allow has one), body plans and all, unless a candidate covers it: the
+    bodies are otherwise planned anew from operand specs, and none of those plans need be the
+    held one, so the search could end above the plan it started from (a Linen nn.scan step's
+    mesh axis solved again: 13x its objective, the scans' bodies planned for free operands).
     """
-    b = _Builder(graph, model, allow, classes, fold, region_seeds or {})
+    held = region.plan if region is not None else getattr(allow, "plan", None)
+    b = _Builder(graph, model, allow, classes, fold, region_seeds or {},
+                 {} if held is None else held.choices)
     inside = range(len(graph.ops)) if region is None else region.ops
     ops = [op for op in graph.ops if op.index in inside]
     for op in ops:
@@ -193,9 +204,12 @@ class _Builder:
 
     def __init__(self, graph: OpGraph, model: CostModel, allow: Allow | None = None,
                  classes: Sequence[int] | None = None, fold: bool = True,
-                 region_seeds: dict[int, list] | None = None):
+                 region_seeds: dict[int, list] | None = None,
+                 held: dict[int, Choice] | None = None):
         self.graph, self.model, self.t, self.allow = graph, model, Tables(), allow
         self.region_seeds = region_seeds or {}
+        self.held = held or {}  # op -> its choice in the plan searched around (a region's,
+                                # or allow.plan): a loop's or cond's is one of its candidates
         self.classes, self.fold = classes, fold
         self._kept: dict[tuple, tuple] = {}    # (id(list), indices kept) -> (list, costs)
         self._kept_specs: dict[tuple, tuple] = {}  # an input's allowed specs, one object each
@@ -268,6 +282,10 @@ class _Builder:
             for known, outs in self.region_seeds.get(op.index, ()):  # (copied: cached)
                 found += [f for f in region_candidates(op, info, known, model, outs)
                           if not any(f[0] == g[0] for g in found)]
+            held = self.held.get(op.index)
+            if held is not None and held.regions and \
+                    not any(covers(f, held_candidate(held), op, model) for f in found):
+                found.append(held_candidate(held))
             self.t.regions[op.index] = {id(s): (plans, trips, cost)
                                         for s, plans, cost, trips in found}
             cands, own = [f[0] for f in found], [f[2] for f in found]
