@@ -264,7 +264,7 @@ def test_the_last_axis_is_solved_again_exactly_with_the_others_held(monkeypatch)
     # the start from two runs of axes each used together, which needs no axis solved again.)
     from jaxpar.search.resolve import solve_axis
     monkeypatch.setattr(recursive._Sapp, "_solve_neighbourhoods",
-                        lambda self, ends, ties: ends[0][1])
+                        lambda self, plan, before, ties: plan)
     _without_the_grouped_start(monkeypatch)
     step, args = abstract_train_step(GPTConfig(layers=2, d_model=1024, heads=16, vocab=8192,
                                                seq=512), 16)
@@ -459,7 +459,7 @@ def _region_solve_ratios(monkeypatch, step, args, hardware: str, state: str):
     best, _ = dynamic_programming(graph, model, {}, {}, ties=ties, group_tail=False)
     exact = _tied_cost(graph, model, best, ties)
     monkeypatch.setattr(recursive._Sapp, "_solve_neighbourhoods",
-                        lambda self, ends, ties: ends[0][1])
+                        lambda self, plan, before, ties: plan)
     without, _ = recursive_programming(graph, model, {}, {}, ties=ties)
     return _tied_cost(graph, model, gp, ties) / exact, \
         _tied_cost(graph, model, without, ties) / exact

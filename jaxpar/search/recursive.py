@@ -80,9 +80,7 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    loops (scan, while, cond) and the main ops around them, those included: a loop is no unit
    of the walk, which decides the ops around it without its costs, and its body is then planned
    for what they chose (a scanned GPT step scored 2.5x the exact search's objective; solved
-   again so, 1.00x). For the same reason that region is also solved from the walk's plan where
-   another start ended lower (a scanned Adam MLP step: 0.66x). Each kept where that objective
-   drops.
+   again so, 1.00x). Each kept where that objective drops.
 6. A plan over the memory budget is searched again with mem_coeff four times larger (more model
    parallel, less memory) a few times. Once one fits, mem_coeffs between the last two are
    tried (bisected twice) and the fitting plan of least objective is kept: four times the
@@ -479,8 +477,7 @@ class _Sapp:
             _note(self.lines, f"axis {axis}: every op's use of it solved again exactly, the "
                               f"other axes held, scores {now:.6g}, less than {was:.6g}: "
                               "taken instead")
-        walk = [(w, p, s) for w, p, s, _ in ends[:1] if p is not plan]  # ends[0]: the walk's
-        return self._solve_neighbourhoods([(what, plan, before)] + walk, ties)
+        return self._solve_neighbourhoods(plan, before, ties)
 
     def _starts(self, plan: GraphPlan, ties: tuple) -> list[tuple[str, GraphPlan, float]]:
         """The plans whose axes _solve_again solves again, each with its name and score: the
@@ -544,8 +541,7 @@ class _Sapp:
         """The mesh axes _solve_again solves again, in order: the last, then the first."""
         return list(dict.fromkeys((self.mesh.names[-1], self.mesh.names[0])))
 
-    def _solve_neighbourhoods(self, ends: list[tuple[str, GraphPlan, float]],
-                              ties: tuple) -> GraphPlan:
+    def _solve_neighbourhoods(self, plan: GraphPlan, before: float, ties: tuple) -> GraphPlan:
         """The ops within _HOPS of the largest carried state (the ops reading it and its
         update), and with loop bodies searched (model.search_bodies) those between the loops
         and the main ops around them, solved again exactly over every axis, the rest held
@@ -556,19 +552,10 @@ class _Sapp:
         layers under lax.scan) is no unit of the walk: the walk decides the ops around it
         without its costs, and its body is planned for what they chose; solved again, the
         loops and their neighbours choose together (a loop's body also solved for the
-        operand specs the plan gives it).
-
-        ends: (name, plan, score) of the plans the axes were solved again from: the lowest,
-        then the walk's where that is another. The region is solved from the first; where it
-        holds loops, from the walk's too: the walk decided the ops around the loops without
-        their costs, so its score before says little of what it scores once its loops are
-        solved with their neighbours (a scanned Adam MLP step's walk scored 1.09x the lockstep
-        plan, and solved so 0.66x the lockstep plan solved so). The exact starts end their
-        region solves alike (a scanned GPT step's: 3.484 ms both). Returns the plan of least
-        score among the first end and the solutions."""
+        operand specs the plan gives it). Returns the plan kept (`plan` unless the region's
+        solution scores lower than `before`)."""
         units, index, n = self.units, self.index, len(self.g.ops)
-        _, plan, before = ends[0]
-        ops, near, parts = set(), [], []
+        ops, near, what = set(), [], []
         carried = [x for xs in self.members.values() for x in xs if x >= n]
         if carried:
             x = max(carried, key=lambda x: (max(index.nbytes(v) for v, _, _ in units.state(x)),
@@ -577,37 +564,25 @@ class _Sapp:
             seeds.update(r for v, _, _ in units.state(x) for r, _ in index.readers.get(v, ()))
             ops |= index.neighbourhood(seeds, _HOPS)
             near.append("the largest carried state")
-            parts.append(f"within {_HOPS} hops of the readers and update of {units.name(x)}")
+            what.append(f"within {_HOPS} hops of the readers and update of {units.name(x)}")
         loops = {op.index for op in self.g.ops if op.name in LOOPS}
         if loops and self.model.search_bodies:
             ops |= index.neighbourhood(loops, None, frozenset(self.mains))
             near.append("the loops")
-            parts.append(f"between the {len(loops)} loops and the main ops around them")
-        else:
-            ends = ends[:1]
+            what.append(f"between the {len(loops)} loops and the main ops around them")
         if not ops:
             return plan
-        starts = []
-        for end in ends:
-            if all(abs(end[2] - s[2]) > 1e-9 * s[2] for s in starts):
-                starts.append(end)
         progress.step(f"the neighbourhood of {' and of '.join(near)} solved again exactly")
         made = {w for y in ops for w in self.g.ops[y].outputs}
         inputs = index.free_reads(ops, self.fixed_in)
         inputs.update(v for v, _, w in units.carried if w in made and v not in self.fixed_in)
-        solved = []
-        for name, start, score in starts:
-            found = solve_region(self.g, self.model, start, self.fixed_in, self.fixed_out, ties,
-                                 ops, inputs)
-            solved.append((name, score, found, self._score(found, self.fixed_out)))
-        name, score, found, after = min(solved, key=lambda s: s[3])
+        found = solve_region(self.g, self.model, plan, self.fixed_in, self.fixed_out, ties, ops,
+                             inputs)
+        after = self._score(found, self.fixed_out)
         if after >= before * (1 - 1e-9):
             return plan
-        origin = f" from {name}" if len(starts) > 1 else ""
-        _note(self.lines, f"the {len(ops)} ops {' or '.join(parts)} solved again exactly{origin}, "
-                          f"the rest held, score {after:.6g}, less than {before:.6g}: taken "
-                          "instead" + "".join(f"; from {w}: {s:.6g} -> {a:.6g}"
-                                              for w, s, _, a in solved if len(starts) > 1))
+        _note(self.lines, f"the {len(ops)} ops {' or '.join(what)} solved again exactly, the "
+                          f"rest held, score {after:.6g}, less than {before:.6g}: taken instead")
         return found
 
     def _complete(self, fixed: dict, fixed_in: dict, fixed_out: dict) -> Refiner:
