@@ -115,7 +115,14 @@ from jaxpar.search.links import Link, Slot, Units, mapped
 from jaxpar.search.propagation import GraphIndex, GraphPlan, propagate
 from jaxpar.search.refine import Refiner
 from jaxpar.search.regions import LOOPS
-from jaxpar.search.resolve import objective, solve_axes, solve_grouped, solve_lockstep, solve_region
+from jaxpar.search.resolve import (
+    axis_runs,
+    objective,
+    solve_axes,
+    solve_grouped,
+    solve_lockstep,
+    solve_region,
+)
 from jaxpar.search.state import place_state
 from jaxpar.spec import MeshInfo, OpStrategy, Spec
 
@@ -482,7 +489,7 @@ class _Sapp:
     def _starts(self, plan: GraphPlan, ties: tuple) -> list[tuple[str, GraphPlan, float]]:
         """The plans whose axes _solve_again solves again, each with its name and score: the
         walk's, and on a mesh of several axes the best that uses them all together and (three
-        axes or more) the best that uses each of _groups() together, each unless it scores
+        axes or more) the best that uses each of resolve.axis_runs() together, each unless it scores
         more than _LOCKSTEP_NEAR times the walk's. (Each start's end is compared, not the
         starts: a grouped plan that scores below the lockstep plan may end above it, as the
         quick MoE step on 2 x 2 x 2 under tpu-v5e does, 1.04x against 1.00x.)"""
@@ -496,7 +503,7 @@ class _Sapp:
         found = [(f"every axis used together ({'+'.join(names)} as one)", flat,
                   self._score(flat, self.fixed_out))]
         if len(names) > 2:
-            groups = self._groups()
+            groups = axis_runs(self.model)
             what = f"axes {' and '.join('+'.join(g) for g in groups)} each used together"
             progress.step(f"{what}, solved exactly")
             grouped = solve_grouped(self.g, self.model, self.fixed_in, self.fixed_out, ties,
@@ -513,29 +520,6 @@ class _Sapp:
             for axis in self._again():  # the progress bar counted these solves
                 progress.step(f"axis {axis}: that plan is not solved again")
         return starts
-
-    def _groups(self) -> tuple[tuple[str, ...], ...]:
-        """The runs of neighbouring mesh axes _starts solves with each run used together: the
-        runs of axes over one kind of link (across two nodes: the node axis, then the axes
-        inside a node; the plans of a nodes x GPUs mesh), else (every axis over one link, or
-        each over its own) the leading axes and the last (a 4 x 2 mesh of 2 x 2 x 2). Over
-        search_gap's 2 x 2 x 2 cases these are the groupings that scored lower, of the two;
-        one is solved, for each costs several lockstep solves (the 48-layer GPT step on a
-        slow day: 5 s against 1 s)."""
-        names = self.mesh.names
-        runs: list[tuple[str, ...]] = []
-        for name in names:
-            if runs and self._kind(name) == self._kind(runs[-1][-1]):
-                runs[-1] += (name,)
-            else:
-                runs.append((name,))
-        if 1 < len(runs) < len(names):
-            return tuple(runs)
-        return (names[:-1], names[-1:])
-
-    def _kind(self, name: str) -> tuple:
-        link = self.model.links[name]
-        return (link.name, link.bandwidth, link.latency)
 
     def _again(self) -> list[str]:
         """The mesh axes _solve_again solves again, in order: the last, then the first."""

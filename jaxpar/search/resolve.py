@@ -200,6 +200,35 @@ def solve_grouped(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     return found
 
 
+def axis_runs(model: CostModel) -> tuple[tuple[str, ...], ...]:
+    """The runs of neighbouring mesh axes solve_grouped is given (recursive_programming's and,
+    with no weight fixed, sharding_propagation's grouped start): the runs of axes over one kind
+    of link (across two nodes: the node axis, then the axes inside a node; the plans of a
+    nodes x GPUs mesh), else (every axis over one link, or each over its own) the leading
+    axes and the last (a 4 x 2 mesh of 2 x 2 x 2). Over search_gap's 2 x 2 x 2 cases these are
+    the groupings that scored lower, of the two; one is solved, for each costs several
+    lockstep solves (the 48-layer GPT step on a slow day: 5 s against 1 s).
+
+    Example:
+      >>> axis_runs(model)  # make_mesh(8) under h100-nvlink: one link
+      (('d0', 'd1'), ('d2',))
+    """
+    def kind(name: str) -> tuple:
+        link = model.links[name]
+        return (link.name, link.bandwidth, link.latency)
+
+    names = model.mesh.names
+    runs: list[tuple[str, ...]] = []
+    for name in names:
+        if runs and kind(name) == kind(runs[-1][-1]):
+            runs[-1] += (name,)
+        else:
+            runs.append((name,))
+    if 1 < len(runs) < len(names):
+        return tuple(runs)
+    return (names[:-1], names[-1:])
+
+
 class _Lockstep:
     """tables.Allow: the candidates that use each of `groups` of mesh axes together
     (solve_grouped; one group of every axis: solve_lockstep)."""

@@ -64,13 +64,17 @@ propagation.py). After: a GraphPlan and notes for the Plan.
    gpt_plans' three layouts nor the 2-layer GPT's.
 6. Where no op is pinned (no weight fixed: nothing given, or only the batch) on a mesh of
    several axes, the axes are also solved again, the same way, from the best plan that uses
-   every axis together (resolve.solve_lockstep, exact over the plans of the flat mesh, as
-   recursive_programming starts from it), and the plan of lower objective is kept.
-   Propagated from nothing, the first decisions are two-way cuts that suit one axis of
-   make_mesh(8)'s three, and one axis solved at a time does not undo them (search_gap's quick
-   MLP Adam step on 2 x 2 x 2, h100-nvlink: 1.47x the exact search's objective and 1.74x its
-   modelled time, then 1.00x; the GPT step of search_time.py, 2 layers: 1.267 -> 1.066 ms
-   modelled, the exact search 1.020; 48 layers 23.3 -> 18.5 ms, the exact search 17.0).
+   every axis together (resolve.solve_lockstep, exact over the plans of the flat mesh) and,
+   on three axes or more, from the best that uses each of resolve.axis_runs together
+   (solve_grouped: a 4 x 2 mesh's plans on 2 x 2 x 2), the starts recursive_programming
+   takes too; the plan of lowest objective is kept. Propagated from nothing, the first
+   decisions are two-way cuts that suit one axis of make_mesh(8)'s three, and one axis solved
+   at a time does not undo them (search_gap's quick MLP Adam step on 2 x 2 x 2, h100-nvlink:
+   1.47x the exact search's objective and 1.74x its modelled time, then 1.00x; the GPT step
+   of search_time.py, 2 layers: 1.267 ms modelled, 1.066 from the lockstep start alone,
+   1.005 with the grouped one, the exact search 1.020; 48 layers 23.3, 18.5 and 17.0 ms, the
+   exact search 17.0). It costs two exact solves and up to six of one axis (48 layers: about
+   4 s more).
 7. A memory budget bounds nothing above (the objective weighs memory): a polished plan over it
    gives way to the propagated one when that holds less (fitting or not: the caller refuses
    a plan over the budget quoting its peak, and quotes the least this mode reached).
@@ -85,8 +89,10 @@ from jaxpar.ir.graph import OpGraph
 from jaxpar.search.propagation import GraphIndex, GraphPlan, handed_back, pinned_ops, propagate
 from jaxpar.search.refine import refine
 from jaxpar.search.resolve import (
+    axis_runs,
     objective,
     solve_axes,
+    solve_grouped,
     solve_latency_bound,
     solve_lockstep,
     solve_tail,
@@ -154,15 +160,20 @@ def sharding_propagation(graph: OpGraph, model: CostModel, fixed_in: dict[int, S
     axes, solved_axes, notes = model.mesh.names[::-1], [], []
     better, score, _ = solve_axes(graph, model, better, fixed_in, fixed_out, ties, axes,
                                   score_of, before=score, held=pinned, solved=solved_axes)
-    if not pinned and len(axes) > 1:  # step 6: also from the best plan of the flat mesh
-        flat = solve_lockstep(graph, model, fixed_in, fixed_out, ties)
-        other, other_score, _ = solve_axes(graph, model, flat, fixed_in, fixed_out, ties, axes,
-                                           score_of, solved=solved_axes)
+    if not pinned and len(axes) > 1:  # step 6: also from the best plans of fewer axes
+        flats = [("all of them together",
+                  solve_lockstep(graph, model, fixed_in, fixed_out, ties))]
+        if len(axes) > 2:
+            runs = axis_runs(model)
+            flats.append((f"{' and '.join('+'.join(r) for r in runs)} each together",
+                          solve_grouped(graph, model, fixed_in, fixed_out, ties, runs)))
+        ends = [(what, *solve_axes(graph, model, start, fixed_in, fixed_out, ties, axes,
+                                   score_of, solved=solved_axes)[:2]) for what, start in flats]
+        what, other, other_score = min(ends, key=lambda e: e[2])
         if other_score < score * (1 - 1e-9):
             notes.append(f"sharding_propagation: no weight fixed, so the mesh axes were also "
-                         f"solved again from the best plan using all of them together; that "
-                         f"plan is kept (objective {other_score:.6g}, from propagation "
-                         f"{score:.6g})")
+                         f"solved again from the best plan using {what}; that plan is kept "
+                         f"(objective {other_score:.6g}, from propagation {score:.6g})")
             better = other
     # Over the budget: the propagated plan where it holds less (the caller refuses a plan
     # over the budget, quoting its peak: the leaner one's, then).
