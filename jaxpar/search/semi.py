@@ -67,14 +67,17 @@ propagation.py). After: a GraphPlan and notes for the Plan.
    every axis together (resolve.solve_lockstep, exact over the plans of the flat mesh) and,
    on three axes or more, from the best that uses each of resolve.axis_runs together
    (solve_grouped: a 4 x 2 mesh's plans on 2 x 2 x 2), the starts recursive_programming
-   takes too; the plan of lowest objective is kept. Propagated from nothing, the first
+   takes too; the axes are solved again from each start scoring at most _START_NEAR times
+   the least (propagation's plan among them, before its axes are solved: a GPT step's
+   scores 1.23x the grouped plan, whose axes change nothing), and the plan of lowest
+   objective is kept. Propagated from nothing, the first
    decisions are two-way cuts that suit one axis of make_mesh(8)'s three, and one axis solved
    at a time does not undo them (search_gap's quick MLP Adam step on 2 x 2 x 2, h100-nvlink:
    1.47x the exact search's objective and 1.74x its modelled time, then 1.00x; the GPT step
    of search_time.py, 2 layers: 1.267 ms modelled, 1.066 from the lockstep start alone,
    1.005 with the grouped one, the exact search 1.020; 48 layers 23.3, 18.5 and 17.0 ms, the
-   exact search 17.0). It costs two exact solves and up to six of one axis (48 layers: about
-   4 s more).
+   exact search 17.0). It costs two exact solves and the axes of the starts kept (48
+   layers: about as long as the three axes of propagation's plan it skips there).
 7. A memory budget bounds nothing above (the objective weighs memory): a polished plan over it
    gives way to the propagated one when that holds less (fitting or not: the caller refuses
    a plan over the budget quoting its peak, and quotes the least this mode reached).
@@ -98,6 +101,9 @@ from jaxpar.search.resolve import (
     solve_tail,
 )
 from jaxpar.spec import Spec
+
+_START_NEAR = 1.05  # step 6: the axes are solved again from each start scoring at most this
+                    # many times the least (recursive_programming's _LOCKSTEP_NEAR)
 
 
 def sharding_propagation(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
@@ -158,23 +164,24 @@ def sharding_propagation(graph: OpGraph, model: CostModel, fixed_in: dict[int, S
         return objective(graph, model, gp, fixed_out, ties)
 
     axes, solved_axes, notes = model.mesh.names[::-1], [], []
-    better, score, _ = solve_axes(graph, model, better, fixed_in, fixed_out, ties, axes,
-                                  score_of, before=score, held=pinned, solved=solved_axes)
-    if not pinned and len(axes) > 1:  # step 6: also from the best plans of fewer axes
-        flats = [("all of them together",
-                  solve_lockstep(graph, model, fixed_in, fixed_out, ties))]
+    begins = [("propagation", better, score)]
+    if not pinned and len(axes) > 1:  # step 6: also the best plans of fewer axes
+        flat = solve_lockstep(graph, model, fixed_in, fixed_out, ties)
+        begins.append(("all of them together", flat, score_of(flat)))
         if len(axes) > 2:
             runs = axis_runs(model)
-            flats.append((f"{' and '.join('+'.join(r) for r in runs)} each together",
-                          solve_grouped(graph, model, fixed_in, fixed_out, ties, runs)))
-        ends = [(what, *solve_axes(graph, model, start, fixed_in, fixed_out, ties, axes,
-                                   score_of, solved=solved_axes)[:2]) for what, start in flats]
-        what, other, other_score = min(ends, key=lambda e: e[2])
-        if other_score < score * (1 - 1e-9):
-            notes.append(f"sharding_propagation: no weight fixed, so the mesh axes were also "
-                         f"solved again from the best plan using {what}; that plan is kept "
-                         f"(objective {other_score:.6g}, from propagation {score:.6g})")
-            better = other
+            grouped = solve_grouped(graph, model, fixed_in, fixed_out, ties, runs)
+            begins.append((f"{' and '.join('+'.join(r) for r in runs)} each together", grouped,
+                           score_of(grouped)))
+    least = min(s for _, _, s in begins)
+    ends = [(what, *solve_axes(graph, model, start, fixed_in, fixed_out, ties, axes, score_of,
+                               before=start_score, held=pinned, solved=solved_axes)[:2])
+            for what, start, start_score in begins if start_score <= least * _START_NEAR]
+    what, better, after = min(ends, key=lambda e: e[2])
+    if what != "propagation":
+        notes.append(f"sharding_propagation: no weight fixed, so the mesh axes were also solved "
+                     f"again from the best plan using {what}; that plan is kept (objective "
+                     f"{after:.6g}; propagated and polished {score:.6g})")
     # Over the budget: the propagated plan where it holds less (the caller refuses a plan
     # over the budget, quoting its peak: the leaner one's, then).
     peak = None if memory_budget is None else search_peak(graph, better, model.mesh,
