@@ -70,14 +70,14 @@ propagation.py). After: a GraphPlan and notes for the Plan.
    takes too; the axes are solved again from each start scoring at most _START_NEAR times
    the least (propagation's plan among them, before its axes are solved: a GPT step's
    scores 1.23x the grouped plan, whose axes change nothing), and the plan of lowest
-   objective is kept. Propagated from nothing, the first
-   decisions are two-way cuts that suit one axis of make_mesh(8)'s three, and one axis solved
-   at a time does not undo them (search_gap's quick MLP Adam step on 2 x 2 x 2, h100-nvlink:
-   1.47x the exact search's objective and 1.74x its modelled time, then 1.00x; the GPT step
-   of search_time.py, 2 layers: 1.267 ms modelled, 1.066 from the lockstep start alone,
-   1.005 with the grouped one, the exact search 1.020; 48 layers 23.3, 18.5 and 17.0 ms, the
-   exact search 17.0). It costs two exact solves and the axes of the starts kept (48
-   layers: about as long as the three axes of propagation's plan it skips there).
+   objective is kept. Propagated from nothing, the first decisions are two-way cuts that suit
+   one axis of make_mesh(8)'s three, and one axis solved at a time does not undo them
+   (search_gap's quick MLP Adam step on 2 x 2 x 2, h100-nvlink: 1.47x the exact search's
+   objective and 1.74x its modelled time, then 1.00x; the GPT step of search_time.py,
+   2 layers: 1.267 ms modelled, 1.066 from the lockstep start alone, 1.005 with the grouped
+   one, the exact search 1.020; 48 layers 23.3, 18.5 and 17.0 ms, the exact search 17.0).
+   It costs two exact solves and the axes of the starts kept (48 layers: about as long as
+   the three axes of propagation's plan it skips there).
 7. A memory budget bounds nothing above (the objective weighs memory): a polished plan over it
    gives way to the propagated one when that holds less (fitting or not: the caller refuses
    a plan over the budget quoting its peak, and quotes the least this mode reached).
