@@ -137,7 +137,8 @@ def shard(fn, in_strategy=None, out_strategy=None, parameter_plan=None, device=N
       search_mode: "sharding_propagation" (default: from the fixed strategies outward, op by
         op; then refined with the exact objective, a training step's tail, its gradient
         reductions and optimizer, solved again exactly, then each mesh axis solved again
-        exactly with the others held), "recursive_programming" (SAPP: main
+        exactly with the others held; with no weight fixed, also from the best plans using
+        the axes together), "recursive_programming" (SAPP: main
         ops cut axis by axis, then propagation; fast) or "dynamic_programming" (the exact
         optimum of the cost model: chain DP or an ILP; stopped at its time limit with no
         memory_budget, recursive_programming's plan where that scores lower). The two
