@@ -708,18 +708,20 @@ def test_sharding_propagation_plans_a_data_parallel_gpt_step_as_well_as_the_exac
     assert cost["sharding_propagation"] <= 1.15 * cost["dynamic_programming"], cost
 
 
-def _abstract_mlp_adam_step(d: int, ffn: int, layers: int, batch: int):
-    """benchmarks/models.py's MLP: an Adam step of `layers` dense layers d, ffn, d, ... d."""
-    import optax
+def _bench_mlp_step():
+    """benchmarks/models.py's MLP (search_gap's): an Adam step of 8 dense layers 1024, 4096,
+    ..., 1024 at batch 256, abstract."""
+    import importlib.util
+    import sys
+    from pathlib import Path
 
-    from jaxpar.models import mlp
-
-    sizes = [d if i % 2 == 0 else ffn for i in range(layers + 1)]
-    sizes[-1] = d
-    tx = optax.adam(1e-3)
-    params = jax.eval_shape(lambda: mlp.init_mlp(jax.random.key(0), sizes))
-    x = jax.ShapeDtypeStruct((batch, d), jnp.float32)
-    return mlp.make_train_step(tx), (params, jax.eval_shape(tx.init, params), x, x)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "models.py"
+    spec = importlib.util.spec_from_file_location("bench_models", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    bench = module.mlp_model()
+    return bench.step, bench.args
 
 
 @pytest.mark.parametrize("program", ["gpt", "mlp"])
@@ -737,7 +739,7 @@ def test_sharding_propagation_solves_each_axis_again_with_no_strategy_given(prog
 
     step, args = abstract_train_step(GPTConfig(layers=2, d_model=512, heads=8, vocab=4096,
                                                seq=256), 16) if program == "gpt" else \
-        _abstract_mlp_adam_step(1024, 4096, 8, 256)
+        _bench_mlp_step()
     plans = {mode: jaxpar.shard(step, mesh=jaxpar.make_mesh(8), hardware="h100-nvlink",
                                 search_mode=mode).plan(*args)
              for mode in ("sharding_propagation", "dynamic_programming")}

@@ -140,12 +140,15 @@ def sharding_propagation(graph: OpGraph, model: CostModel, fixed_in: dict[int, S
         first = propagate(graph, model, fixed_in, fixed_out, ties=ties, index=index, kept=kept)
         placed |= {v: first.specs[v].resolved() for v in free}
 
+    def score_of(gp: GraphPlan) -> float:
+        return objective(graph, model, gp, fixed_out, ties)
+
     def start(out: dict[int, Spec], tied: tuple, also: tuple = ()) -> GraphPlan:
         """Propagation both ways (ops planned as reached, or waiting for a bigger operand),
         and the plans `also`: the one of lower objective."""
         plans = [propagate(graph, model, placed, out, ties=tied, index=index, kept=kept,
                            wait=wait) for wait in (False, True)]
-        return min([*plans, *also], key=lambda gp: objective(graph, model, gp, fixed_out, ties))
+        return min([*plans, *also], key=score_of)
 
     # the first pass too: its state placed as it went, where the passes from it start
     starts = [start(fixed_out, ties, () if first is None else (first,))]
@@ -159,10 +162,6 @@ def sharding_propagation(graph: OpGraph, model: CostModel, fixed_in: dict[int, S
     k = min(range(len(solved)), key=lambda i: solved[i][1])
     better, score = solve_latency_bound(graph, model, solved[k][0], fixed_in, fixed_out, ties,
                                         index, pinned, before=solved[k][1])
-
-    def score_of(gp: GraphPlan) -> float:
-        return objective(graph, model, gp, fixed_out, ties)
-
     axes, solved_axes, notes = model.mesh.names[::-1], [], []
     begins = [("propagation", better, score)]
     if not pinned and len(axes) > 1:  # step 6: also the best plans of fewer axes
@@ -174,9 +173,9 @@ def sharding_propagation(graph: OpGraph, model: CostModel, fixed_in: dict[int, S
             begins.append((f"{' and '.join('+'.join(r) for r in runs)} each together", grouped,
                            score_of(grouped)))
     least = min(s for _, _, s in begins)
-    ends = [(what, *solve_axes(graph, model, start, fixed_in, fixed_out, ties, axes, score_of,
-                               before=start_score, held=pinned, solved=solved_axes)[:2])
-            for what, start, start_score in begins if start_score <= least * _START_NEAR]
+    ends = [(what, *solve_axes(graph, model, begin, fixed_in, fixed_out, ties, axes, score_of,
+                               before=begin_score, held=pinned, solved=solved_axes)[:2])
+            for what, begin, begin_score in begins if begin_score <= least * _START_NEAR]
     what, better, after = min(ends, key=lambda e: e[2])
     if what != "propagation":
         notes.append(f"sharding_propagation: no weight fixed, so the mesh axes were also solved "

@@ -283,9 +283,10 @@ class _Builder:
                 found += [f for f in region_candidates(op, info, known, model, outs)
                           if not any(f[0] == g[0] for g in found)]
             held = self.held.get(op.index)
-            if held is not None and held.regions and \
-                    not any(covers(f, held_candidate(held), op, model) for f in found):
-                found.append(held_candidate(held))
+            if held is not None and held.regions:
+                mine = held_candidate(held)
+                if not any(covers(f, mine, op, model) for f in found):
+                    found.append(mine)
             self.t.regions[op.index] = {id(s): (plans, trips, cost)
                                         for s, plans, cost, trips in found}
             cands, own = [f[0] for f in found], [f[2] for f in found]
