@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
+from jaxpar.train import checkpoint as ckpt
 from jaxpar.train import checkpoint_steps, latest_step, restore_checkpoint, save_checkpoint
 
 CHECKSUMS = "_CHECKSUMS.json"
@@ -428,10 +429,14 @@ def test_a_process_local_array_in_a_multi_process_save_is_named(tmp_path, monkey
     # Across processes orbax refused it deep inside ("Cannot serialize host local jax.Array")
     # and left a temporary directory behind.
     monkeypatch.setattr(jax, "process_count", lambda: 2)
+    told = []  # what this process tells the other (simulated: it refused nothing)
+    monkeypatch.setattr(ckpt, "gather_rows",
+                        lambda row: told.append(row.tolist()) or np.stack([row, [0, 0]]))
     with pytest.raises(ValueError, match=re.escape("state['count'] lives on this process's "
                                                    "devices only")):
         save_checkpoint(tmp_path / "ckpt", {"count": jnp.zeros((), jnp.int32)})
     assert not (tmp_path / "ckpt").exists()
+    assert told == [[1, 0]]  # the other process is told, and refuses too
 
 
 def test_64_bit_values_are_not_restored_onto_devices_as_32_bit(tmp_path, mesh8):

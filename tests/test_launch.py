@@ -357,6 +357,30 @@ def test_a_checkpoint_saved_by_two_processes_is_verified_by_both(tmp_path, capsy
     assert refused == ["names the file", "names the rank that found it"]
 
 
+def test_a_checkpoint_call_one_rank_refuses_is_refused_by_every_rank(tmp_path):
+    # Before: rank 0 went on alone into orbax's barriers; they met rank 1's next call, so its
+    # save took rank 1's second save for its own and its restores reported nonsense ("930760747
+    # of its files ... were changed") until the launch died of a mismatched barrier.
+    proc = _cli("-n", "2", "--devices-per-process", "2",
+                str(SCRIPTS / "checkpoint_diverge.py"), str(tmp_path))
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("a rank waited for the other in a collective: " + proc.communicate()[0])
+    assert proc.returncode == 0, out + err
+    refused = ("refused this call (their errors say why) before anything was written or "
+               "read, so this process stops too")
+    assert "[rank 1] save refused: TypeError: save_checkpoint: state['name'] is a str" in out
+    assert f"[rank 0] save refused: ValueError: save_checkpoint: process(es) [1] {refused}" in out
+    assert "[rank 1] restore step refused: FileNotFoundError: restore_checkpoint: no step 2" in out
+    assert "[rank 1] restore target refused: ValueError: restore_checkpoint: target['extra']" in out
+    assert out.count(f"refused: ValueError: restore_checkpoint: process(es) [1] {refused}") == 2
+    for rank in (0, 1):
+        for line in ("save again done", "restore done", "both ranks at the end"):
+            assert f"[rank {rank}] {line}" in out, out
+
+
 def test_a_launched_rank_that_never_joined_is_refused(monkeypatch):
     # Before: each rank ran alone on its own devices (every rank training a model of its own).
     mesh = jaxpar.make_mesh(8)  # before the launch environment: fine

@@ -9,7 +9,9 @@ its own shards. The saved metadata is checked against the restore target first, 
 structure, shape, dtype or sharding is a `ValueError` that names the leaf, not an orbax traceback.
 Each save also records the size and crc32 of every file it wrote (`_CHECKSUMS.json`, beside
 orbax's files); a restore checks them before orbax reads anything, so a flipped byte, a truncated
-or a missing file is a `ValueError` naming the file, not silently wrong values.
+or a missing file is a `ValueError` naming the file, not silently wrong values. With several
+processes, each call's checks run in every process before orbax's collectives and one small
+all-gather shares their outcome (_together): a call one process refuses is refused by all.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import json
 import logging
 import os
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -33,6 +36,7 @@ from jaxpar.ir.trace import jax_cannot_hold
 
 PathLike = str | os.PathLike[str]
 KeyPath = tuple[Any, ...]
+T = TypeVar("T")
 
 # Step directories are named "<step>" (orbax's standard format, as CheckpointManager writes them).
 _STEP_NAMES = ocp.step.standard_name_format()
@@ -51,9 +55,11 @@ def save_checkpoint(path: PathLike, state: Any, *, step: int | None = None,
     """Save a pytree of arrays and scalars, sharded or not, and wait until it is on disk.
 
     Every process of a multi-process run must call this with the same arguments; each writes
-    only the shards it holds. Once all have written, process 0 records the size and crc32 of
-    every file of the checkpoint in `_CHECKSUMS.json` beside them, which `restore_checkpoint`
-    checks.
+    only the shards it holds. When one process refuses its call (a leaf it cannot save, a
+    checkpoint already there), every process raises before anything is written: that one its
+    own error, the others a ValueError naming it. Once all have written, process 0 records
+    the size and crc32 of every file of the checkpoint in `_CHECKSUMS.json` beside them,
+    which `restore_checkpoint` checks.
 
     Args:
       path: checkpoint directory; a relative path is resolved against the working directory.
@@ -69,11 +75,14 @@ def save_checkpoint(path: PathLike, state: Any, *, step: int | None = None,
       >>> save_checkpoint("ckpt", {"params": params, "opt_state": opt_state}, step=100)
       PosixPath('/home/me/run/ckpt/100')
     """
-    directory = _absolute(path, "path")
-    if step is not None:
-        directory = directory / _STEP_NAMES.build_name(_check_step(step))
-    _check_state(state)
-    replace = _check_destination(directory, overwrite)
+    def checked() -> tuple[Path, bool]:
+        directory = _absolute(path, "path")
+        if step is not None:
+            directory = directory / _STEP_NAMES.build_name(_check_step(step))
+        _check_state(state)
+        return directory, _check_destination(directory, overwrite)
+
+    (directory, replace), _ = _together("save_checkpoint", checked)
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(directory, state, force=replace)
         checkpointer.wait_until_finished()
@@ -112,24 +121,36 @@ def restore_checkpoint(path: PathLike, target: Any, *, step: int | None = None,
       FileNotFoundError: `path` or the step does not exist or holds no checkpoint.
       ValueError: a file of the checkpoint is missing or was changed after it was saved (its
         size or crc32 differs; the error names it); the target's structure, shapes or dtypes
-        differ from the checkpoint's; or a sharding does not fit its leaf.
+        differ from the checkpoint's; a sharding does not fit its leaf; or, with several
+        processes, another process refused the call (it raises its own error; all raise
+        before orbax reads anything).
 
     Example:
       >>> mesh4 = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"))
       >>> state = restore_checkpoint("ckpt", abstract_state, mesh=mesh4,
       ...                            shardings=NamedSharding(mesh4, P()))
     """
-    if mesh is not None and not isinstance(mesh, Mesh):
-        raise TypeError(f"restore_checkpoint: mesh={mesh!r} must be a jax.sharding.Mesh or None.")
-    directory = _checkpoint_directory(_absolute(path, "path"), step)
-    verified = _verify_checksums(directory)
-    tree = _tree_metadata(directory)
-    saved = _saved_leaves(tree, directory)
+    def located() -> tuple[Path, bool, list[str]]:
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise TypeError(f"restore_checkpoint: mesh={mesh!r} must be a jax.sharding.Mesh "
+                            "or None.")
+        directory = _checkpoint_directory(_absolute(path, "path"), step)
+        return directory, *_checked_share(directory)
+
+    (directory, verified, damaged), counts = _together("restore_checkpoint", located,
+                                                       lambda found: len(found[2]))
+    _refuse_damage(directory, damaged, counts)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
-    _check_structure(leaves, saved, directory, target, tree)
-    placements = _explicit_shardings(treedef, leaves, shardings, mesh)
-    restore_target = [_restore_leaf(keypath, leaf, saved[_names(keypath)][1], placement, mesh)
-                      for (keypath, leaf), placement in zip(leaves, placements, strict=True)]
+
+    def placed() -> list:
+        tree = _tree_metadata(directory)
+        saved = _saved_leaves(tree, directory)
+        _check_structure(leaves, saved, directory, target, tree)
+        placements = _explicit_shardings(treedef, leaves, shardings, mesh)
+        return [_restore_leaf(keypath, leaf, saved[_names(keypath)][1], placement, mesh)
+                for (keypath, leaf), placement in zip(leaves, placements, strict=True)]
+
+    restore_target, _ = _together("restore_checkpoint", placed)
     with ocp.StandardCheckpointer() as checkpointer:
         try:
             restored = checkpointer.restore(directory, treedef.unflatten(restore_target))
@@ -361,27 +382,29 @@ def _record_crc(files: Any) -> int:
     return zlib.crc32(json.dumps(files, sort_keys=True).encode())
 
 
-def _verify_checksums(directory: Path) -> bool:
-    """Raise a ValueError naming every file of `directory` that is missing or differs from its
-    saved size and crc32; nothing to check in a checkpoint saved without checksums (False is
-    returned then; True where every file was checked and found as saved). With several
-    processes each reads a share of the bytes (_share), so the checkpoint is read once more in
-    all, not once per process, and one small all-gather tells every process whether any share
-    was damaged: all of them raise."""
+def _checked_share(directory: Path) -> tuple[bool, list[str]]:
+    """This process's share of `directory`'s files (_share) checked against their saved size
+    and crc32: (whether the checkpoint has checksums, what differs, one line per file). With
+    several processes each reads a share of the bytes, so the checkpoint is read once more in
+    all, not once per process; _refuse_damage then raises in every process if any share was
+    damaged. A checkpoint saved without checksums has nothing to check: (False, [])."""
     saved = _read_checksums(directory)
     if saved is None:
         log.debug("%s has no %s (saved before jaxpar recorded checksums): restored unverified.",
                   directory, _CHECKSUM_FILE)
-        return False
+        return False, []
     mine = _share(saved, jax.process_index(), jax.process_count())
     found = _checksums(directory, mine)
-    damaged = [_damage(name, saved[name], found[name]) for name in mine
-               if found[name] != saved[name]]
-    counts = [len(damaged)]
-    if jax.process_count() > 1:
-        counts = gather_rows(np.array([len(damaged)])).reshape(-1).tolist()
+    return True, [_damage(name, saved[name], found[name]) for name in mine
+                  if found[name] != saved[name]]
+
+
+def _refuse_damage(directory: Path, damaged: list[str], counts: list[int]) -> None:
+    """A ValueError in every process when any process's share of the files was damaged
+    (`counts`: how many each found; `damaged`: this process's lines): the files found here
+    are named, or the processes that found them."""
     if not any(counts):
-        return True
+        return
     again = ("restore an earlier step, or copy the checkpoint again from where it was "
              "written.")
     if not damaged:
@@ -394,6 +417,35 @@ def _verify_checksums(directory: Path) -> bool:
     raise ValueError(f"restore_checkpoint: the checkpoint at {directory} is damaged: {shown}. "
                      f"{which} changed after the checkpoint was saved (a disk, copy or sync "
                      f"error, or an edit), so the restored values would be wrong; {again}")
+
+
+def _together(what: str, checks: Callable[[], T],
+              count: Callable[[T], int] = lambda _: 0) -> tuple[T, list[int]]:
+    """checks()'s result in every process, and count(result) of each process (in process
+    order), before any goes on into orbax's collectives. With several processes one small
+    all-gather tells each whether another's checks raised: that process raises its own error,
+    and every other a ValueError naming it. Without it a process refused its call (a
+    state it cannot save, a step its disk lacks) while the others went on into orbax's
+    barriers, and waited there forever, or met the refused process's next call and mixed the
+    two. One process: checks() and its count, no collective."""
+    several = jax.process_count() > 1
+    try:
+        result = checks()
+    except Exception:
+        if several:
+            gather_rows(np.array([1, 0]))
+        raise
+    mine = count(result)
+    if not several:
+        return result, [mine]
+    rows = gather_rows(np.array([0, mine]))
+    refused = [p for p, row in enumerate(rows.tolist()) if row[0]]
+    if refused:
+        raise ValueError(f"{what}: process(es) {refused} refused this call (their errors say "
+                         "why) before anything was written or read, so this process stops too "
+                         "rather than wait for them. Every process must call it with the same "
+                         "path, step and structure, on the same files.")
+    return result, [int(n) for n in rows[:, 1]]
 
 
 def _share(saved: dict[str, dict[str, int]], process: int, count: int) -> list[str]:
