@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import numbers
 import os
 from collections.abc import Sequence
@@ -723,16 +724,23 @@ def build_plan(graph, gp: GraphPlan, model, traced, in_specs: list[Spec], out_sp
                search_mode: str, hardware: str, weights: set[int] | None = None) -> Plan:
     """Assemble a Plan: totals, predicted collectives, peak memory and the explain rows.
     weights: the input values that are weights (for describe_layout)."""
+    cost, collectives = _priced(graph, gp, model, out_specs)
+    return Plan(lambda: traced.fingerprint, model.mesh, gp, in_specs, out_specs,
+                list(traced.in_paths), list(traced.out_paths), cost, collectives,
+                lambda: list(_rows(graph, gp, model)), search_mode, hardware, traced.in_tree,
+                traced.out_tree, layout=describe_layout(graph, gp, model.mesh, weights))
+
+
+def _priced(graph, gp: GraphPlan, model, out_specs: list[Spec]
+            ) -> tuple[PlanCost, dict[str, dict[str, float]]]:
+    """A plan's totals and predicted collectives (by kind) from its strategies and specs."""
     from jaxpar.search.propagation import graph_cost
 
     total = graph_cost(graph, gp, model, dict(enumerate(out_specs)), shared=True)
     comm = total.comm_s + tail_latency(graph, gp, model)
     peak = peak_memory(graph, gp, model.mesh, dict(enumerate(out_specs)))
-    cost = PlanCost(total.compute_s, comm, total.comm_bytes, peak, total.compute_s + comm)
-    return Plan(lambda: traced.fingerprint, model.mesh, gp, in_specs, out_specs,
-                list(traced.in_paths), list(traced.out_paths), cost, _by_kind(total.collectives),
-                lambda: list(_rows(graph, gp, model)), search_mode, hardware, traced.in_tree,
-                traced.out_tree, layout=describe_layout(graph, gp, model.mesh, weights))
+    return (PlanCost(total.compute_s, comm, total.comm_bytes, peak, total.compute_s + comm),
+            _by_kind(total.collectives))
 
 
 def as_run(plan: Plan, graph, model, traced) -> None:
@@ -744,15 +752,28 @@ def as_run(plan: Plan, graph, model, traced) -> None:
     not choose it, dropped) and the rows, cost and collectives are made again from the
     strategies, the plan's `hardware` then `model`'s profile, with a note naming the ops; a
     loop body's op keeps its saved price (a loop is priced as its search planned its bodies).
-    The peak is always counted again from the specs: a file's may be edited, and the
-    arguments given to donate change it."""
+    Where every strategy is as saved but the file's predicted collectives are not those of
+    the specs it runs (its out_specs edited: an output gathered that the saved cost never
+    moved), the cost and collectives are made again, the rows kept, with a note. The peak is
+    always counted again from the specs: a file's may be edited, and the arguments given to
+    donate change it."""
     gp, out_specs = plan.graph_plan, dict(enumerate(plan.flat_out_specs))
+    loaded = not callable(plan.__dict__.get("_rows"))  # else rows made from the strategies
     edited = []
-    if not callable(plan.__dict__.get("_rows")):  # rows made from the strategies: no edits
+    if loaded:
         saved = {r.path: r.chosen for r in plan.rows}
         edited = [path for path, label in _labels(graph, gp)
                   if saved.get(path, label) != label]
     if not edited:
+        if loaded:
+            cost, collectives = _priced(graph, gp, model, plan.flat_out_specs)
+            if not _same_collectives(collectives, plan.collectives):
+                plan.cost, plan.collectives = cost, collectives
+                plan.notes = [*plan.notes, "priced again: the file's predicted collectives are "
+                              "not those of the specs it runs (its out_specs edited, or saved "
+                              "under other settings); the cost and collectives are those of "
+                              "the specs run"]
+                return
         plan.cost = replace(plan.cost, peak_memory_bytes=peak_memory(graph, gp, model.mesh,
                                                                       out_specs))
         return
@@ -890,6 +911,15 @@ def _tally_roles(graph, gp: GraphPlan, weights: set[int], times: float,
                 work[a]["tp"] += done
             elif a in s.ins[1 - k].axes():
                 work[a]["dp"] += done
+
+
+def _same_collectives(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]]) -> bool:
+    """Whether two predictions by kind name the same collectives, counts and bytes (up to
+    the rounding of a sum)."""
+    return a.keys() == b.keys() and all(
+        a[k]["count"] == b[k]["count"] and math.isclose(a[k]["bytes"], b[k]["bytes"],
+                                                       rel_tol=1e-9, abs_tol=1e-6)
+        for k in a)
 
 
 def _by_kind(cols) -> dict[str, dict[str, float]]:

@@ -1274,6 +1274,33 @@ def test_an_edited_strategy_is_explained_priced_and_predicted_as_it_runs(tmp_pat
     assert measured["all-gather"] == plan.collectives["all-gather"]
 
 
+def test_an_edited_output_spec_is_priced_as_it_runs(tmp_path):
+    """A plan file's out_specs edited to hand the result back whole ran two all-gathers that
+    its cost and predicted collectives (a reduce-scatter of 512 bytes) never named, and
+    verify() failed on the plan's own program."""
+    f = jaxpar.shard(dense_relu, in_strategy=((4, 2), None, None))
+    saved = f.plan(X, W, B)
+    data = json.loads(json.dumps(saved.to_json()))
+    assert data["out_specs"] == [[["d0", "d1"], ["d2"]]]
+    data["out_specs"] = [[[], []]]
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    plan = jaxpar.Plan.load(tmp_path / "plan.json")
+    g = f.with_plan(plan)
+    y = g(X, W, B)
+    np.testing.assert_allclose(y, jax.jit(dense_relu)(X, W, B), rtol=1e-5)
+    assert y.sharding.spec == P()
+    assert plan.collectives["all-gather"]["count"] == 2
+    assert plan.cost.comm_bytes > saved.cost.comm_bytes
+    assert [r.chosen for r in plan.rows] == [r.chosen for r in saved.rows]  # rows kept
+    assert "priced again: the file's predicted collectives are not those" in plan.notes[-1]
+    assert plan.verify(g.lower(X, W, B).compile()).ok
+    # saved and loaded unedited: nothing priced again
+    (tmp_path / "same.json").write_text(json.dumps(saved.to_json()))
+    same = jaxpar.Plan.load(tmp_path / "same.json")
+    f.with_plan(same).plan(X, W, B)
+    assert same.collectives == saved.collectives and not same.notes
+
+
 def test_a_plan_files_peak_is_counted_again_for_the_budget(tmp_path):
     """A peak edited in the file (or one the arguments donated change) was what the budget
     was held to: 0 bytes passed a budget of 100."""
