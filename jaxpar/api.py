@@ -469,8 +469,9 @@ class ShardedFunction:
             if jax.process_index() in apart:
                 warnings.warn(
                     f"{_name(self.fn)}: this process (process {jax.process_index()}) planned "
-                    "it otherwise than process 0 (a search stopped by its time limit at "
-                    "another point, on a busier machine); it runs process 0's plan, as every "
+                    "it otherwise than process 0 (its shard() options, such as in_strategy, "
+                    "differ from process 0's, or a search stopped by its time limit at "
+                    "another point on a busier machine); it runs process 0's plan, as every "
                     "process must. To plan once, save a plan (plan.save) and load it on "
                     "every process (with_plan).", UserWarning, stacklevel=4)
                 theirs = ShardedFunction(self.fn, self.opts, Plan.from_json(json.loads(text)),

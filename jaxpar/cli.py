@@ -453,9 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     if rest and not getattr(args, "passthrough", False):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest
-    if args.command is None:
-        parser.print_help()
-        return 0
+    if args.command is None:  # a usage error, as argparse's own: the help, status 2
+        parser.print_help(sys.stderr)
+        return 2
     return args.run(args)
 
 

@@ -181,12 +181,27 @@ def _check_program(program: tuple[str, ...]) -> None:
         if len(program) < 2 or not all(p.isidentifier() for p in program[1].split(".")):
             raise ValueError(f"-m {program[1] if len(program) > 1 else ''!r}: give a module "
                              "name, e.g. `-m mypackage.train`.")
+        top = program[1].split(".")[0]
+        if not _importable(top):
+            raise ValueError(f"-m {program[1]}: no module named {top!r} (looked from "
+                             f"{os.getcwd()} and this Python's path); give a module the ranks "
+                             "can import, or the path of a script.")
     elif os.path.isdir(program[0]):
         raise ValueError(f"script {program[0]!r} is a directory; give the path of a Python "
                          "file in it, or `-m package.module`.")
     elif not os.path.isfile(program[0]):
         raise ValueError(f"script {program[0]!r} does not exist (looked from {os.getcwd()}); "
                          "give the path of a Python file.")
+
+
+def _importable(name: str) -> bool:
+    """Whether a rank (`python -c`, started in this directory) finds top-level module `name`:
+    in the current directory or where this Python finds it (its path and import hooks, an
+    editable install's too), looked up without importing it."""
+    from importlib.machinery import PathFinder
+    from importlib.util import find_spec
+
+    return PathFinder.find_spec(name, [os.getcwd()]) is not None or find_spec(name) is not None
 
 
 class _Launch:

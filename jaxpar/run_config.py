@@ -617,7 +617,15 @@ def _check_model_parallel(run: RunConfig, mp: int, specs: dict[str, Any],
                           shapes: dict[str, tuple[int, ...]]) -> None:
     """A ValueError naming parallel_config.model_parallel when it does not divide a dimension
     Megatron's layout cuts over it (the parameter_plan it makes is the config's, not the
-    user's: its own error named a parameter_plan nobody wrote)."""
+    user's: its own error named a parameter_plan nobody wrote), or a GPT's heads (the
+    column cut of the fused qkv projection would split a head between devices)."""
+    heads = getattr(run.model.config, "heads", None) if run.model.name != "mlp" else None
+    if heads is not None and heads % mp:
+        raise ValueError(
+            f"{run.source}: parallel_config.model_parallel={mp} does not divide model.heads="
+            f"{heads}: Megatron's layout gives each device whole heads; use a model_parallel "
+            "that divides the heads (and 3 x d_model, the MLP width and vocab), or change "
+            "them.")
     for path, spec in specs.items():
         for dim, entry in enumerate(spec):
             if entry is not None and shapes[path][dim] % mp:

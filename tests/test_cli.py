@@ -20,11 +20,15 @@ def _main(capsys, *argv: str) -> tuple[int, str, str]:
     return status, out, err
 
 
-def test_help_lists_every_subcommand(capsys):
-    status, out, _ = _main(capsys)
-    assert status == 0
+def test_no_command_is_a_usage_error_that_lists_every_subcommand(capsys):
+    # It printed the help and exited 0, as if something had run.
+    status, out, err = _main(capsys)
+    assert status == 2 and not out
     for name in SUBCOMMANDS:
-        assert f"    {name}" in out
+        assert f"    {name}" in err
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--help"])
+    assert done.value.code == 0 and "    demo" in capsys.readouterr().out
 
 
 def test_calibrate_hands_its_arguments_to_jaxpar_calibrate(capsys):

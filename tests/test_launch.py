@@ -246,6 +246,9 @@ def test_log_dir_gets_one_file_per_rank(tmp_path, capsys):
     (["-n", "2", "."], "script '.' is a directory"),
     (["-n", "2"], "give a script path"),
     (["-n", "2", "-m", "not-a-module"], "give a module name"),
+    # each rank printed runpy's traceback, and the launch exited 1
+    (["-n", "2", "-m", "no_such_module_xyz.train"],
+     "-m no_such_module_xyz.train: no module named 'no_such_module_xyz'"),
 ])
 def test_bad_arguments_fail_before_starting(tmp_path, capsys, argv, message):
     argv = [str(SCRIPTS / "echo.py") if a == "S" else a for a in argv]

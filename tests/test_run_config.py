@@ -392,3 +392,10 @@ def test_a_model_parallel_degree_that_does_not_divide_a_cut_dim_names_parallel_c
         plan_run(run_config_from_mapping(data, "run.yaml"))
     data["model"]["vocab"] = 256
     assert plan_run(run_config_from_mapping(data, "run.yaml")).plan.mesh.size == 8
+    # Heads are no weight's dim: 2 heads cut 4 ways were planned without a word.
+    data["model"]["heads"] = 2
+    for name in ("gpt", "nnx_gpt"):
+        data["model"]["name"] = name
+        with pytest.raises(ValueError, match=r"run.yaml: parallel_config.model_parallel=4 does "
+                                             r"not divide model.heads=2"):
+            plan_run(run_config_from_mapping(data, "run.yaml"))
