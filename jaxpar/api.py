@@ -1103,7 +1103,9 @@ def optimizer_followers(paths: list[str], shapes: list[tuple]) -> dict[int, int]
       prefix, one of that shape lies at the same path below i's. A flax TrainState holds
       `state/params/Dense_0/kernel` and `state/opt_state/0/mu/Dense_0/kernel`; two
       parameters of one shape at different depths (`params/w`, `params/block/w`) follow
-      nothing.
+      nothing, and nor does a parameter that others follow (`params/blocks/0/ln1/scale`,
+      which `opt_state/0/mu/blocks/0/ln1/scale` follows, mirrors `params/ln_f/scale` by
+      path and shape, and followed it: hsdp's level1 cut every block's LayerNorm).
     """
     parts = [path.split("/") for path in paths]
     leaves = {(path, tuple(shape)) for path, shape in zip(paths, shapes, strict=True)}
@@ -1141,7 +1143,11 @@ def optimizer_followers(paths: list[str], shapes: list[tuple]) -> dict[int, int]
             if found:
                 follows[i] = found[0]
                 break
-    return follows
+    # A leaf that others follow is a parameter (optimizer state is kept for it), so it
+    # follows nothing in its own argument, where one module repeated (a LayerNorm in every
+    # block) mirrors another (the final one) by path and shape alone.
+    targets = set(follows.values())
+    return {i: j for i, j in follows.items() if i not in targets or parts[j][0] != parts[i][0]}
 
 
 def _check_devices(fn, graph, mesh: Mesh | AbstractMesh) -> None:

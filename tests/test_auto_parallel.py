@@ -474,6 +474,21 @@ def test_optimizer_parallel_levels_cut_memory_and_train_alike(mlp_problem):
         _close_trees(params, want_params)
 
 
+def test_optimizer_parallel_level1_leaves_a_gpts_layernorms_replicated():
+    # Every block's LayerNorm parameters were taken for optimizer state of the final one
+    # (same names and shape below a mirrored path) and cut over every device at level1.
+    cfg = gpt.GPTConfig(layers=2, d_model=64, heads=4, vocab=128, seq=16)
+    params = gpt.init_params(cfg, jax.random.key(0))
+    step, opt_state = gpt.make_train_step(cfg, params, optax.adam(1e-3))
+    tokens, targets = gpt.batch(cfg, 8)
+    net = AutoParallel(step)
+    net.hsdp(threshold=0, optimizer_level="level1")
+    plan = net.plan(params, opt_state, tokens, targets)
+    specs = dict(zip(plan.in_paths, plan.flat_in_specs, strict=True))
+    assert all(s.shards(plan.mesh) == 1 for p, s in specs.items() if p.startswith("params/"))
+    assert specs["opt_state/0/mu/blocks/0/ln1/scale"].shards(plan.mesh) == 8
+
+
 def test_optimizer_parallel_cuts_a_train_states_moments():
     # A flax TrainState holds the parameters and Adam's moments in one argument: the moments
     # are still known as the parameters' and cut (they were left replicated).

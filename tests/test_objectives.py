@@ -181,6 +181,13 @@ def test_optimizer_state_follows_a_fixed_parameter():
     # Two parameters of one shape at different depths of one argument follow nothing.
     assert optimizer_followers(["params/w", "params/block/w", "params/b"],
                                [(4, 4), (4, 4), (4,)]) == {}
+    # Nor does a parameter its optimizer state follows, though its module mirrors another:
+    # every block's LayerNorm followed the final one (and hsdp's level1 cut them all).
+    paths = ["params/blocks/0/ln/scale", "params/blocks/0/ln/bias", "params/ln_f/scale",
+             "params/ln_f/bias", "opt_state/0/mu/blocks/0/ln/scale",
+             "opt_state/0/mu/blocks/0/ln/bias", "opt_state/0/mu/ln_f/scale",
+             "opt_state/0/mu/ln_f/bias"]
+    assert optimizer_followers(paths, [(8,)] * 8) == {4: 0, 5: 1, 6: 2, 7: 3}
 
     opt = optax.adam(1e-2)
 
