@@ -588,6 +588,9 @@ class ShardedFunction:
             plan = build_plan(graph, gp, model, traced, in_specs, out_specs, o.search_mode,
                               profile.name, weights)
         plan.notes, plan.decisions = notes, decisions
+        plan.objective = f"level {o.level}, mem_coeff {o.mem_coeff:g}" + (
+            "" if o.memory_budget is None else
+            f", memory_budget {o.memory_budget:.0f} bytes per device")
         _check_budget(plan, o.memory_budget)
         return self._finish(graph, plan, donate, traced)
 

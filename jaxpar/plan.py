@@ -105,6 +105,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)  # what the search reports (optimality, ...)
     layout: str = ""  # the logical mesh the plan uses, e.g. "dp4 x tp2" (see describe_layout)
     decisions: list[str] = field(default_factory=list)  # recursive_programming's decision log
+    objective: str = ""  # what the search minimised: "level 0, mem_coeff 0.1" and any budget
     # A loaded plan's structures as its file holds them (_tree_to_json): shown by in_specs and
     # out_specs until the plan is bound to arguments, which give in_tree and out_tree.
     file_trees: tuple = field(default=(None, None), repr=False, compare=False)
@@ -160,6 +161,8 @@ class Plan:
                       f"{_fmt_b(c.peak_memory_bytes)}, total {_fmt_s(c.total_s)}")
         if self.layout:
             console.print(f"logical mesh: {self.layout}")
+        if self.objective:
+            console.print(f"searched for: {self.objective}")
         for note in self.notes:
             console.print(note)
         if self.decisions and decisions:
@@ -266,7 +269,7 @@ class Plan:
                 "cost": asdict(self.cost), "collectives": self.collectives,
                 "rows": [asdict(r) for r in self.rows], "notes": self.notes,
                 "layout": self.layout, "decisions": self.decisions,
-                "graph": _graph_to_json(self.graph_plan)}
+                "objective": self.objective, "graph": _graph_to_json(self.graph_plan)}
 
     @staticmethod
     def from_json(d: dict) -> Plan:
@@ -340,7 +343,7 @@ class Plan:
             if not isinstance(d.get(key, []), list) or \
                     not all(isinstance(line, str) for line in d.get(key, [])):
                 raise ValueError(f"field {key}: a list of strings expected")
-        for key in ("search_mode", "hardware", "layout", "fingerprint"):
+        for key in ("search_mode", "hardware", "layout", "fingerprint", "objective"):
             if not isinstance(d.get(key, ""), str):
                 raise ValueError(f"field {key}: a string expected")
         if d["search_mode"] not in SEARCH_MODES:
@@ -367,7 +370,7 @@ class Plan:
                     d["out_paths"], PlanCost(**cost), collectives, [Row(**r) for r in rows],
                     d["search_mode"], d["hardware"], notes=list(d.get("notes", [])),
                     layout=d.get("layout", ""), decisions=list(d.get("decisions", [])),
-                    file_trees=tuple(trees))
+                    objective=d.get("objective", ""), file_trees=tuple(trees))
 
 
 def _number(x, finite: bool = True) -> bool:

@@ -1301,6 +1301,25 @@ def test_an_edited_output_spec_is_priced_as_it_runs(tmp_path):
     assert same.collectives == saved.collectives and not same.notes
 
 
+def test_a_plan_says_what_objective_and_budget_it_was_searched_for(tmp_path):
+    # explain() and the file named the mode and profile but not level, mem_coeff or budget.
+    f = jaxpar.shard(dense_relu, search_mode="dynamic_programming", level=1, mem_coeff=0.5,
+                     memory_budget=1e6)
+    plan = f.plan(X, W, B)
+    said = "level 1, mem_coeff 0.5, memory_budget 1000000 bytes per device"
+    assert plan.objective == said
+    assert f"searched for: {said}" in plan.explain().splitlines()
+    plan.save(tmp_path / "plan.json")
+    assert jaxpar.Plan.load(tmp_path / "plan.json").objective == said
+    assert jaxpar.shard(dense_relu).plan(X, W, B).objective == "level 0, mem_coeff 0.1"
+    data = plan.to_json()
+    del data["objective"]  # a file saved before the field: loads, saying nothing
+    assert jaxpar.Plan.from_json(data).objective == ""
+    data["objective"] = 3
+    with pytest.raises(ValueError, match="field objective: a string expected"):
+        jaxpar.Plan.from_json(data)
+
+
 def test_a_plan_files_peak_is_counted_again_for_the_budget(tmp_path):
     """A peak edited in the file (or one the arguments donated change) was what the budget
     was held to: 0 bytes passed a budget of 100."""
