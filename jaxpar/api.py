@@ -1106,9 +1106,10 @@ def optimizer_followers(paths: list[str], shapes: list[tuple]) -> dict[int, int]
       prefix, one of that shape lies at the same path below i's. A flax TrainState holds
       `state/params/Dense_0/kernel` and `state/opt_state/0/mu/Dense_0/kernel`; two
       parameters of one shape at different depths (`params/w`, `params/block/w`) follow
-      nothing, and nor does a parameter that others follow (`params/blocks/0/ln1/scale`,
-      which `opt_state/0/mu/blocks/0/ln1/scale` follows, mirrors `params/ln_f/scale` by
-      path and shape, and followed it: hsdp's level1 cut every block's LayerNorm).
+      nothing, and nor does a parameter that others follow, or one whose branch of the
+      argument is not mostly copies of j's: `params/blocks/0/ln1/scale` mirrors
+      `params/ln_f/scale` by path and shape, and followed it (hsdp's level1 cut every
+      block's LayerNorm), but its optimizer state follows it, and the blocks hold matmuls.
     """
     parts = [path.split("/") for path in paths]
     leaves = {(path, tuple(shape)) for path, shape in zip(paths, shapes, strict=True)}
@@ -1135,6 +1136,25 @@ def optimizer_followers(paths: list[str], shapes: list[tuple]) -> dict[int, int]
             mirrors[key] = 2 * hits > len(rests)
         return mirrors[key]
 
+    def holds_copies(mine: list[str], theirs: list[str]) -> bool:
+        """Whether the branch of their common ancestor that holds prefix `mine` is mostly
+        copies of what lies below `theirs`: more than half of its leaves of rank 1 or more
+        end, at that shape, as a leaf below `theirs` does. An optimizer's state is (its
+        moments mirror the parameters; its step counts are scalars), a model's layers are not
+        (each block's LayerNorm mirrors the final one, their matmuls nothing there). Called
+        after mirrored(), which fills `below`."""
+        common = next((k for k, (a, b) in enumerate(zip(mine, theirs, strict=False))
+                       if a != b), min(len(mine), len(theirs)))
+        key = ("/".join(mine[:common + 1]), "/".join(theirs))
+        if key not in copies:
+            there = set(below.get(key[1], []))
+            ranked = [(rest.split("/"), shape) for rest, shape in below.get(key[0], []) if shape]
+            hits = sum(any(("/".join(rest[k:]), shape) in there for k in range(len(rest)))
+                       for rest, shape in ranked)
+            copies[key] = 2 * hits > len(ranked)
+        return copies[key]
+
+    copies: dict[tuple[str, str], bool] = {}
     follows = {}
     for i, (names, shape) in enumerate(zip(parts, shapes, strict=True)):
         for start in range(1, len(names)):  # longest suffix first
@@ -1142,13 +1162,13 @@ def optimizer_followers(paths: list[str], shapes: list[tuple]) -> dict[int, int]
                      if at < start and j != i and (
                          (at == 1 and parts[j][0] != names[0]) or
                          (parts[j][0] == names[0] and
-                          mirrored("/".join(names[:start]), "/".join(parts[j][:at]))))]
+                          mirrored("/".join(names[:start]), "/".join(parts[j][:at])) and
+                          holds_copies(names[:start], parts[j][:at])))]
             if found:
                 follows[i] = found[0]
                 break
     # A leaf that others follow is a parameter (optimizer state is kept for it), so it
-    # follows nothing in its own argument, where one module repeated (a LayerNorm in every
-    # block) mirrors another (the final one) by path and shape alone.
+    # follows nothing in its own argument.
     targets = set(follows.values())
     return {i: j for i, j in follows.items() if i not in targets or parts[j][0] != parts[i][0]}
 

@@ -188,6 +188,10 @@ def test_optimizer_state_follows_a_fixed_parameter():
              "opt_state/0/mu/blocks/0/ln/bias", "opt_state/0/mu/ln_f/scale",
              "opt_state/0/mu/ln_f/bias"]
     assert optimizer_followers(paths, [(8,)] * 8) == {4: 0, 5: 1, 6: 2, 7: 3}
+    # Without optimizer state (plain SGD) too: the blocks are no copies of the final norm.
+    paths = ["params/blocks/0/ln/scale", "params/blocks/0/ln/bias", "params/blocks/0/w",
+             "params/blocks/0/b", "params/ln_f/scale", "params/ln_f/bias"]
+    assert optimizer_followers(paths, [(8,), (8,), (8, 8), (4,), (8,), (8,)]) == {}
 
     opt = optax.adam(1e-2)
 
