@@ -346,6 +346,10 @@ def test_uneven_local_batches_are_refused_in_every_process(capsys):
     assert "global placed" not in out
     assert out.count("global refused: shard_batch: input 0 is a global jax.Array of shape "
                      "(8, 3) over other processes' devices too") == 2
+    assert "[rank 1] one refused: TypeError: shard_batch: input 0 is a str" in out
+    assert ("[rank 0] one refused: ValueError: shard_batch: process(es) [1] refused their "
+            "batch") in out
+    assert "one placed" not in out and out.count("next batch (8, 3)") == 2
 
 
 def test_a_checkpoint_saved_by_two_processes_is_verified_by_both(tmp_path, capsys):

@@ -317,16 +317,21 @@ def _default_mesh(mesh: Mesh | None) -> Mesh:
 
 def _from_process_local(batch: Any, mesh: Mesh, config) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(batch)
-    for i, x in enumerate(leaves):  # (its data cannot be fetched here: it died inside JAX)
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            raise TypeError(
-                f"shard_batch: input {i} is a global jax.Array of shape {tuple(x.shape)} over "
-                "other processes' devices too; with several processes shard_batch takes each "
-                "process's own part of the batch (numpy, or arrays on this process's devices). "
-                "Pass the global array to the sharded function as it is, or pass this "
-                "process's part here.")
-    local_shapes = [_shape(x, i) for i, x in enumerate(leaves)]
-    _check_local_shapes_agree(local_shapes, [np.result_type(x) for x in leaves])
+    try:
+        for i, x in enumerate(leaves):  # (its data cannot be fetched here: it died inside JAX)
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:
+                raise TypeError(
+                    f"shard_batch: input {i} is a global jax.Array of shape {tuple(x.shape)} "
+                    "over other processes' devices too; with several processes shard_batch "
+                    "takes each process's own part of the batch (numpy, or arrays on this "
+                    "process's devices). Pass the global array to the sharded function as it "
+                    "is, or pass this process's part here.")
+        local_shapes = [_shape(x, i) for i, x in enumerate(leaves)]
+        dtypes = [np.result_type(x) for x in leaves]
+    except (TypeError, ValueError):  # told to the others in the all-gather they wait in
+        _check_local_shapes_agree([], [], refused=True)
+        raise
+    _check_local_shapes_agree(local_shapes, dtypes)
     # First pass: the specs alone. Each dim is inflated by the device count so that only the
     # shape-independent checks can fail here; the second pass checks the real global shapes.
     inflated = [tuple(n * mesh.size for n in s) for s in local_shapes]
@@ -347,14 +352,24 @@ def _from_process_local(batch: Any, mesh: Mesh, config) -> Any:
 _JAX_DTYPES = (jax.numpy.bfloat16, jax.numpy.float8_e4m3fn, jax.numpy.float8_e5m2)
 
 
-def _check_local_shapes_agree(shapes: list[Shape], dtypes: list[np.dtype]) -> None:
+def _check_local_shapes_agree(shapes: list[Shape], dtypes: list[np.dtype],
+                              refused: bool = False) -> None:
     """A ValueError, in every process at once, unless every process passes leaves of the same
     shapes and dtypes: under every strategy the processes' devices hold equal parts, so their
     local parts match (a last batch of an epoch split unevenly does not, and the step compiled
     for it would otherwise fail inside its first collective, or hang). One small all-gather per
-    call (a digest); a second only when they differ, to name the shapes."""
+    call (a digest); a second only when they differ, to name the shapes. refused: this
+    process refused its batch before (it raises its own error when this returns); the others
+    raise a ValueError naming it rather than wait for it in their next collective."""
     code = _shape_code(shapes, dtypes)
-    every = gather_rows(np.concatenate([digest(code.tobytes()), [code.size]]))
+    every = gather_rows(np.concatenate([digest(code.tobytes()), [int(refused), code.size]]))
+    if every[:, -2].any():
+        if refused:
+            return
+        raise ValueError(
+            f"shard_batch: process(es) {np.flatnonzero(every[:, -2]).tolist()} refused their "
+            "batch (their errors say why), so this process stops too rather than wait for "
+            "them. Every process must pass a batch of arrays of the same structure.")
     if (every == every[0]).all():
         return
     width = int(every[:, -1].max())

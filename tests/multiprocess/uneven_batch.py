@@ -2,7 +2,8 @@
 (an epoch's last batch split unevenly). shard_batch must refuse it in both ranks, naming the
 shapes, before any step runs; rank 0 prints the error and exits 0 so the test reads it.
 Then each passes back a global array shard_batch made, which it must refuse naming it (it
-failed inside JAX fetching other processes' data).
+failed inside JAX fetching other processes' data). Then rank 1 alone passes what is no array:
+both must refuse it, and go on to place the next batch alike.
 
 Usage (under `jaxpar launch -n 2 --devices-per-process 2`): uneven_batch.py
 """
@@ -29,3 +30,13 @@ except TypeError as err:
     print(f"global refused: {err}", flush=True)
 else:
     print("global placed", flush=True)
+# Rank 1 alone passes what is no array: both refuse, and the next batch places in both (rank
+# 0 waited for rank 1 in the shapes' all-gather, which rank 1's next call then joined).
+try:
+    shard_batch(("rows" if info.process_id else np.ones((4, 3), np.float32),), mesh)
+except (TypeError, ValueError) as err:
+    print(f"one refused: {type(err).__name__}: {err}", flush=True)
+else:
+    print("one placed", flush=True)
+x, = shard_batch((np.ones((4, 3), np.float32),), mesh)
+print(f"next batch {x.shape}", flush=True)
