@@ -5,30 +5,20 @@ No timings are asserted; the full-size runs are `benchmarks/gpt_plans.py` and
 """
 
 import argparse
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import jax
 import pytest
+from bench_loader import load_benchmark
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 F32 = 4
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 gpt_plans, search_time, search_gap, reshard_accuracy, memory_budget, search_programs = (
-    _load("gpt_plans"), _load("search_time"), _load("search_gap"), _load("reshard_accuracy"),
-    _load("memory_budget"), _load("search_programs"))
+    load_benchmark("gpt_plans"), load_benchmark("search_time"), load_benchmark("search_gap"),
+    load_benchmark("reshard_accuracy"), load_benchmark("memory_budget"),
+    load_benchmark("search_programs"))
 TINY = {"d_model": 32, "heads": 4, "vocab": 64, "seq": 8, "batch": 8}
 
 

@@ -711,16 +711,9 @@ def test_sharding_propagation_plans_a_data_parallel_gpt_step_as_well_as_the_exac
 def _bench_mlp_step():
     """benchmarks/models.py's MLP (search_gap's): an Adam step of 8 dense layers 1024, 4096,
     ..., 1024 at batch 256, abstract."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from bench_loader import load_benchmark
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "models.py"
-    spec = importlib.util.spec_from_file_location("bench_models", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    bench = module.mlp_model()
+    bench = load_benchmark("models").mlp_model()
     return bench.step, bench.args
 
 
