@@ -768,7 +768,9 @@ def as_run(plan: Plan, graph, model, traced) -> None:
         edited = [path for path, label in _labels(graph, gp)
                   if saved.get(path, label) != label]
     if not edited:
-        if loaded:
+        if not loaded:
+            peak = peak_memory(graph, gp, model.mesh, out_specs)
+        else:
             cost, collectives = _priced(graph, gp, model, plan.flat_out_specs)
             if not _same_collectives(collectives, plan.collectives):
                 plan.cost, plan.collectives = cost, collectives
@@ -777,8 +779,8 @@ def as_run(plan: Plan, graph, model, traced) -> None:
                               "under other settings); the cost and collectives are those of "
                               "the specs run"]
                 return
-        plan.cost = replace(plan.cost, peak_memory_bytes=peak_memory(graph, gp, model.mesh,
-                                                                      out_specs))
+            peak = cost.peak_memory_bytes  # counted by _priced from the specs, as below
+        plan.cost = replace(plan.cost, peak_memory_bytes=peak)
         return
     choices = dict(gp.choices)
     for path in edited:
