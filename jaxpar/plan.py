@@ -397,11 +397,12 @@ def _check_graph_plan(graph, gp: GraphPlan, check, problems: list[str], where: s
     """Plan.check_fits' work on one graph (a loop body's: recursively): `check(what, spec,
     shape)` for each value's spec and each op's strategy; what is missing goes to `problems`."""
     read = {v for op in graph.ops for v in op.inputs if isinstance(v, int)}
+    read.update(v for v in graph.outputs if isinstance(v, int))
     unplanned = sorted(read - set(gp.specs))
-    if unplanned:  # the lowering reads each operand's planned spec
+    if unplanned:  # the lowering reads each operand's and output's planned spec
         more = f" (and {len(unplanned) - 5} more)" if len(unplanned) > 5 else ""
         problems.append(f"{where}.specs has no spec for values {unplanned[:5]}{more}, which "
-                        "ops read")
+                        "ops read or the program returns")
     for v, spec in gp.specs.items():
         if not 0 <= v < len(graph.values):
             problems.append(f"{where}.specs names value {v}, which the program has not")
@@ -493,8 +494,10 @@ def _read_plan_file(path, where: str):
 def _one_plan(data, path, where: str) -> Plan:
     """The plan of a single-plan file's JSON (Plan.save's format)."""
     if isinstance(data, dict) and data.get("format") == "jaxpar-plans":
-        raise ValueError(f"{where}({str(path)!r}): this file holds {len(data.get('plans', []))} "
-                         "plans, one per argument signature (an AutoParallel strategy file "
+        plans = data.get("plans")
+        held = f"{len(plans)} plans" if isinstance(plans, list) else "plans"
+        raise ValueError(f"{where}({str(path)!r}): this file holds {held}, "
+                         "one per argument signature (an AutoParallel strategy file "
                          "written for several input shapes); load it with "
                          "jaxpar.plan.load_plans, or give the AutoParallel it was written by "
                          "load_operator_strategy_file.")

@@ -1014,6 +1014,10 @@ def test_plan_methods_and_estimate_time_refuse_bad_arguments(tmp_path):
      r"graph.choices\[0\] \(dot_general\) has 1 operand and 1 result specs for an op of 2"),
     # These two failed inside the lowering (KeyError: 0) and in MeshInfo (tuple.index).
     (lambda d: d["graph"].__setitem__("specs", {}), r"graph.specs has no spec for values \[0,"),
+    # This one loaded and failed while priced (KeyError in out_spec): no op reads the
+    # output, so its missing spec went unseen.
+    (lambda d: d["graph"]["specs"].pop(str(max(map(int, d["graph"]["specs"])))),
+     r"graph.specs has no spec for values \[\d+\], which ops read or the program returns"),
     (lambda d: d["graph"]["specs"].__setitem__("0", [["zz"], []]),
      r"field graph: its specs name axes \['zz'\] outside the mesh"),
 ])
@@ -1031,6 +1035,20 @@ def test_a_plan_file_that_does_not_fit_the_program_is_refused_before_lowering(
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=match):
         f.with_plan(jaxpar.Plan.load(path))(X, W, B)
+
+
+def test_a_strategy_file_whose_plans_are_not_a_list_is_refused_by_plan_load(tmp_path):
+    """Plan.load's message about a several-plan file took len() of its "plans": a TypeError
+    for a corrupt one."""
+    import json
+
+    path = tmp_path / "plans.json"
+    for plans in (5, None):
+        path.write_text(json.dumps({"format": "jaxpar-plans", "version": 1, "plans": plans}))
+        with pytest.raises(ValueError, match=r"this file holds plans, one per argument"):
+            jaxpar.Plan.load(path)
+        with pytest.raises(ValueError, match=r"corrupt plan file \(no list of plans\)"):
+            jaxpar.plan.load_plans(path)
 
 
 def test_a_plan_file_cutting_a_per_shard_op_as_its_rule_does_not_is_refused(tmp_path):

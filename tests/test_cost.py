@@ -796,6 +796,9 @@ def test_devices_per_node_must_split_the_mesh_and_measured_axes_must_be_on_it():
     good = profile_to_dict(load_profile("cpu"))
     three = profile_from_dict(good | {"devices_per_node": 3})
     assert three.devices_in_node(MeshInfo(("a",), (3,))) == 3
+    huge = profile_from_dict(good | {"devices_per_node": 2 ** 70})  # one node: the mesh
+    assert huge.devices_in_node(MeshInfo(("a", "b"), (4, 2))) == 8  # (numpy overflowed)
+    assert huge.crossing_axes(MeshInfo(("a", "b"), (4, 2))) == ()
     with pytest.raises(ValueError, match=r"devices_per_node=3 does not split a mesh of 8 devices "
                                          r"into whole nodes; use a multiple of 3 devices"):
         three.devices_in_node(MeshInfo(("a", "b"), (4, 2)))  # (it advised "a divisor of 8",

@@ -114,7 +114,7 @@ class HardwareProfile:
                     f"{self.devices_per_node}), or a profile whose devices_per_node divides "
                     f"{mesh.size} or is {mesh.size} or more (a copy of this one's YAML with "
                     "that changed).")
-            return self.devices_per_node
+            return min(self.devices_per_node, mesh.size)  # (a node past the mesh: all of it)
         if mesh.size > self.nodes and mesh.size % self.nodes:
             raise ValueError(f"hardware profile {self.name!r}: nodes={self.nodes} does not split "
                              f"a mesh of {mesh.size} devices evenly; use a multiple of "
