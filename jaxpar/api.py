@@ -239,9 +239,11 @@ def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, sea
     if parameter_plan is not None and not isinstance(parameter_plan, dict):
         raise TypeError(f"{caller}(parameter_plan={parameter_plan!r}): must be a dict mapping "
                         "parameter paths to strategies, e.g. {'params/w': (1, 8)}.")
-    donate = (donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums
-    if isinstance(donate_argnums, bool) or not isinstance(donate, tuple | list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in donate):
+    def whole(i) -> bool:  # an int, numpy's too (level takes them), not a bool
+        return isinstance(i, numbers.Integral) and not isinstance(i, bool | np.bool_)
+
+    donate = (donate_argnums,) if whole(donate_argnums) else donate_argnums
+    if not isinstance(donate, tuple | list) or not all(whole(i) for i in donate):
         raise TypeError(f"{caller}(donate_argnums={donate_argnums!r}): give an int or a tuple of "
                         "ints, the positions of the arguments whose buffers a call may reuse, "
                         "e.g. (0, 1).")
@@ -261,7 +263,7 @@ def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, sea
                       "profile does, or calibrate on this mesh.", UserWarning, stacklevel=3)
     budget = None if memory_budget is None else float(memory_budget)  # 2**64: no int64
     return ShardOptions(in_strategy, out_strategy, parameter_plan, level, mesh, mode, hardware,
-                        budget, float(mem_coeff), tuple(donate))
+                        budget, float(mem_coeff), tuple(int(i) for i in donate))
 
 
 def check_mesh(mesh, where: str) -> None:

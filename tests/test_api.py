@@ -456,6 +456,15 @@ def test_malformed_options(kwargs, exc, match):
         jaxpar.shard(dense_relu, **kwargs)
 
 
+def test_donate_argnums_takes_numpy_ints_as_level_does():
+    """np.int64(0) was refused ("give an int or a tuple of ints") where level took one."""
+    assert jaxpar.shard(dense_relu, donate_argnums=np.int64(0)).opts.donate_argnums == (0,)
+    opts = jaxpar.shard(dense_relu, donate_argnums=(np.int32(1), 2)).opts
+    assert opts.donate_argnums == (1, 2) and all(type(i) is int for i in opts.donate_argnums)
+    with pytest.raises(TypeError, match=r"donate_argnums=\(np.True_,\)"):
+        jaxpar.shard(dense_relu, donate_argnums=(np.True_,))
+
+
 @pytest.mark.parametrize("key,value", [("memory_budget", "1e9"), ("memory_budget", True),
                                        ("memory_budget", 0.5), ("mem_coeff", "0.1"),
                                        ("mem_coeff", float("inf"))])
