@@ -1441,6 +1441,7 @@ def _check_budget(plan: Plan, budget: float | None, pinned: bool = False) -> Non
         f"{plan.cost.peak_memory_bytes:.0f} bytes at its peak. Cut more dimensions in "
         "in_strategy/parameter_plan, use a larger mesh, or raise the budget"
         + (("; or let search_mode='dynamic_programming' (which keeps to a budget exactly) "
-            "or 'recursive_programming' choose the layouts: this mode keeps the leaner of "
-            "its propagated and refined plans, and searches no further.")
+            "or 'recursive_programming' (which then searches exactly under it) choose the "
+            "layouts: this mode searched again with larger mem_coeffs and kept the leanest "
+            "plan it found.")
            if plan.search_mode == "sharding_propagation" else "."))

@@ -84,11 +84,10 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
 6. A plan over the memory budget is searched again with mem_coeff four times larger (more model
    parallel, less memory) a few times. Once one fits, mem_coeffs between the last two are
    tried (bisected twice) and the fitting plan of least objective is kept: four times the
-   mem_coeff may give up more time than the budget asks for (benchmarks/memory_budget.py,
-   budgets of 0.8 x the optimum's peak: 1.4 to 2.3x less modelled time for its four steps).
-   When none fits, the exact search under the budget (dynamic_programming, for at most
-   _EXACT_S seconds) plans it, or the ValueError says what each found: the peak need not fall
-   as mem_coeff grows.
+   mem_coeff may give up more time than the budget asks for (budget.within_budget, which
+   sharding_propagation uses too). When none fits, the exact search under the budget
+   (dynamic_programming, for at most _EXACT_S seconds) plans it, or the ValueError says what
+   each found: the peak need not fall as mem_coeff grows.
 The work is linear in the number of ops but for step 5: every op is walked, propagated and
 refined a bounded number of times, and the units of repeated layers are decided once per
 class; step 5 solves repeated layers once too (build_tables folds them), and its region solve
@@ -110,6 +109,7 @@ from jaxpar.ir.graph import Lit, Op, OpGraph
 from jaxpar.ir.repeat import op_classes
 from jaxpar.rules.registry import OpInfo
 from jaxpar.search import paused_gc
+from jaxpar.search.budget import RETRIES, Run, bigger, within_budget
 from jaxpar.search.dynamic import Problem, solve
 from jaxpar.search.links import Link, Slot, Units, mapped
 from jaxpar.search.propagation import GraphIndex, GraphPlan, propagate
@@ -130,8 +130,6 @@ log = logging.getLogger("jaxpar.search.recursive")
 
 _ALWAYS_MAIN = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter-add"})
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
-_RETRIES = 6          # memory budget: searches again with mem_coeff x4, x16, ...
-_BISECT = 2           # then between the last two mem_coeffs this many times
 _EXACT_S = 10.0       # seconds for the exact search under a budget no plan of the walk meets
 _TIE = 1e-9           # relative: costs this close count as equal (the first one wins)
 _NEAR = 2e-2          # relative: a class's cuts this close count as equal, the first listed
@@ -180,70 +178,39 @@ def _search(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
             fixed_out: dict[int, Spec], memory_budget: float | None,
             ties: tuple[tuple[int, int], ...], index: GraphIndex
             ) -> tuple[GraphPlan, list[str]]:
-    from jaxpar.plan import search_peak
-
     _check_fixed(graph, model.mesh, fixed_in, memory_budget)
     classes = op_classes(graph)
-    runs: list[tuple[float, GraphPlan, float, list[str]]] = []  # (mem_coeff, plan, peak, log)
 
-    def run(mem_coeff: float) -> bool:
-        """Plan with `mem_coeff` (remembered in runs); whether the plan fits the budget."""
-        m = model if mem_coeff == model.mem_coeff else model.variant(mem_coeff=mem_coeff)
+    def walk(m: CostModel) -> tuple[GraphPlan, list[str]]:
         lines: list[str] = []
-        gp = _Sapp(index, m, fixed_in, fixed_out, classes, lines, ties).run()
-        peak = 0.0 if memory_budget is None else search_peak(graph, gp, model.mesh, fixed_out,
-                                                             ties)
-        runs.append((mem_coeff, gp, peak, lines))
-        return memory_budget is None or peak <= memory_budget
+        return _Sapp(index, m, fixed_in, fixed_out, classes, lines, ties).run(), lines
 
-    if run(model.mem_coeff):
-        return runs[0][1], runs[0][3]
-    _beyond_reach(graph, model, fixed_in, fixed_out, memory_budget, ties, runs[0][2])
-    for attempt in range(1, _RETRIES + 1):
-        if run(_bigger(model.mem_coeff, attempt)):
-            break
-    else:
-        return _exact_within(graph, model, fixed_in, fixed_out, memory_budget, ties, runs)
-    # Four times the mem_coeff may overshoot: between the last that broke the budget and the
-    # first that met it, a plan may meet it for less time. Bisected (geometrically) _BISECT
-    # times; the fitting plan that scores least under the model's own objective is kept.
-    low, high = runs[-2][0], runs[-1][0]
-    for _ in range(_BISECT):
-        mid = (max(low, high / 64) * high) ** 0.5
-        if run(mid):
-            high = mid
-        else:
-            low = mid
-    carried = [(v, pos) for v, pos in ties if pos not in fixed_out]
-    score = {k: objective(graph, model, r[1], fixed_out, carried)
-             for k, r in enumerate(runs) if r[2] <= memory_budget}
-    best = runs[min(score, key=lambda k: (score[k], -runs[k][0]))]
-    lines = [f"memory_budget={memory_budget:.0f} bytes per device: the plan with "
-             f"mem_coeff={c:g} peaks at {peak:.0f} bytes" +
-             (f" and scores {score[k]:.6g}" if k in score else "")
-             for k, (c, _, peak, _) in enumerate(runs)]
-    lines.append(f"kept the plan with mem_coeff={best[0]:g}: the lowest score of those that "
-                 "fit, under the objective asked for")
+    if memory_budget is None:
+        return walk(model)
+    runs, kept, lines = within_budget(graph, model, fixed_in, fixed_out, ties, memory_budget,
+                                      walk, "recursive_programming")
     for line in lines:
         log.debug(line)
-    return best[1], lines + best[3]
+    if kept is None:
+        return _exact_within(graph, model, fixed_in, fixed_out, memory_budget, ties, runs)
+    return kept.plan, lines + kept.lines
 
 
 def _exact_within(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
                   fixed_out: dict[int, Spec], memory_budget: float,
-                  ties: tuple[tuple[int, int], ...], runs: list
+                  ties: tuple[tuple[int, int], ...], runs: list[Run]
                   ) -> tuple[GraphPlan, list[str]]:
-    """No plan of the walk's fits the budget (`runs`: (mem_coeff, plan, peak, log) of each
-    tried): the exact search under the budget (dynamic_programming), which bounds the peak
-    itself. A larger mem_coeff weighs the bytes a plan holds, not their peak, so the peaks of
-    the walk's plans need not fall as it grows (an MLP step: 193,796 bytes at 9.05, 198,148 at
-    25.6, 197,188 at 409.6), and a budget between them was refused that one of them met. A
-    ValueError saying what each found when neither fits."""
+    """No plan of the walk's fits the budget (`runs`: budget.within_budget's): the exact
+    search under the budget (dynamic_programming), which bounds the peak itself. A larger
+    mem_coeff weighs the bytes a plan holds, not their peak, so the peaks of the walk's plans
+    need not fall as it grows (an MLP step: 193,796 bytes at 9.05, 198,148 at 25.6, 197,188
+    at 409.6), and a budget between them was refused that one of them met. A ValueError
+    saying what each found when neither fits."""
     from jaxpar.search.exact import dynamic_programming
 
-    leanest = min(r[2] for r in runs)
+    leanest = min(r.peak for r in runs)
     tried = (f"its leanest plan peaks at {leanest:.0f} bytes per device (mem_coeff up to "
-             f"{_bigger(model.mem_coeff, _RETRIES):g})")
+             f"{bigger(model.mem_coeff, RETRIES):g})")
     try:
         gp, found = dynamic_programming(graph, model, fixed_in, fixed_out, memory_budget,
                                         time_limit=_EXACT_S, ties=ties)
@@ -261,32 +228,6 @@ def _exact_within(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
           f"{'optimal' if found.optimal else f'stopped at {_EXACT_S:g} s, gap {found.gap:.1%}'}"
           ") planned it.")
     return gp, lines
-
-
-def _beyond_reach(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
-                  fixed_out: dict[int, Spec], memory_budget: float,
-                  ties: tuple[tuple[int, int], ...], peak: float) -> None:
-    """A ValueError when no plan can fit the budget (exact.least_peak: every value at its
-    leanest spec at the program's fullest point), before the searches again with larger
-    mem_coeffs (up to nine runs, tens of seconds, for a budget none could meet). Not for
-    a graph with loops or conds: recursive_programming plans their bodies anew, which that
-    bound does not cover."""
-    from jaxpar.search.exact import least_peak
-
-    if any(op.regions for op in graph.ops):
-        return
-    floor = least_peak(graph, model, fixed_in, fixed_out, ties)
-    if floor > memory_budget * (1 + 1e-9):
-        raise ValueError(
-            f"memory_budget={memory_budget:.0f} bytes per device cannot be met: no plan holds "
-            f"less than {floor:.0f} bytes per device at its fullest point (every value cut "
-            f"as far as its op's strategies allow); recursive_programming's plan peaks at "
-            f"{peak:.0f}. Cut more dimensions in in_strategy/parameter_plan, use a larger "
-            "mesh, or raise the budget.")
-
-
-def _bigger(mem_coeff: float, attempt: int) -> float:
-    return max(mem_coeff, 0.1) * 4.0 ** attempt
 
 
 def _check_fixed(graph: OpGraph, mesh: MeshInfo, fixed_in: dict[int, Spec],
