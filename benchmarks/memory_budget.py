@@ -4,7 +4,9 @@ For each model of a preset (`models.build`: Adam training steps of an MLP, a GPT
 layer, a ViT) the step is planned on `make_mesh(8)` by dynamic_programming with no budget (the
 reference: the optimum of the objective), then by each automatic search mode with budgets of
 some fractions of the reference's peak memory per device (`Plan.cost.peak_memory_bytes`); one
-budget for every mode, so their rows compare. Reported per case: whether the budget was met (or
+budget for every mode, so their rows compare (sharding_propagation too with --modes: it
+searches again with larger mem_coeffs as recursive_programming does, from no strategy
+given). Reported per case: whether the budget was met (or
 the clear error the search gave), the plan's peak, modelled step time and objective (what the
 searches minimise, as search_gap.py scores it) as multiples of the reference's, and the plan
 time. dynamic_programming bounds the modelled peak exactly (its note says when its time limit
@@ -21,6 +23,7 @@ each mode met and what it gave up on average where it met one).
 
     python benchmarks/memory_budget.py --out results
     python benchmarks/memory_budget.py --models gpt --preset quick --fractions 0.8 0.5
+    python benchmarks/memory_budget.py --modes sharding_propagation --out results/sp
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-MODES = ("recursive_programming", "dynamic_programming")
+MODES = ("recursive_programming", "dynamic_programming")  # by default; --modes also takes
+CHOICES = (*MODES, "sharding_propagation")                   # sharding_propagation
 FRACTIONS = (0.8, 0.5, 0.3)
 
 
@@ -158,7 +162,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["mlp", "gpt", "moe", "vit"])
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=CHOICES)
     p.add_argument("--fractions", nargs="+", type=float, default=list(FRACTIONS))
     p.add_argument("--hardware", default="h100-nvlink")
     p.add_argument("--out", type=Path, default=Path("results"))
