@@ -397,7 +397,8 @@ def _check_graph_plan(graph, gp: GraphPlan, check, problems: list[str], where: s
     """Plan.check_fits' work on one graph (a loop body's: recursively): `check(what, spec,
     shape)` for each value's spec and each op's strategy; what is missing goes to `problems`."""
     read = {v for op in graph.ops for v in op.inputs if isinstance(v, int)}
-    read.update(v for v in graph.outputs if isinstance(v, int))
+    read.update(v for v in graph.outputs  # (a constant returned unread is whole: out_spec)
+                if isinstance(v, int) and v not in graph.consts)
     unplanned = sorted(read - set(gp.specs))
     if unplanned:  # the lowering reads each operand's and output's planned spec
         more = f" (and {len(unplanned) - 5} more)" if len(unplanned) > 5 else ""

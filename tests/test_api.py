@@ -555,8 +555,15 @@ def test_a_platform_this_machine_lacks_is_a_clear_error():
 
 
 def test_memory_budget_too_small_is_a_clear_error():
-    with pytest.raises(ValueError, match="memory_budget=100 bytes.*dynamic_programming"):
-        jaxpar.shard(dense_relu, memory_budget=100).plan(X, W, B)
+    # Below what any plan can hold: said so by every mode (sharding_propagation suggested
+    # the other modes, which could not meet it either).
+    for mode in ("sharding_propagation", "recursive_programming"):
+        with pytest.raises(ValueError, match=r"memory_budget=100 bytes per device cannot be met: "
+                                             r"no plan holds less than \d+ bytes"):
+            jaxpar.shard(dense_relu, memory_budget=100, search_mode=mode).plan(X, W, B)
+    with pytest.raises(ValueError, match=r"memory_budget=100 bytes.*smallest possible peak"):
+        jaxpar.shard(dense_relu, memory_budget=100,
+                     search_mode="dynamic_programming").plan(X, W, B)
 
 
 def test_a_saved_plan_answers_to_the_memory_budget_too(tmp_path):
