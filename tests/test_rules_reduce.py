@@ -189,3 +189,40 @@ def test_top_k_batch_cut_is_local():
     sh = NamedSharding(mesh, P("a"))
     f = jax.jit(lambda x: lax.top_k(x, 3), in_shardings=sh, out_shardings=[sh, sh])
     assert not collective_stats(f.lower(arr(8, 6)).compile())
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_max_and_min_over_cut_dims_keep_nans_as_jit_does(dtype):
+    """XLA's all-reduce max (min) drops NaNs on CPU: a max over a dim cut across devices gave
+    a number where jax.jit gives NaN. jaxpar reduces such floats as integer keys in their
+    order (lower.jit._bind_ordered): NaN, infinities and ties as jit has them,
+    the same bytes moved, and reduce_max's derivative from outside."""
+    from jaxpar import shard
+
+    x = np.asarray(RNG.standard_normal((16, 4)), np.float32)
+    x[3, 0] = x[9, 2] = np.nan
+    x[5, 1], x[6, 3], x[:, 3] = np.inf, -np.inf, -np.abs(x[:, 3])
+    x = jnp.asarray(x, dtype)
+
+    def fn(a):
+        return a.max(0), a.min(0), jnp.max(a[:, 1:3], 0)
+
+    f = shard(fn, mesh=MESH3, search_mode="sharding_propagation", in_strategy=((8, 1),))
+    want, got = jax.jit(fn)(x), f(x)
+    for w, g in zip(want, got, strict=True):
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    assert np.isnan(np.asarray(got[0], np.float32)[[0, 2]]).all()
+    plan = f.plan(x)
+    verified = plan.verify(f.lower(x).compile())
+    assert verified.ok, str(verified)
+    assert plan.collectives and set(plan.collectives) <= {"all-reduce", "reduce-scatter"}
+
+    finite = jnp.asarray(np.r_[RNG.standard_normal((15, 4)), np.full((1, 4), 3.0)], dtype)
+    finite = finite.at[0].set(3.0)  # a tie in every column: the tangent is shared
+    loss = lambda a: jnp.sum(fn(a)[0] * jnp.arange(1, 5)) - jnp.sum(fn(a)[1])  # noqa: E731
+    want_grad = jax.grad(lambda a: loss(a).astype(jnp.float32))(finite)
+    got_grad = jax.grad(lambda a: jnp.sum(f(a)[0] * jnp.arange(1, 5)).astype(jnp.float32)
+                        - jnp.sum(f(a)[1]).astype(jnp.float32))(finite)
+    np.testing.assert_allclose(np.asarray(got_grad, np.float32),
+                               np.asarray(want_grad, np.float32), rtol=1e-6)

@@ -37,6 +37,7 @@ def _constrain(x, spec: Spec, mesh: Mesh):
 
 _LOW = (jnp.bfloat16, jnp.float16)
 _WIDE_REDUCTIONS = {"dot_general": "preferred_element_type", "reduce_sum": None}
+_CHOOSERS = frozenset({"reduce_max", "reduce_min"})
 
 
 def replay(graph: OpGraph, plan: GraphPlan, mesh: Mesh, args: list, fp32: bool = False,
@@ -62,6 +63,8 @@ def replay(graph: OpGraph, plan: GraphPlan, mesh: Mesh, args: list, fp32: bool =
             outs = _region(op, choice.regions, ins, mesh, fp32, choice.strategy.outs)
         elif is_local(op.primitive) and any(s.axes() for s in choice.strategy.outs):
             outs = bind_local(op, ins, choice.strategy, mesh)
+        elif _chooses_across(op, choice.strategy, graph):
+            outs = [_bind_ordered(op, ins[0], choice.strategy.outs[0], mesh)]
         elif fp32 and _reduces_low(op, choice.strategy, graph):
             outs = [_bind_fp32(op, ins, graph.dtype(op.outputs[0]), choice.strategy.outs[0],
                                mesh)]
@@ -89,6 +92,50 @@ def _bind_fp32(op: Op, ins: list, dtype, spec: Spec, mesh: Mesh):
     with op.ctx.manager:
         wide = op.primitive.bind(*ins, **params)
     return _constrain(wide, spec, mesh).astype(dtype)
+
+
+def _chooses_across(op: Op, strategy, graph: OpGraph) -> bool:
+    """A float max or min whose reduction is a collective: XLA's all-reduce max (min) drops
+    NaNs on CPU, where jax.jit's reduction returns NaN (a NaN on one device, a number from
+    another: the number)."""
+    return (op.name in _CHOOSERS and any(strategy.partial)
+            and jnp.issubdtype(graph.dtype(op.outputs[0]), jnp.floating))
+
+
+def _bind_ordered(op: Op, x, spec: Spec, mesh: Mesh):
+    """reduce_max / reduce_min of floats over dims cut across devices, NaN kept as jax.jit
+    keeps it: reduced as unsigned integer keys in the floats' order (a float's bits, the
+    sign bit set on positives, every bit flipped on negatives), NaN made the greatest key
+    for a max (the least for a min), so the all-reduce is one of integers of the floats'
+    width and moves the same bytes. Differentiated from outside, its derivative is
+    reduce_max's (the tangents where the operand equals the result, averaged)."""
+    params = op.primitive.get_bind_params(op.params)
+    axes = tuple(params["axes"])
+    largest = op.name == "reduce_max"
+
+    def keyed(x):
+        uint = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+        top = jnp.array(1 << (8 * x.dtype.itemsize - 1), uint)
+        x = jnp.where(jnp.isnan(x), jnp.array(jnp.nan if largest else -jnp.nan, x.dtype), x)
+        bits = jax.lax.bitcast_convert_type(x, uint)
+        keys = jnp.where(bits & top, ~bits, bits | top)
+        with op.ctx.manager:
+            keys = _constrain(op.primitive.bind(keys, **params), spec, mesh)
+        return jax.lax.bitcast_convert_type(jnp.where(keys & top, keys & ~top, ~keys), x.dtype)
+
+    @jax.custom_jvp
+    def chosen(x):
+        return keyed(x)
+
+    @chosen.defjvp
+    def _tangent(primals, tangents):
+        (x,), (t,) = primals, tangents
+        out = chosen(x)
+        at = x == jnp.expand_dims(out, axes)
+        picked = jnp.sum(jnp.where(at, t, jnp.zeros_like(t)), axis=axes)
+        return out, picked / jnp.sum(at, axis=axes).astype(t.dtype)
+
+    return chosen(x)
 
 
 def _bind(op: Op, ins: list) -> list:
