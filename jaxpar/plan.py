@@ -704,7 +704,8 @@ def _check_choice(op: str, d: dict) -> None:
               f"{key}.name", s.get("name") if isinstance(s, dict) else s, "a str")
 
 
-def tail_latency(graph, gp: GraphPlan, model, ops=None) -> float:
+def tail_latency(graph, gp: GraphPlan, model, ops=None,
+                 fixed_out: dict[int, Spec] | None = None) -> float:
     """Seconds to add to graph_cost's communication for the step's tail (OpGraph.tail_values:
     the gradient reductions), priced as XLA runs it: one latency per kind and device group
     (search.exact.tail_latency), where graph_cost gives each reduction a share of one
@@ -712,16 +713,19 @@ def tail_latency(graph, gp: GraphPlan, model, ops=None) -> float:
     those of the collectives each op's cost holds: a partial sum reduce-scattered over some
     axes and all-reduced over others is two groups (exact._reductions, from the strategy
     alone, counts it one: its tables' coarser price). ops: the indices of the ops to count
-    (None: all)."""
+    (None: all). fixed_out: graph_cost's (the reduce-scatters XLA makes of all-reduces whose
+    every reader slices the result count as such: propagation.sliced_reductions)."""
     from jaxpar.search.exact import tail_latency as combined
+    from jaxpar.search.propagation import sliced_reductions
 
     tail, groups = graph.tail_values(), {}
+    costs = sliced_reductions(graph, gp, model, fixed_out)
     for op in graph.ops:
         choice = gp.choices.get(op.index)
         if op.regions or choice is None or not any(v in tail for v in op.outputs) or \
                 (ops is not None and op.index not in ops):
             continue
-        for c in choice.cost.collectives:
+        for c in costs.get(op.index, choice.cost).collectives:
             if c.kind in ("all-reduce", "reduce-scatter"):
                 groups[(c.kind, c.axes)] = groups.get((c.kind, c.axes), 0) + c.count
     return combined(graph, model, groups)
@@ -744,7 +748,7 @@ def _priced(graph, gp: GraphPlan, model, out_specs: list[Spec]
     from jaxpar.search.propagation import graph_cost
 
     total = graph_cost(graph, gp, model, dict(enumerate(out_specs)), shared=True)
-    comm = total.comm_s + tail_latency(graph, gp, model)
+    comm = total.comm_s + tail_latency(graph, gp, model, fixed_out=dict(enumerate(out_specs)))
     peak = peak_memory(graph, gp, model.mesh, dict(enumerate(out_specs)))
     return (PlanCost(total.compute_s, comm, total.comm_bytes, peak, total.compute_s + comm),
             _by_kind(total.collectives))

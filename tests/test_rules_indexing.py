@@ -191,8 +191,9 @@ def test_scatter_combiners(name, method):
     sample_mesh8(fn, args, name)
 
 
-@pytest.mark.parametrize("out", [P("dp", None, None), P("dp", None, "mp")], ids=str)
-def test_a_vocab_parallel_lookup_moves_only_its_result(out):
+@pytest.mark.parametrize("out,kind", [(P("dp", None, None), "all-reduce"),
+                                      (P("dp", None, "mp"), "reduce-scatter")], ids=str)
+def test_a_vocab_parallel_lookup_moves_only_its_result(out, kind):
     # Megatron's vocab-parallel embedding: the table cut on its rows over mp, the ids on the
     # batch over dp. Each device looks up the rows it holds; the result is reduced over mp.
     # The table never moves, and the plan predicts what the compiled program moves.
@@ -206,8 +207,11 @@ def test_a_vocab_parallel_lookup_moves_only_its_result(out):
     plan = f.plan(table, ids)
     check = plan.verify(f.lower(table, ids).compile())
     assert check.ok, str(check)
-    # an all-reduce of every device's (8/4, 4, 16) f32 piece, then sliced where out cuts mp
-    assert plan.collectives == {"all-reduce": {"count": 1, "bytes": 2 * 4 * 16 * 4}}
+    # an all-reduce of every device's (8/4, 4, 16) f32 piece; sliced where out cuts mp, which
+    # makes it a reduce-scatter (XLA's reduce-scatter creator; the plan predicted an
+    # all-reduce: propagation.sliced_reductions)
+    assert plan.collectives == {kind: {"count": 1, "bytes": 2 * 4 * 16 * 4}}
+    assert check.predicted == check.measured, str(check)
     np.testing.assert_allclose(f(table, ids), table[ids], rtol=1e-6)
     # ids past the end are clipped to the last row, as unsharded
     far = ids.at[0, 0].set(99)

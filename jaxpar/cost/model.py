@@ -331,6 +331,15 @@ class CostModel:
                                        self._reduced(io.info.out_dtypes[j]), share, matmul)
         return cost
 
+    def reductions(self, info: OpInfo, s: OpStrategy, share: float = 1.0
+                   ) -> list[tuple[int, Spec, Spec, OpCost]]:
+        """op()'s own reductions of strategy s, as reduction_steps has XLA run them: (result
+        index, partial layout, layout after, their cost)."""
+        matmul = _matmul(info)
+        return [(j, raw, dst, self.reshard(raw, dst, info.out_shapes[j],
+                                           self._reduced(info.out_dtypes[j]), share, matmul))
+                for j, raw, dst in reduction_steps(s, matmul, self.mesh)]
+
     def _manual(self, info: OpInfo) -> OpCost | None:
         """A shard_map's cost, whatever its strategy: its body's work and the permutes into
         and out of its specs' axis order (cost/manual.py); None for any other op, and for a

@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jaxpar.cost.comm import Collective
 from jaxpar.cost.model import CostModel, OpCost, flops
 from jaxpar.ir.graph import Lit, Op, OpGraph, itemsize
 from jaxpar.rules.registry import OpInfo, has_rule
@@ -715,9 +716,10 @@ def graph_cost(graph: OpGraph, plan: GraphPlan, model: CostModel,
         else:
             parts.append(model.reshard(have, need, graph.shape(v), graph.dtype(v), share(v)))
     specs, values = plan.specs, graph.values
+    costs = sliced_reductions(graph, plan, model, fixed_out) if shared else {}
     for op in graph.ops:
         choice = plan.choices[op.index]
-        (hoisted if op.index in once else parts).append(choice.cost)
+        (hoisted if op.index in once else parts).append(costs.get(op.index, choice.cost))
         for v, need in zip(op.inputs, choice.strategy.ins, strict=True):
             if isinstance(v, int):
                 have = specs[v]
@@ -730,6 +732,77 @@ def graph_cost(graph: OpGraph, plan: GraphPlan, model: CostModel,
     if trips != 1:
         total = total.scaled(trips)
     return total + _total(hoisted) if hoisted else total
+
+
+def sliced_reductions(graph: OpGraph, plan: GraphPlan, model: CostModel,
+                      fixed_out: dict[int, Spec] | None = None) -> dict[int, OpCost]:
+    """The ops whose own reductions XLA runs as reduce-scatters where their cost says
+    all-reduces: op index -> its cost so. A partial sum all-reduced into its planned spec
+    that every reader (an op, or an output handed back in `fixed_out`: position -> spec)
+    reads cut further, over the all-reduced axes at least, is all-reduced and dynamic-sliced,
+    which XLA's reduce-scatter creator makes one reduce-scatter over those axes (a ZeRO-1
+    step's weight gradient, reduced into data parallel's layout, that only the optimizer
+    reads, cut as its moments are). On CPU it stays an all-reduce with sliced users, which
+    analysis.collective_stats counts as a reduce-scatter: the full buffer's bytes under
+    either name. Those all-reduces are priced and named as reduce-scatters of the same bytes
+    over the same axes; an op's other reductions, and results some reader reads whole (or a
+    loop body's result, or an output not handed back otherwise), keep theirs."""
+    made = {}  # value -> (op, result index): the results of ops that reduce partial sums
+    for op in graph.ops:
+        choice = plan.choices.get(op.index)
+        if choice is not None and not op.regions:
+            made.update((v, (op, j)) for j, (v, p) in
+                        enumerate(zip(op.outputs, choice.strategy.partial, strict=True)) if p)
+    if not made:
+        return {}
+    sliced: dict[int, set | None] = {}  # value -> the axes every use of it cuts further
+
+    def use(v: int, need: Spec | None) -> None:
+        have = plan.specs[v]
+        if need is None or sliced.get(v, ()) is None or have.placed_as(need) or \
+                need.partial or \
+                model.reshard(have, need, graph.shape(v), graph.dtype(v)).collectives:
+            sliced[v] = None  # read whole, or moved otherwise
+            return
+        more = set(need.axes()) - set(have.axes())
+        sliced[v] = more if v not in sliced else sliced[v] & more
+    for op in graph.ops:
+        choice = plan.choices.get(op.index)
+        for i, v in enumerate(op.inputs):
+            if isinstance(v, int) and v in made:
+                use(v, None if choice is None else choice.strategy.ins[i])
+    for pos, v in enumerate(graph.outputs):
+        if isinstance(v, int) and v in made:
+            use(v, (fixed_out or {}).get(pos))
+    share = latency_shares(graph)
+    out: dict[int, OpCost] = {}
+    for v, axes in sliced.items():
+        if not axes:
+            continue
+        op, j = made[v]
+        cost = out.get(op.index, plan.choices[op.index].cost)
+        strategy = plan.choices[op.index].strategy
+        info = OpInfo.of(op, graph)
+        rate = max((share(w) for w in op.outputs), default=1.0)
+        steps = model.reductions(info, strategy, rate)
+        reduced = [c for k, _, dst, step in steps if k == j and dst is strategy.outs[j]
+                   for c in step.collectives
+                   if c.kind == "all-reduce" and set(c.axes) <= axes]
+        held = list(cost.collectives)
+        for c in reduced:
+            if c not in held:  # priced otherwise (a cost from elsewhere): left as it is
+                break
+            held.remove(c)
+        else:
+            if not reduced:
+                continue
+            scattered = [Collective("reduce-scatter", c.axes, c.bytes, c.count)
+                         for c in reduced]
+            comm = cost.comm_s - model.collectives_cost(reduced, rate).comm_s + \
+                model.collectives_cost(scattered, rate).comm_s
+            out[op.index] = OpCost(cost.compute_s, comm, cost.comm_bytes, cost.memory_bytes,
+                                   tuple(held + scattered))
+    return out
 
 
 def hoisted_ops(graph: OpGraph, invariant: Collection[int]) -> tuple[set[int], set[int]]:

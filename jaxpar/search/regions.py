@@ -224,8 +224,8 @@ def body_cost(body: OpGraph, plan: GraphPlan, model: CostModel,
                       invariant=invariant)
     once = hoisted_ops(body, invariant)[0] if trips != 1 else set()
     every = {op.index for op in body.ops} - once
-    extra = tail_latency(body, plan, model, every) * trips + \
-        (tail_latency(body, plan, model, once) if once else 0.0)
+    extra = tail_latency(body, plan, model, every, fixed_out) * trips + \
+        (tail_latency(body, plan, model, once, fixed_out) if once else 0.0)
     return cost + OpCost(comm_s=extra) if extra else cost
 
 
