@@ -223,10 +223,12 @@ def _while(op: Op, plans, ins, mesh, fp32) -> list:
         outs = replay(body, body_plan, mesh,
                       _as_planned(body.inputs, [*bconsts, *c], body_plan, mesh), fp32)
         outs = _as_planned(body.inputs[bn:], outs, body_plan, mesh)
-        if lanes:
+        if lanes:  # the test's lanes laid out as each carry's leading dims, which it keeps
             going = test(c)
-            outs = [jnp.where(jax.lax.broadcast_in_dim(going, jnp.shape(new), range(lanes)),
-                              new, old) for new, old in zip(outs, c, strict=True)]
+            outs = [jnp.where(jax.lax.broadcast_in_dim(
+                _constrain(going, Spec(body_plan.specs[v].dims[:lanes]), mesh), jnp.shape(new),
+                range(lanes)), new, old) for v, new, old in zip(body.inputs[bn:], outs, c,
+                                                                strict=True)]
         return outs
 
     out = jax.lax.while_loop(lambda c: jnp.any(test(c)) if lanes else test(c), turn, list(init))

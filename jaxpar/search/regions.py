@@ -205,7 +205,27 @@ def _while(op: Op, info: OpInfo, known, model: CostModel, plan_body=_loop_body, 
         body_cost(body, plan, model, dict(enumerate(carry)), trips=trips,
                   invariant=frozenset(body.inputs[:bn])) + \
         body_cost(cond, cond_plan, model, trips=trips + 1, invariant=frozenset(cond.inputs[:cn]))
+    if trips and len(cond.shape(cond.outputs[0])):
+        cost = cost + _lanes_cost(cond, cond_plan, carry, model, trips, cn)
     return _strategy(ins, carry), (cond_plan, plan), cost, trips
+
+
+def _lanes_cost(cond: OpGraph, cond_plan: GraphPlan, carry: list[Spec], model: CostModel,
+                trips: int, cn: int) -> OpCost:
+    """What a loop testing each lane (jax.vmap of a while_loop whose test reads the mapped
+    value) runs beyond its body and condition, as lower.jit._while runs it: each test's
+    lanes reduced to one predicate (`any`: an all-reduce of one byte where the test is cut),
+    and each turn the test again, its lanes laid out as each carry's leading dims (one
+    resharding per distinct layout) to keep a finished lane's carry."""
+    test = out_spec(cond, cond_plan, cond.outputs[0])
+    shape, lanes = cond.shape(cond.outputs[0]), test.rank
+    cost = OpCost()
+    if test.axes():
+        cost = model.reshard(Spec((), test.axes()), Spec(()), (), "bool").scaled(trips + 1)
+    again = body_cost(cond, cond_plan, model, trips=trips, invariant=frozenset(cond.inputs[:cn]))
+    for lead in {Spec(s.dims[:lanes]) for s in carry}:
+        again = again + model.reshard(test, lead, shape, "bool").scaled(trips)
+    return cost + again
 
 
 def body_cost(body: OpGraph, plan: GraphPlan, model: CostModel,
