@@ -109,6 +109,17 @@ def test_verification_allows_a_few_bytes_and_ten_percent():
     assert not Verification(ar(1, 4.0), ar(3, 1000)).bytes_ok
 
 
+def test_verification_names_the_kinds_that_differ_where_the_totals_agree():
+    """verify's `ok` compares totals (XLA may run a move by another kind); a plan that named an
+    all-reduce what the program runs as a reduce-scatter passed with nothing said."""
+    kind = lambda k, nbytes: {k: {"count": 1, "bytes": nbytes}}  # noqa: E731
+    check = Verification(kind("all-reduce", 1e6), kind("reduce-scatter", 1e6))
+    assert check.ok and check.kind_gaps == {"all-reduce": -1e6, "reduce-scatter": 1e6}
+    assert "by kind: the totals agree" in str(check)
+    same = Verification(kind("all-reduce", 1e6), kind("all-reduce", 1.05e6))
+    assert same.kind_gaps == {} and "by kind" not in str(same)
+
+
 def test_verification_of_bf16_reductions_widened_by_xla_cpu():
     ar = lambda nbytes: {"all-reduce": {"count": 1, "bytes": nbytes}}  # noqa: E731
     # Half of a 2000-byte f32 all-reduce may have been bf16: 1000 to 2000 bytes on a GPU.
