@@ -32,6 +32,7 @@ POLL_S = 0.05
 SETTLE_S = 0.5  # after a first failure, how long to wait for an earlier death to be reaped
 REAP_S = 5.0    # past that, how long to wait still for a rank seen exiting to be reaped
 LIFELINE_ENV = "JAXPAR_LAUNCH_LIFELINE"  # a rank's lifeline descriptor (see _Launch._start)
+LAUNCHER_ENV = "JAXPAR_LAUNCHER_PID"     # the launcher's pid: a rank ends when it is gone
 DRAIN_S = 10.0  # once every rank is gone, how long their output may take to be relayed (only
                 # a process that left the rank's group can hold its pipe open longer)
 # Each rank runs its program through _rank_main (see there why), loaded from this file alone:
@@ -252,7 +253,8 @@ class _Launch:
     def _start(self, index: int, env: dict[str, str]) -> _Rank:
         cmd = [sys.executable, "-c", RANK_MAIN, *self.cfg.program]
         lifeline, child_end = os.pipe()  # the child holds child_end open until it exits
-        env = env | {LIFELINE_ENV: str(child_end)}  # and writes its failure's time to it
+        env = env | {LIFELINE_ENV: str(child_end),  # and writes its failure's time to it
+                     LAUNCHER_ENV: str(os.getpid())}
         out = subprocess.PIPE
         if self.cfg.log_dir is not None:
             out = open(os.path.join(self.cfg.log_dir, f"rank_{index}.log"), "wb")
@@ -378,11 +380,16 @@ class _Launch:
             _signal_group(rank.proc.pid, sig)
 
     def _forward_signals(self) -> dict[int, object]:
-        """SIGINT/SIGTERM to the launcher go to every rank (then we stop them as on failure)."""
+        """SIGINT, SIGTERM and SIGHUP (the terminal or SSH session closed) to the launcher go
+        to every rank (then we stop them as on failure). The ranks run in sessions of their
+        own, so the terminal's SIGHUP reaches the launcher alone; a launcher killed outright
+        (SIGKILL) is noticed by each rank itself (_rank_main)."""
         if threading.current_thread() is not threading.main_thread():
             return {}
         previous = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+            if sig is None:
+                continue
             previous[sig] = signal.signal(sig, self._on_signal)
         return previous
 
@@ -424,12 +431,25 @@ def _rank_main() -> None:
     the process with os._exit right after its traceback is printed.
     """
     lifeline = os.environ.pop(LIFELINE_ENV, None)  # not the program's: its children's fds differ
+    launcher = os.environ.pop(LAUNCHER_ENV, None)
+    if launcher is not None:
+        threading.Thread(target=_end_with, args=(int(launcher),), daemon=True).start()
     code = _run_program(sys.argv[1:])
     if code != 0:
         _report_failure(lifeline, time.monotonic())
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _end_with(launcher: int) -> None:
+    """A rank's watch on its launcher: once the launcher is gone (killed outright: no handler
+    stopped the ranks), the rank and what it started in its process group are killed, so no
+    process outlives the launch. The rank is its group's leader (start_new_session); its
+    parent changes when the launcher dies."""
+    while os.getppid() == launcher:
+        time.sleep(0.25)
+    os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
 def _report_failure(lifeline: str | None, when: float) -> None:

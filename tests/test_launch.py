@@ -181,6 +181,49 @@ def test_sigint_is_forwarded_to_every_rank(tmp_path):
     _assert_all_gone(_pids(tmp_path))
 
 
+def _running(pid: int) -> bool:
+    """The process lives and is no zombie (one whose parent died waits for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def test_sighup_is_forwarded_to_every_rank(tmp_path):
+    """SIGHUP (the terminal or SSH session closed) killed the launcher before it could stop
+    the ranks, which run in sessions of their own and never got it: both ranks ran on."""
+    proc = _cli("-n", "2", "--grace", "60", str(SCRIPTS / "sleep.py"), str(tmp_path))
+    ready = [proc.stdout.readline() for _ in range(2)]
+    assert sorted(ready) == ["[rank 0] ready\n", "[rank 1] ready\n"]
+    proc.send_signal(signal.SIGHUP)
+    _, stderr = proc.communicate(timeout=90)
+    assert proc.returncode == 128 + signal.SIGHUP, stderr
+    assert "received SIGHUP; stopped all ranks" in stderr
+    _assert_all_gone(_pids(tmp_path))
+
+
+def test_a_launcher_killed_outright_leaves_no_rank_running(tmp_path):
+    """SIGKILL gives the launcher no handler to run: each rank now notices its launcher gone
+    and kills its own process group (launch._end_with)."""
+    proc = _cli("-n", "2", str(SCRIPTS / "sleep.py"), str(tmp_path))
+    ready = [proc.stdout.readline() for _ in range(2)]
+    assert sorted(ready) == ["[rank 0] ready\n", "[rank 1] ready\n"]
+    pids = _pids(tmp_path)
+    proc.kill()
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 20
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_running(pid) for pid in pids)
+
+
 def test_signal_while_starting_reaches_the_rank_being_started(tmp_path, monkeypatch, capsys):
     # The handler can run between a rank's Popen and its entry in the launch's list of ranks
     # (so CI once saw: the test above sent SIGINT once both ranks said "ready", rank 1 was
