@@ -349,6 +349,20 @@ def test_empty_entries_are_structure_and_named(tmp_path):
         restore_checkpoint(tmp_path / "plain", {"w": jnp.ones(4), "ema": None})
 
 
+@pytest.mark.usefixtures("no_orbax_restore")
+def test_a_missing_subtree_is_named_by_its_arrays_not_an_empty_entry_inside_it(tmp_path):
+    # Adam's state saved beside the parameters, restored into the parameters alone: the
+    # error named optax's EmptyState at o/1 ("the checkpoint holds an empty entry"), not the
+    # moments the target lacks.
+    import optax
+
+    params = {"w": jnp.ones((4, 2))}
+    save_checkpoint(tmp_path / "ckpt", {"p": params,
+                                        "o": optax.chain(optax.adam(1e-3)).init(params)})
+    with pytest.raises(ValueError, match=r"holds \['o'\].*but target has no such leaf"):
+        restore_checkpoint(tmp_path / "ckpt", {"p": params})
+
+
 def test_a_tuple_restored_into_a_dict_is_named_a_structure_mismatch(tmp_path):
     save_checkpoint(tmp_path / "ckpt", {"t": (jnp.ones(2), jnp.zeros(2))})
     with pytest.raises(ValueError, match=r"target's containers differ .*a tuple or list was "

@@ -508,14 +508,6 @@ def _check_structure(leaves: list[tuple[KeyPath, Any]],
     """target's leaves (`leaves`) and empty entries against the checkpoint's (`saved`, its
     metadata `tree`): a ValueError naming the first that differs."""
     target_names = {_names(keypath) for keypath, _ in leaves}
-    empty = [_empty(target), _empty(tree)]
-    for mine, theirs, how in ((empty[0], empty[1], "target has an empty entry at "),
-                              (empty[1], empty[0], "the checkpoint holds an empty entry at ")):
-        for names in sorted(mine - theirs):
-            raise ValueError(f"restore_checkpoint: {how}{'/'.join(names)} (None, or a "
-                             "container of no arrays) where the other has none (the "
-                             f"checkpoint at {directory} holds "
-                             f"{_describe(saved)}). The target must have the saved structure.")
     for keypath, leaf in leaves:
         if _names(keypath) not in saved:
             raise ValueError(
@@ -528,6 +520,16 @@ def _check_structure(leaves: list[tuple[KeyPath, Any]],
                 f"restore_checkpoint: the checkpoint at {directory} holds "
                 f"{jax.tree_util.keystr(keypath)} (shape {tuple(metadata.shape)}) but target has "
                 "no such leaf. The target must have the saved structure.")
+    # Empty entries last: a target missing a whole saved subtree (optax state with an
+    # EmptyState in it) is named by its arrays, not by the empty entry inside it.
+    empty = [_empty(target), _empty(tree)]
+    for mine, theirs, how in ((empty[0], empty[1], "target has an empty entry at "),
+                              (empty[1], empty[0], "the checkpoint holds an empty entry at ")):
+        for names in sorted(mine - theirs):
+            raise ValueError(f"restore_checkpoint: {how}{'/'.join(names)} (None, or a "
+                             "container of no arrays) where the other has none (the "
+                             f"checkpoint at {directory} holds "
+                             f"{_describe(saved)}). The target must have the saved structure.")
 
 
 def _empty(tree: Any) -> set[tuple[str, ...]]:
