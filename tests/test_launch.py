@@ -170,15 +170,22 @@ def test_rank_ignoring_sigterm_is_killed_after_the_grace(tmp_path, capsys):
 def test_sigint_is_forwarded_to_every_rank(tmp_path):
     # A long grace: on a loaded machine a rank may take seconds to print its traceback, and
     # one killed at the end of the grace would print none.
-    proc = _cli("-n", "2", "--grace", "60", str(SCRIPTS / "sleep.py"), str(tmp_path))
+    stdout = _signalled(tmp_path, signal.SIGINT)
+    assert stdout.count("KeyboardInterrupt") == 2  # each rank got it and exited
+
+
+def _signalled(pid_dir: Path, sig: int) -> str:
+    """Launch two sleeping ranks, send the launcher `sig` once both are ready, check that it
+    stopped every rank and said so; the ranks' output."""
+    proc = _cli("-n", "2", "--grace", "60", str(SCRIPTS / "sleep.py"), str(pid_dir))
     ready = [proc.stdout.readline() for _ in range(2)]
     assert sorted(ready) == ["[rank 0] ready\n", "[rank 1] ready\n"]
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=90)
-    assert proc.returncode == 128 + signal.SIGINT, stderr
-    assert "received SIGINT; stopped all ranks" in stderr
-    assert stdout.count("KeyboardInterrupt") == 2  # each rank got it and exited
-    _assert_all_gone(_pids(tmp_path))
+    assert proc.returncode == 128 + sig, stderr
+    assert f"received {signal.Signals(sig).name}; stopped all ranks" in stderr
+    _assert_all_gone(_pids(pid_dir))
+    return stdout
 
 
 def _running(pid: int) -> bool:
@@ -199,14 +206,7 @@ def _running(pid: int) -> bool:
 def test_sighup_is_forwarded_to_every_rank(tmp_path):
     """SIGHUP (the terminal or SSH session closed) killed the launcher before it could stop
     the ranks, which run in sessions of their own and never got it: both ranks ran on."""
-    proc = _cli("-n", "2", "--grace", "60", str(SCRIPTS / "sleep.py"), str(tmp_path))
-    ready = [proc.stdout.readline() for _ in range(2)]
-    assert sorted(ready) == ["[rank 0] ready\n", "[rank 1] ready\n"]
-    proc.send_signal(signal.SIGHUP)
-    _, stderr = proc.communicate(timeout=90)
-    assert proc.returncode == 128 + signal.SIGHUP, stderr
-    assert "received SIGHUP; stopped all ranks" in stderr
-    _assert_all_gone(_pids(tmp_path))
+    _signalled(tmp_path, signal.SIGHUP)
 
 
 def test_a_launcher_killed_outright_leaves_no_rank_running(tmp_path):
