@@ -201,7 +201,8 @@ def test_max_and_min_over_cut_dims_keep_nans_as_jit_does(dtype):
 
     x = np.asarray(RNG.standard_normal((16, 4)), np.float32)
     x[3, 0] = x[9, 2] = np.nan
-    x[5, 1], x[6, 3], x[:, 3] = np.inf, -np.inf, -np.abs(x[:, 3])
+    x[:, 3] = -np.abs(x[:, 3])  # a column of negatives, with -inf
+    x[5, 1], x[6, 3] = np.inf, -np.inf
     x = jnp.asarray(x, dtype)
 
     def fn(a):
@@ -213,6 +214,8 @@ def test_max_and_min_over_cut_dims_keep_nans_as_jit_does(dtype):
         assert g.dtype == w.dtype
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
     assert np.isnan(np.asarray(got[0], np.float32)[[0, 2]]).all()
+    assert np.asarray(got[0], np.float32)[1] == np.inf
+    assert np.asarray(got[1], np.float32)[3] == -np.inf
     plan = f.plan(x)
     verified = plan.verify(f.lower(x).compile())
     assert verified.ok, str(verified)
