@@ -705,7 +705,7 @@ def _check_choice(op: str, d: dict) -> None:
 
 
 def tail_latency(graph, gp: GraphPlan, model, ops=None,
-                 fixed_out: dict[int, Spec] | None = None) -> float:
+                 sliced: dict[int, OpCost] | None = None) -> float:
     """Seconds to add to graph_cost's communication for the step's tail (OpGraph.tail_values:
     the gradient reductions), priced as XLA runs it: one latency per kind and device group
     (search.exact.tail_latency), where graph_cost gives each reduction a share of one
@@ -713,13 +713,12 @@ def tail_latency(graph, gp: GraphPlan, model, ops=None,
     those of the collectives each op's cost holds: a partial sum reduce-scattered over some
     axes and all-reduced over others is two groups (exact._reductions, from the strategy
     alone, counts it one: its tables' coarser price). ops: the indices of the ops to count
-    (None: all). fixed_out: graph_cost's (the reduce-scatters XLA makes of all-reduces whose
-    every reader slices the result count as such: propagation.sliced_reductions)."""
+    (None: all). sliced: the ops' costs as graph_cost(shared=True) took them
+    (propagation.sliced_reductions: the reduce-scatters XLA makes of all-reduces whose every
+    reader slices the result count as such); None: each op's own."""
     from jaxpar.search.exact import tail_latency as combined
-    from jaxpar.search.propagation import sliced_reductions
 
-    tail, groups = graph.tail_values(), {}
-    costs = sliced_reductions(graph, gp, model, fixed_out)
+    tail, groups, costs = graph.tail_values(), {}, sliced or {}
     for op in graph.ops:
         choice = gp.choices.get(op.index)
         if op.regions or choice is None or not any(v in tail for v in op.outputs) or \
@@ -745,10 +744,12 @@ def build_plan(graph, gp: GraphPlan, model, traced, in_specs: list[Spec], out_sp
 def _priced(graph, gp: GraphPlan, model, out_specs: list[Spec]
             ) -> tuple[PlanCost, dict[str, dict[str, float]]]:
     """A plan's totals and predicted collectives (by kind) from its strategies and specs."""
-    from jaxpar.search.propagation import graph_cost
+    from jaxpar.search.propagation import graph_cost, sliced_reductions
 
-    total = graph_cost(graph, gp, model, dict(enumerate(out_specs)), shared=True)
-    comm = total.comm_s + tail_latency(graph, gp, model, fixed_out=dict(enumerate(out_specs)))
+    back = dict(enumerate(out_specs))
+    sliced = sliced_reductions(graph, gp, model, back)
+    total = graph_cost(graph, gp, model, back, shared=True, sliced=sliced)
+    comm = total.comm_s + tail_latency(graph, gp, model, sliced=sliced)
     peak = peak_memory(graph, gp, model.mesh, dict(enumerate(out_specs)))
     return (PlanCost(total.compute_s, comm, total.comm_bytes, peak, total.compute_s + comm),
             _by_kind(total.collectives))

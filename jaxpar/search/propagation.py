@@ -677,7 +677,8 @@ def out_spec(graph: OpGraph, plan: GraphPlan, v: int | Lit) -> Spec:
 
 def graph_cost(graph: OpGraph, plan: GraphPlan, model: CostModel,
                fixed_out: dict[int, Spec] | None = None, shared: bool = False,
-               trips: float = 1, invariant: Collection[int] = ()) -> OpCost:
+               trips: float = 1, invariant: Collection[int] = (),
+               sliced: dict[int, OpCost] | None = None) -> OpCost:
     """Total modeled cost of a planned graph: ops (regions times their trips), resharding of
     operands, and resharding of outputs into `fixed_out` (output position -> spec).
 
@@ -690,6 +691,8 @@ def graph_cost(graph: OpGraph, plan: GraphPlan, model: CostModel,
     loop (its loop-invariant code motion), priced once: the resharding of the values in
     `invariant` (the body's constants) and of what is computed from them alone, and those
     ops themselves (effect-free, loops aside).
+    sliced: shared, the ops' costs as sliced_reductions gives them for this plan and
+    `fixed_out`, where the caller has them already (None: worked out here).
     """
     share = latency_shares(graph)
     parts, hoisted = [], []
@@ -716,7 +719,8 @@ def graph_cost(graph: OpGraph, plan: GraphPlan, model: CostModel,
         else:
             parts.append(model.reshard(have, need, graph.shape(v), graph.dtype(v), share(v)))
     specs, values = plan.specs, graph.values
-    costs = sliced_reductions(graph, plan, model, fixed_out) if shared else {}
+    costs = {} if not shared else sliced if sliced is not None else \
+        sliced_reductions(graph, plan, model, fixed_out)
     for op in graph.ops:
         choice = plan.choices[op.index]
         (hoisted if op.index in once else parts).append(costs.get(op.index, choice.cost))

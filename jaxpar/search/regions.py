@@ -30,7 +30,14 @@ from __future__ import annotations
 from jaxpar.cost.model import CostModel, OpCost
 from jaxpar.ir.graph import Op, OpGraph, scan_counts, while_trips
 from jaxpar.rules.registry import OpInfo
-from jaxpar.search.propagation import GraphPlan, graph_cost, hoisted_ops, out_spec, propagate
+from jaxpar.search.propagation import (
+    GraphPlan,
+    graph_cost,
+    hoisted_ops,
+    out_spec,
+    propagate,
+    sliced_reductions,
+)
 from jaxpar.spec import OpStrategy, Spec
 
 # Seconds for one exact solve of a loop body (_solved_body): a search may solve a body several
@@ -240,12 +247,13 @@ def body_cost(body: OpGraph, plan: GraphPlan, model: CostModel,
 
     if trips == 0:  # XLA deletes a loop that never runs: nothing is hoisted out of it either
         return OpCost()
+    sliced = sliced_reductions(body, plan, model, fixed_out)
     cost = graph_cost(body, plan, model, fixed_out, shared=True, trips=trips,
-                      invariant=invariant)
+                      invariant=invariant, sliced=sliced)
     once = hoisted_ops(body, invariant)[0] if trips != 1 else set()
     every = {op.index for op in body.ops} - once
-    extra = tail_latency(body, plan, model, every, fixed_out) * trips + \
-        (tail_latency(body, plan, model, once, fixed_out) if once else 0.0)
+    extra = tail_latency(body, plan, model, every, sliced) * trips + \
+        (tail_latency(body, plan, model, once, sliced) if once else 0.0)
     return cost + OpCost(comm_s=extra) if extra else cost
 
 
