@@ -71,7 +71,6 @@ def within_budget(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
       fullest point holds more than `budget`).
     """
     from jaxpar.plan import search_peak
-    from jaxpar.search.resolve import objective
 
     runs: list[Run] = []
 
@@ -97,14 +96,23 @@ def within_budget(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
             high = mid
         else:
             low = mid
-    carried = [(v, pos) for v, pos in ties if pos not in fixed_out]
-    score = {k: objective(graph, model, r.plan, fixed_out, carried)
+    score = {k: scored(graph, model, r.plan, fixed_out, ties)
              for k, r in enumerate(runs) if r.peak <= budget}
     k = min(score, key=lambda k: (score[k], -runs[k].mem_coeff))
     lines = _tried(runs, score, budget)
     lines.append(f"kept the plan with mem_coeff={runs[k].mem_coeff:g}: the lowest score of "
                  "those that fit, under the objective asked for")
     return runs, runs[k], lines
+
+
+def scored(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_out: dict[int, Spec],
+           ties: Sequence[tuple[int, int]]) -> float:
+    """The objective the fitting plans are compared by: model's, each carried output back in
+    its input's spec unless the caller fixed its spec (fixed_out)."""
+    from jaxpar.search.resolve import objective
+
+    return objective(graph, model, plan, fixed_out,
+                     [(v, pos) for v, pos in ties if pos not in fixed_out])
 
 
 def _tried(runs: list[Run], score: dict[int, float], budget: float) -> list[str]:

@@ -96,7 +96,7 @@ from collections.abc import Sequence
 
 from jaxpar.cost.model import CostModel
 from jaxpar.ir.graph import OpGraph
-from jaxpar.search.budget import within_budget
+from jaxpar.search.budget import scored, within_budget
 from jaxpar.search.propagation import GraphIndex, GraphPlan, handed_back, pinned_ops, propagate
 from jaxpar.search.refine import refine
 from jaxpar.search.resolve import (
@@ -168,7 +168,7 @@ def sharding_propagation(graph: OpGraph, model: CostModel, fixed_in: dict[int, S
             f"plan with mem_coeff={model.mem_coeff:g} peaked at {runs[0].peak:.0f} bytes, so "
             f"it searched again with larger mem_coeffs ({len(runs) - 1} more plans); ")
     if fits:
-        k = min(fits, key=lambda k: (objective(graph, model, found[k][0], fixed_out, ties), k))
+        k = min(fits, key=lambda k: (scored(graph, model, found[k][0], fixed_out, ties), k))
         said += (f"kept the {found[k][2]} plan of mem_coeff={found[k][1]:g} (peak "
                  f"{peaks[k]:.0f} bytes), the lowest objective of the {len(fits)} that fit")
     else:
