@@ -1,5 +1,6 @@
 """The exact strategy-selection kernel against brute force on seeded random tiny graphs."""
 
+import dataclasses
 import doctest
 import itertools
 
@@ -14,6 +15,7 @@ from jaxpar.search.dynamic import (
     objective,
     peak_memory,
     prune_dominated,
+    restricted,
     solve,
 )
 
@@ -508,3 +510,33 @@ def test_an_integral_lp_relaxation_is_the_answer_and_a_fractional_one_goes_to_th
     got = core.expand(found)
     assert objective(problem, got) == pytest.approx(exact.cost, abs=1e-12)
     assert bound == pytest.approx(exact.cost, abs=1e-9)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("seed", range(10))
+def test_a_restricted_problem_solves_to_the_best_plan_of_the_candidates_kept(seed, shape):
+    # Brute force over the whole problem, each candidate left out priced far above the rest:
+    # the plans of the kept candidates only, and their optimum is the restricted one's.
+    problem = random_problem(seed, shape, with_budget=False)
+    rng = np.random.default_rng(seed + 1000)
+    keep = {i: np.sort(rng.choice(k, int(rng.integers(1, k + 1)), replace=False))
+            for i, k in enumerate(problem.sizes) if rng.random() < 0.6}
+    smaller, back = restricted(problem, keep)
+    assert smaller.sizes == tuple(len(keep[i]) if i in keep else k
+                                  for i, k in enumerate(problem.sizes))
+    found = back(solve(smaller).choice)
+    assert all(found[i] in kept for i, kept in keep.items())
+    penalised = tuple(c + 1e6 * ~np.isin(np.arange(len(c)), keep.get(i, np.arange(len(c))))
+                      for i, c in enumerate(problem.node_cost))
+    best = brute_force(Problem(penalised, problem.edges))
+    assert objective(problem, found) == pytest.approx(best.cost, abs=1e-9)
+
+
+def test_restricted_refuses_a_node_left_empty_and_tied_nodes_kept_apart():
+    problem = Problem((np.array([1.0, 2.0]), np.array([3.0, 4.0])), tied=((0, 1),))
+    with pytest.raises(ValueError, match="keeps a candidate"):
+        restricted(dataclasses.replace(problem, tied=None), {0: np.array([], dtype=np.int64)})
+    with pytest.raises(ValueError, match="keep different candidates"):
+        restricted(problem, {0: np.array([0]), 1: np.array([1])})
+    smaller, back = restricted(problem, {0: np.array([1]), 1: np.array([1])})
+    assert list(back(solve(smaller).choice)) == [1, 1]

@@ -67,19 +67,27 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxpar import progress
-from jaxpar.cost.comm import Collective
+from jaxpar.cost.comm import Collective, reshard
 from jaxpar.cost.model import CostModel, OpCost, reduces_as_matmul, reduction_steps
 from jaxpar.ir.graph import Op, OpGraph, scan_counts
 from jaxpar.ir.repeat import op_classes
 from jaxpar.rules.registry import has_rule
-from jaxpar.search.dynamic import Problem, Solution, byte_count, objective, solve
+from jaxpar.search.dynamic import (
+    Problem,
+    Solution,
+    byte_count,
+    objective,
+    restricted,
+    solve,
+)
 from jaxpar.search.propagation import Choice, GraphPlan
 from jaxpar.search.regions import LOOPS, RESULT_SPECS
 from jaxpar.search.tables import Allow, Region, Tables, build_tables
-from jaxpar.spec import Spec
+from jaxpar.spec import MeshInfo, Spec
 
 _LOOP_PASSES = 4  # at most this many solves again with loop bodies planned for their neighbours
 _TIE_SHARE = 0.25  # tie_repeats ties only where op classes are at most this share of the ops
+_AGAIN_TIMES, _AGAIN_MIN_S = 3.0, 1.0  # the tail's solve again: 3x the first solve, 1 s at least
 _REFITS = 3       # under a budget: solves again, the budget lowered by what the plan held over it
 
 
@@ -361,21 +369,28 @@ def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem:
     optimal over the plans whose tail reduces over those groups alone (Solution.tail_groups,
     which the plan's note names), not over every plan: neither solve minimises the objective
     with whole latencies, and a looser memory budget can end with a costlier plan."""
-    groups = _tail_groups(graph, t, solution.choice)
+    groups = _tail_groups(graph, t, solution.choice, model.mesh)
     kinds = {kind for kind, _ in groups}
     if len(groups) <= len(kinds):
         return solution
     keep = {kind: max((g for g in groups if g[0] == kind), key=lambda g: (groups[g], g))
             for kind in kinds}
     progress.step("solving again, the tail's reductions over fewer device groups")
-    penalty = 1.0 + 10.0 * float(np.max([c.max() for c in problem.node_cost]))
-    costs = [c.copy() for c in problem.node_cost]
+    kept = {}
     for node, matmul in _tail_nodes(graph, t).items():
-        for k, s in enumerate(t.cands[node]):
-            if any(keep.get(kind, (kind, axes)) != (kind, axes)
-                   for kind, axes in _reductions(s, matmul)):
-                costs[node][k] += penalty
-    again = solve(dataclasses.replace(problem, node_cost=tuple(costs)), left())  # left() > 0
+        kept[node] = np.array([k for k, s in enumerate(t.cands[node])
+                               if all(keep.get(kind, (kind, axes)) == (kind, axes)
+                                      for kind, axes in _reductions(s, matmul, model.mesh))],
+                              dtype=np.int64)
+    try:
+        smaller, back = restricted(problem, kept)
+    except ValueError:  # a node left without a candidate, or tied nodes apart: no such plan
+        return solution
+    # At most a few times the first solve's time: a tail held to fewer groups can be far
+    # harder to prove (a ViT step on 2 x 2 x 2 devices: 26 s, unproven, at twice the first
+    # plan's objective, after a first solve of 0.9 s); past it, its best plan and gap.
+    again = solve(smaller, min(left(), max(_AGAIN_MIN_S, _AGAIN_TIMES * solution.seconds)))
+    again = dataclasses.replace(again, choice=back(again.choice))
     if grouped_objective(graph, model, t, problem, again.choice) < \
             grouped_objective(graph, model, t, problem, solution.choice):
         cost = objective(problem, again.choice)
@@ -404,7 +419,7 @@ def grouped_objective(graph: OpGraph, model: CostModel, t: Tables, problem: Prob
                       choice: np.ndarray) -> float:
     """`objective` with the tail's reductions paying one latency per (kind, device group)
     instead of a share each (what XLA's combiners make of them)."""
-    extra = tail_latency(graph, model, _tail_groups(graph, t, choice))
+    extra = tail_latency(graph, model, _tail_groups(graph, t, choice, model.mesh))
     return objective(problem, choice) + model.score(OpCost(comm_s=extra))
 
 
@@ -429,24 +444,25 @@ def _tail_nodes(graph: OpGraph, t: Tables) -> dict[int, bool]:
             if not graph.ops[x].regions and any(v in tail for v in graph.ops[x].outputs)}
 
 
-def _tail_groups(graph: OpGraph, t: Tables, choice: np.ndarray) -> dict[tuple, int]:
+def _tail_groups(graph: OpGraph, t: Tables, choice: np.ndarray, mesh: MeshInfo
+                 ) -> dict[tuple, int]:
     """{(kind, axes): how many} of the reductions the tail's ops make under `choice`."""
     out: dict[tuple, int] = {}
     for node, matmul in _tail_nodes(graph, t).items():
-        for key in _reductions(t.cands[node][int(choice[node])], matmul):
+        for key in _reductions(t.cands[node][int(choice[node])], matmul, mesh):
             out[key] = out.get(key, 0) + 1
     return out
 
 
-def _reductions(s, matmul: bool) -> list[tuple[str, tuple[str, ...]]]:
-    """(kind, axes) of an op strategy's own reductions (cost.model.reduction_steps): each
-    partial result becomes an all-reduce, or a reduce-scatter when its spec cuts a dimension
-    on a partial axis; all-reduced dim by dim where its axes cut several operand dims."""
-    keys = []
-    for _, raw, out in reduction_steps(s, matmul):
-        kind = "reduce-scatter" if set(raw.partial) & set(out.axes()) else "all-reduce"
-        keys.append((kind, tuple(sorted(raw.partial))))
-    return keys
+def _reductions(s, matmul: bool, mesh: MeshInfo) -> list[tuple[str, tuple[str, ...]]]:
+    """(kind, axes) of the all-reduces and reduce-scatters an op strategy's own reductions
+    (cost.model.reduction_steps) run on `mesh`, as its cost counts them (comm.reshard): a
+    partial sum reduce-scattered over some of its axes and all-reduced over the others is
+    one of each (a conv's weight gradient summed over d0 and d1 into a spec cut on d1: a
+    reduce-scatter over d1, then an all-reduce over d0, which crosses the nodes apart)."""
+    return [(c.kind, c.axes) for _, raw, out in reduction_steps(s, matmul, mesh)
+            for c in reshard(raw, out, 1.0, mesh, matmul)
+            if c.kind in ("all-reduce", "reduce-scatter")]
 
 
 def _budget_left(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
