@@ -718,13 +718,12 @@ def tail_latency(graph, gp: GraphPlan, model, ops=None,
     reader slices the result count as such); None: each op's own."""
     from jaxpar.search.exact import tail_latency as combined
 
-    tail, groups, costs = graph.tail_values(), {}, sliced or {}
-    for op in graph.ops:
-        choice = gp.choices.get(op.index)
-        if op.regions or choice is None or not any(v in tail for v in op.outputs) or \
-                (ops is not None and op.index not in ops):
+    groups, costs = {}, sliced or {}
+    for x in graph.tail_ops():
+        choice = gp.choices.get(x)
+        if choice is None or (ops is not None and x not in ops):
             continue
-        for c in costs.get(op.index, choice.cost).collectives:
+        for c in costs.get(x, choice.cost).collectives:
             if c.kind in ("all-reduce", "reduce-scatter"):
                 groups[(c.kind, c.axes)] = groups.get((c.kind, c.axes), 0) + c.count
     return combined(graph, model, groups)

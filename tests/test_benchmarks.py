@@ -197,11 +197,15 @@ def test_memory_budget_tiny(tmp_path):
     for mode in memory_budget.MODES:
         met, refused = by[(mode, 0.8)], by[(mode, 0.01)]
         # (its modelled time may come out below the free plan's: the searches minimise the
-        # objective, which weighs memory and prices the tail's reductions by shares)
+        # objective, which weighs memory)
         assert met["met"] and met["peak"] <= 0.8 and met["time"] > 0
         assert not refused["met"] and "memory_budget=" in refused["error"]
-        if mode == "dynamic_programming":  # its unbudgeted plan scores least
-            assert met["objective"] >= 1 - 1e-9
+        if mode == "dynamic_programming":
+            # Its unbudgeted plan is the optimum with the tail's reductions priced a share of
+            # one latency each (its tables; then solved again once over fewer device groups);
+            # the objective here pays one whole latency per group, as Plan.cost does, under
+            # which a budgeted plan can score a little less (0.994 here).
+            assert met["objective"] >= 0.99
         # the compiled program's bytes beside the model's, as multiples of the same peak
         assert met["compiled"] > 0 and met["free_compiled"] > 0
         assert saved["summary"][mode] == {"cases": 2, "met": 1, "mean_time": met["time"],

@@ -20,7 +20,7 @@ from jaxpar.ir import build_graph, trace
 from jaxpar.models.gpt import GPTConfig, abstract_train_step
 from jaxpar.models.mlp import init_mlp, make_sgd_step, make_train_step
 from jaxpar.models.programs import PROGRAMS
-from jaxpar.search import recursive
+from jaxpar.search import recursive, resolve
 from jaxpar.search.exact import dynamic_programming
 from jaxpar.search.propagation import GraphPlan, graph_cost, propagate
 from jaxpar.search.recursive import main_ops, recursive_programming
@@ -447,36 +447,41 @@ def _without_the_grouped_start(monkeypatch):
 
 def _region_solve_ratios(monkeypatch, step, args, hardware: str, state: str):
     """recursive_programming on 4 x 2 devices at level 2, mem_coeff 0, over the exact search's
-    objective: (with the region around the largest carried state solved again, without).
-    The axes are solved again from the walk's plan alone: from the lockstep plan too, they
-    reach the optimum here without the region."""
+    objective, each plan scored as recursive_programming compares plans (resolve.objective:
+    the tail's reductions one latency per device group): (with the region around the largest
+    carried state solved again, without). The axes are solved again from the walk's plan
+    alone: from the lockstep plan too, they reach the optimum here without the region."""
     monkeypatch.setattr(recursive._Sapp, "_starts", lambda self, plan, ties: [("walk", plan, None)])
     graph, model, ties = _tied(step, args, jaxpar.make_mesh((4, 2), ("d0", "d1")), hardware)
     model = CostModel(model.mesh, model.profile, 2, 0.0, recompute_heavy=False)
     gp, lines = recursive_programming(graph, model, {}, {}, ties=ties)
     assert any("3 hops of the readers and update of carried " + state in line
                and "solved again exactly" in line for line in lines)
-    best, _ = dynamic_programming(graph, model, {}, {}, ties=ties, group_tail=False)
-    exact = _tied_cost(graph, model, best, ties)
+    best, _ = dynamic_programming(graph, model, {}, {}, ties=ties)
+
+    def score(plan):
+        return resolve.objective(graph, model, plan, {}, ties)
     monkeypatch.setattr(recursive._Sapp, "_solve_neighbourhoods",
                         lambda self, plan, before, ties: plan)
     without, _ = recursive_programming(graph, model, {}, {}, ties=ties)
-    return _tied_cost(graph, model, gp, ties) / exact, \
-        _tied_cost(graph, model, without, ties) / exact
+    return score(gp) / score(best), score(without) / score(best)
 
 
 def test_the_region_around_an_expert_weight_is_solved_again_exactly(monkeypatch):
     # The quick benchmark's MoE step on 4 x 2 H100s across two nodes, level 2: with each
-    # axis solved again the plan scores 1.044x the exact search's objective; the ops around
+    # axis solved again the plan scores 1.078x the exact search's objective; the ops around
     # the largest carried state (the expert weight w1), solved again over both axes with the
-    # rest held, reach it.
+    # rest held, bring it to 1.025x. (With the tail's reductions priced a share of a latency
+    # each, as the region's solve prices them, it reached the optimum: 1.075x, then 1.000x.
+    # Paying one latency per device group, as the plan is compared, the region's optimum is
+    # that of another objective.)
     from jaxpar.models import moe
     step, args = moe.abstract_train_step(
         moe.MoEConfig(d_model=1024, d_ff=4096, experts=8, group_size=256), 16)
     with_region, without = _region_solve_ratios(monkeypatch, step, args, "h100-2node-ib",
                                                 "params/w1")
-    assert with_region <= 1.001
-    assert without > 1.03
+    assert with_region <= 1.03
+    assert without > 1.06
 
 
 def test_a_tied_embedding_is_looked_up_where_its_rows_lie():

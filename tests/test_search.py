@@ -733,11 +733,19 @@ def test_sharding_propagation_solves_each_axis_again_with_no_strategy_given(prog
     step, args = abstract_train_step(GPTConfig(layers=2, d_model=512, heads=8, vocab=4096,
                                                seq=256), 16) if program == "gpt" else \
         _bench_mlp_step()
+    from jaxpar.search.resolve import objective
+
     plans = {mode: jaxpar.shard(step, mesh=jaxpar.make_mesh(8), hardware="h100-nvlink",
                                 search_mode=mode).plan(*args)
              for mode in ("sharding_propagation", "dynamic_programming")}
-    cost = {mode: plan.cost.total_s for mode, plan in plans.items()}
-    assert cost["sharding_propagation"] <= 1.01 * cost["dynamic_programming"], cost
+    traced = trace(step, args)
+    graph = build_graph(traced.closed_jaxpr, traced.in_paths)
+    model = CostModel(plans["dynamic_programming"].mesh, load_profile("h100-nvlink"), 0, 0.1)
+    # what the modes minimise (the default objective; the GPT's modelled times: 312 and 295
+    # us, the exact search's plan paying more for memory)
+    score = {mode: objective(graph, model, plan.graph_plan, dict(enumerate(plan.flat_out_specs)),
+                             ()) for mode, plan in plans.items()}
+    assert score["sharding_propagation"] <= 1.01 * score["dynamic_programming"], score
     assert any("no weight fixed, so the mesh axes were also solved again from the best plan "
                "using" in note for note in plans["sharding_propagation"].notes)
 

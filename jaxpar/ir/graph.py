@@ -146,6 +146,7 @@ class OpGraph:
     # the program: the outputs JAX aliases to them are written in their buffers (aliases).
     donated: frozenset[int] = frozenset()
     _tail: frozenset[int] | None = field(default=None, repr=False, compare=False)
+    _tail_ops: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
     _sunk: frozenset[int] | None = field(default=None, repr=False, compare=False)
 
     def producers(self) -> dict[int, Op]:
@@ -258,6 +259,15 @@ class OpGraph:
                     reaches.update(v for v in op.inputs if isinstance(v, int))
             self._tail = frozenset(range(len(self.values))) - reaches
         return self._tail
+
+    def tail_ops(self) -> tuple[int, ...]:
+        """Indices of the ops (loops and conds aside) that make a value of the tail
+        (tail_values): the step's last reductions are theirs."""
+        if self._tail_ops is None:
+            tail = self.tail_values()
+            self._tail_ops = tuple(op.index for op in self.ops if not op.regions and
+                                   any(v in tail for v in op.outputs))
+        return self._tail_ops
 
     def latency_share(self, v: int) -> float:
         """The fraction of a latency a reduction of value v pays: 1, or in the tail 1/m where m

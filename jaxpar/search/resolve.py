@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from jaxpar import progress
-from jaxpar.cost.model import CostModel
+from jaxpar.cost.model import CostModel, OpCost
 from jaxpar.ir.graph import OpGraph
 from jaxpar.search.exact import dynamic_programming
 from jaxpar.search.propagation import GraphIndex, GraphPlan, graph_cost
@@ -451,6 +451,11 @@ def objective(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_out: dict
               ties: Sequence[tuple[int, int]]) -> float:
     """`model`'s exact objective of a complete plan: the outputs in `fixed_out` resharded into
     their specs, each carried (input value, output position) output (ties) back into its
-    input's spec."""
+    input's spec, and the step's tail reductions paying one latency per kind and device group
+    as XLA combines them (plan.tail_latency, as Plan.cost prices them; graph_cost gives each
+    a share of one)."""
+    from jaxpar.plan import tail_latency
+
     back = dict(fixed_out) | {pos: plan.specs[v] for v, pos in ties}
-    return model.score(graph_cost(graph, plan, model, back))
+    return model.score(graph_cost(graph, plan, model, back) +
+                       OpCost(comm_s=tail_latency(graph, plan, model)))
