@@ -7,8 +7,11 @@ devices), each hardware
 profile and two objectives (the default, level 0 with mem_coeff 0.1, and "speed", level 2 with
 mem_coeff 0), both modes plan the step with no strategy given, and each plan is scored with the
 objective its search minimised (`CostModel.score` of `graph_cost`, carried outputs back in
-their input's spec, as `Plan.cost` prices them). Reported per case: both scores, their ratio
-(1.0: recursive_programming found an optimal plan) and both plan times. Nothing is compiled:
+their input's spec and the step's tail reductions one latency per kind and device group, as
+`Plan.cost` prices them: `resolve.objective`). Reported per case: both scores, their ratio
+(1.0: recursive_programming's plan scores as the exact search's; below 1 where the exact
+search's tables, pricing each tail reduction a share of one latency, missed the cheaper
+tail) and both plan times. Nothing is compiled:
 `gpt_plans.py` and `run.py` check plans against compiled programs.
 
 Writes DIR/search_gap.json and DIR/search_gap.md (a row per case, then the summary: mean and
