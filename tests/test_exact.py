@@ -690,3 +690,30 @@ def test_a_reduction_scattered_inside_a_node_and_summed_across_is_two_groups_of_
     assert collective_stats(f.lower(*args).compile()) == {
         "all-reduce": {"count": 1, "bytes": sum(
             4 * np.prod(s) for s in shapes.values())}}
+
+
+def test_the_tails_groups_count_every_op_a_folded_node_stands_for(always_tie):
+    # Repeated layers folded into one node of the tables: the tail's reductions (each
+    # layer's weight gradients) were counted once per node, so a group of three layers'
+    # all-reduces counted one, and the tail's whole latencies were priced as if one
+    # reduction paid all of its group's.
+    graph, model = _small_gpt(layers=3)
+    plan, solution = dynamic_programming(graph, model, {}, {})
+    assert solution.repeats_tied
+    tables = {fold: build_tables(graph, model, {}, {}, (), None, op_classes(graph), fold=fold)
+              for fold in (True, False)}
+
+    def choice(t):
+        out = np.zeros(len(t.cands), dtype=np.int64)
+        for x, node in t.op_nodes.items():
+            out[node] = t.cands[node].index(plan.choices[x].strategy)
+        for v, node in t.input_nodes.items():
+            out[node] = next(k for k, s in enumerate(t.cands[node])
+                             if s == plan.specs[v])
+        return out
+
+    folded, apart = (exact._tail_groups(graph, tables[f], choice(tables[f]), model.mesh)
+                     for f in (True, False))
+    assert len(tables[True].cands) < len(tables[False].cands)  # some tail ops folded
+    assert apart and max(apart.values()) >= 3
+    assert folded == apart

@@ -377,7 +377,7 @@ def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem:
             for kind in kinds}
     progress.step("solving again, the tail's reductions over fewer device groups")
     kept = {}
-    for node, matmul in _tail_nodes(graph, t).items():
+    for node, (matmul, _) in _tail_nodes(graph, t).items():
         kept[node] = np.array([k for k, s in enumerate(t.cands[node])
                                if all(keep.get(kind, (kind, axes)) == (kind, axes)
                                       for kind, axes in _reductions(s, matmul, model.mesh))],
@@ -436,21 +436,25 @@ def tail_latency(graph: OpGraph, model: CostModel, groups: dict[tuple, int]) -> 
                for (kind, axes), n in groups.items())
 
 
-def _tail_nodes(graph: OpGraph, t: Tables) -> dict[int, bool]:
+def _tail_nodes(graph: OpGraph, t: Tables) -> dict[int, tuple[bool, int]]:
     """The nodes of the searched ops whose results lie in the step's tail (ops with bodies
-    aside), each with whether its op is a matmul (how its reductions run: reduction_steps)."""
-    tail = graph.tail_values()
-    return {node: reduces_as_matmul(graph.ops[x].name) for x, node in t.op_nodes.items()
-            if not graph.ops[x].regions and any(v in tail for v in graph.ops[x].outputs)}
+    aside), each with whether its op is a matmul (how its reductions run: reduction_steps)
+    and how many of those ops it stands for (repeated layers folded into one node)."""
+    out: dict[int, tuple[bool, int]] = {}
+    for x in graph.tail_ops():
+        node = t.op_nodes.get(x)
+        if node is not None:
+            out[node] = (reduces_as_matmul(graph.ops[x].name), out.get(node, (False, 0))[1] + 1)
+    return out
 
 
 def _tail_groups(graph: OpGraph, t: Tables, choice: np.ndarray, mesh: MeshInfo
                  ) -> dict[tuple, int]:
     """{(kind, axes): how many} of the reductions the tail's ops make under `choice`."""
     out: dict[tuple, int] = {}
-    for node, matmul in _tail_nodes(graph, t).items():
+    for node, (matmul, n) in _tail_nodes(graph, t).items():
         for key in _reductions(t.cands[node][int(choice[node])], matmul, mesh):
-            out[key] = out.get(key, 0) + 1
+            out[key] = out.get(key, 0) + n
     return out
 
 
