@@ -40,6 +40,7 @@ def plan_step(layers: int, scan: bool, mode: str, search_bodies: bool, args) -> 
     from jaxpar.search.exact import dynamic_programming
     from jaxpar.search.propagation import graph_cost
     from jaxpar.search.recursive import recursive_programming
+    from jaxpar.search.resolve import objective as plan_objective
     from jaxpar.spec import MeshInfo
 
     cfg = GPTConfig(layers=layers, d_model=args.d_model, heads=args.heads, vocab=args.vocab,
@@ -60,7 +61,7 @@ def plan_step(layers: int, scan: bool, mode: str, search_bodies: bool, args) -> 
     back = {pos: plan.specs[v] for v, pos in ties}
     cost = graph_cost(graph, plan, model, back, shared=True)  # as Plan.cost prices it,
     comm = cost.comm_s + tail_latency(graph, plan, model)      # the tail's latencies too
-    objective = model.score(graph_cost(graph, plan, model, back))  # as the searches do
+    objective = plan_objective(graph, model, plan, {}, ties)  # as the searches compare plans
     return {"layers": layers, "scan": scan, "mode": mode, "search_bodies": search_bodies,
             "ops": len(graph.ops), "cost_ms": (cost.compute_s + comm) * 1e3,
             "objective_ms": objective * 1e3, "search_s": seconds}
