@@ -42,7 +42,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import strategy as strat
 from jaxpar.api import (
@@ -517,8 +517,10 @@ class AutoParallel:
                 keys = [i for i in leaves if shapes[i] == (2,) and dtypes[i] == np.uint32]
                 fixed.update((paths[i], PartitionSpec()) for i in keys if paths[i] not in fixed)
                 leaves = [i for i in leaves if i not in keys]
+            flat = jax.tree_util.tree_leaves(args)
             for i, spec in zip(leaves, _dataset_specs(config, [shapes[i] for i in leaves], mesh,
-                                                      [paths[i] for i in leaves]), strict=True):
+                                                      [paths[i] for i in leaves],
+                                                      [flat[i] for i in leaves]), strict=True):
                 if spec is not None and paths[i] not in fixed:
                     fixed[paths[i]] = spec
         if self.parallel_mode in _SEEDED:
@@ -775,15 +777,33 @@ def _sign(fn, names: list[str]) -> None:
 
 
 # -- helpers -------------------------------------------------------------------------------------
+def _placed(x, spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> bool:
+    """Whether x is an array laid out on `mesh` as `spec` says already (shard_batch placed it,
+    and warned of a batch the devices do not divide)."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or not isinstance(mesh, Mesh):
+        return False
+    try:
+        return sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim)
+    except (TypeError, ValueError):
+        return False
+
+
 def _dataset_specs(config, shapes: list[tuple], mesh: Mesh | AbstractMesh,
-                   paths: list[str] | None = None) -> list:
-    """A PartitionSpec (or None) per data leaf (at `paths`) under a dataset strategy."""
+                   paths: list[str] | None = None, leaves: list | None = None) -> list:
+    """A PartitionSpec (or None) per data leaf (at `paths`; the arrays themselves, where
+    given, as `leaves`) under a dataset strategy."""
     if config == "full_batch":
         return [PartitionSpec() for _ in shapes]
     if config == "data_parallel":
         specs, seen = [], set()  # batch sizes warned about: once each a call, not per input
-        for shape in shapes:
-            specs.append(batch_spec(shape, mesh, warn=shape[0] not in seen) if shape else None)
+        for k, shape in enumerate(shapes):
+            spec = batch_spec(shape, mesh, warn=False) if shape else None
+            if shape and shape[0] not in seen and not _placed(
+                    leaves[k] if leaves else None, spec or PartitionSpec(), mesh):
+                batch_spec(shape, mesh)  # warns of a batch the devices do not divide (as
+                # shard_batch did already where it placed the array so)
+            specs.append(spec)
             seen.update(shape[:1])
         return specs
     if len(config) != len(shapes):

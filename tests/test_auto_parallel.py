@@ -190,6 +190,25 @@ def test_data_parallel_cuts_a_batch_the_devices_do_not_divide_as_far_as_it_goes(
     np.testing.assert_allclose(loss, jax.jit(step)(*args)[2], rtol=1e-5)
 
 
+def test_a_batch_shard_batch_placed_is_not_warned_of_again():
+    # shard_batch warns of a batch of 12 on 8 devices as it places it; the step called with
+    # those arrays warned again, from another line (Python shows each line's warning once).
+    # Arrays handed in unplaced are still warned of.
+    params = mlp.init_mlp(jax.random.key(6), [64, 32, 64])
+    tx = optax.sgd(1e-2)
+    step = mlp.make_train_step(tx)
+    x = jax.random.normal(jax.random.key(7), (12, 64))
+    with pytest.warns(UserWarning, match="batch of 12 does not divide into 8"):
+        xb, yb = jaxpar.shard_batch((x, x), jaxpar.make_mesh(8))
+    net = AutoParallel(step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = net(params, tx.init(params), xb, yb)[2]
+    np.testing.assert_allclose(loss, jax.jit(step)(params, tx.init(params), x, x)[2], rtol=1e-5)
+    with pytest.warns(UserWarning, match="batch of 12 does not divide into 8"):
+        AutoParallel(step)(params, tx.init(params), x, yb)  # x unplaced: warned of
+
+
 def test_dataset_strategy_full_batch_and_split_counts(mlp_problem):
     step, args, _, _ = mlp_problem
     net = AutoParallel(step)
