@@ -43,17 +43,14 @@ def plan_objective(plan, graph, hardware: str, level: int, mem_coeff: float,
               recompute_heavy: bool = False) -> float:
     """`plan`'s score under the objective the automatic searches minimise (CostModel.score of
     graph_cost: level 0 counts communication twice, mem_coeff weighs memory; the step's tail
-    reductions one latency per kind and device group, plan.tail_latency), its carried
+    reductions one latency per kind and device group: resolve.objective), its carried
     outputs back in their input's spec as Plan.cost prices them. search_time.py uses it too."""
-    from jaxpar.cost import CostModel, OpCost, load_profile
-    from jaxpar.plan import tail_latency
-    from jaxpar.search.propagation import graph_cost
+    from jaxpar.cost import CostModel, load_profile
+    from jaxpar.search.resolve import objective
 
     model = CostModel(plan.mesh, load_profile(hardware), level, mem_coeff,
                       recompute_heavy=recompute_heavy)
-    gp = plan.graph_plan
-    return model.score(graph_cost(graph, gp, model, dict(enumerate(plan.flat_out_specs))) +
-                       OpCost(comm_s=tail_latency(graph, gp, model)))
+    return objective(graph, model, plan.graph_plan, dict(enumerate(plan.flat_out_specs)), ())
 
 
 def score_plans(name: str, preset: str, meshes, hardware, objectives) -> list[dict]:

@@ -333,10 +333,10 @@ def restricted(problem: Problem, keep: dict[int, np.ndarray]
                ) -> tuple[Problem, Callable[[np.ndarray], np.ndarray]]:
     """`problem` with node i's candidates cut to the indices keep[i] (a sorted, non-empty
     int array; nodes not in `keep` keep all), and the map from a choice of the smaller
-    problem back to the candidates of `problem`. Tied nodes must keep the same indices. A
-    problem whose plans are limited so solves as fast as the whole one: a penalty on the
-    other candidates instead (a cost far above every other) weakens its LP bound, and
-    solving it took 13x as long (a ViT step on 2 x 2 x 2 devices, 20 s)."""
+    problem back to the candidates of `problem`. Tied nodes must keep the same indices.
+    exact._one_latency_per_group solves the plans of fewer device groups so: a smaller
+    problem, where a penalty on the other candidates (a cost far above every other) kept
+    them all and put numbers many orders apart in one LP."""
     for g in problem.tied or ():
         kept = [keep.get(i) for i in g]
         if any(k is None for k in kept) != all(k is None for k in kept) or \
