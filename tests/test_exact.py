@@ -358,7 +358,7 @@ def test_tail_reductions_over_several_groups_are_searched_again(monkeypatch):
     # twice its limit), at most three times the first's.
     assert 25.0 < limits[0] < 30.0 and limits[1] <= limits[0] - first.seconds
     assert limits[1] <= max(1.0, 3 * first.seconds)
-    groups = exact._tail_groups(graph, t, first.choice, model.mesh)
+    groups = exact._tail_groups(graph, t, first.choice, model)
     assert len(groups) > len({kind for kind, _ in groups})
     # The solve again holds the tail's ops to the candidates reducing over the kept groups.
     keep = seen["keep"]
@@ -366,7 +366,7 @@ def test_tail_reductions_over_several_groups_are_searched_again(monkeypatch):
         len(keep[i]) if i in keep else k for i, k in enumerate(problem.sizes))
     again = seen["back"](second.choice)
     most = max((g for g in groups if g[0] == "all-reduce"), key=lambda g: (groups[g], g))
-    assert [g for g in exact._tail_groups(graph, t, again, model.mesh)
+    assert [g for g in exact._tail_groups(graph, t, again, model)
             if g[0] == "all-reduce"] == [most]  # one group per kind: the most used
     scores = [real_groups(graph, model, t, problem, c) for c in (first.choice, again)]
     kept = first.choice if scores[0] <= scores[1] else again
@@ -712,7 +712,7 @@ def test_the_tails_groups_count_every_op_a_folded_node_stands_for(always_tie):
                              if s == plan.specs[v])
         return out
 
-    folded, apart = (exact._tail_groups(graph, tables[f], choice(tables[f]), model.mesh)
+    folded, apart = (exact._tail_groups(graph, tables[f], choice(tables[f]), model)
                      for f in (True, False))
     assert len(tables[True].cands) < len(tables[False].cands)  # some tail ops folded
     assert apart and max(apart.values()) >= 3

@@ -223,13 +223,13 @@ class CostModel:
 
     def _moving(self, src: Spec, dst: Spec, nbytes: float, share: float,
                 matmul: bool = True) -> OpCost:
-        """reshard() of an array of `nbytes`: _one_byte's collectives, scaled (none for an
+        """reshard() of an array of `nbytes`: one_byte's collectives, scaled (none for an
         empty array: XLA moves nothing)."""
         if nbytes == 0:
             return _FREE
         return self.collectives_cost(
             [Collective(c.kind, c.axes, c.bytes * nbytes, c.count)
-             for c in self._one_byte(src, dst, matmul)], share)
+             for c in self.one_byte(src, dst, matmul)], share)
 
     def reshard_line(self, src: Spec, dst: Spec, share: float = 1.0) -> tuple[float, float]:
         """(per_byte, fixed): the score of reshard(src, dst, ...) for an array of n bytes is
@@ -249,7 +249,7 @@ class CostModel:
             hit = self._lines[key] = (weight * comm[0], weight * comm[1])
         return hit
 
-    def _one_byte(self, src: Spec, dst: Spec, matmul: bool = True) -> list[Collective]:
+    def one_byte(self, src: Spec, dst: Spec, matmul: bool = True) -> list[Collective]:
         """reshard()'s collectives for an array of one byte: what moves depends on the specs
         only (worked out once per pair), how much on the size."""
         key = (src, dst) if matmul or not src.partial else (src, dst, False)
@@ -261,7 +261,7 @@ class CostModel:
     def _comm_line(self, src: Spec, dst: Spec, share: float) -> tuple[float, float]:
         """(seconds per byte, seconds) of reshard(src, dst) over the mesh's links."""
         slope = fixed = 0.0
-        for c in self._one_byte(src, dst):
+        for c in self.one_byte(src, dst):
             latency = share if c.kind in _COMBINED_KINDS else 1.0
             key = (c.kind, c.axes, latency)
             line = self._collective_lines.get(key)

@@ -67,7 +67,7 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxpar import progress
-from jaxpar.cost.comm import Collective, reshard
+from jaxpar.cost.comm import Collective
 from jaxpar.cost.model import CostModel, OpCost, reduces_as_matmul, reduction_steps
 from jaxpar.ir.graph import Op, OpGraph, scan_counts
 from jaxpar.ir.repeat import op_classes
@@ -83,7 +83,7 @@ from jaxpar.search.dynamic import (
 from jaxpar.search.propagation import Choice, GraphPlan
 from jaxpar.search.regions import LOOPS, RESULT_SPECS
 from jaxpar.search.tables import Allow, Region, Tables, build_tables
-from jaxpar.spec import MeshInfo, Spec
+from jaxpar.spec import Spec
 
 _LOOP_PASSES = 4  # at most this many solves again with loop bodies planned for their neighbours
 _TIE_SHARE = 0.25  # tie_repeats ties only where op classes are at most this share of the ops
@@ -369,7 +369,7 @@ def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem:
     optimal over the plans whose tail reduces over those groups alone (Solution.tail_groups,
     which the plan's note names), not over every plan: neither solve minimises the objective
     with whole latencies, and a looser memory budget can end with a costlier plan."""
-    groups = _tail_groups(graph, t, solution.choice, model.mesh)
+    groups = _tail_groups(graph, t, solution.choice, model)
     kinds = {kind for kind, _ in groups}
     if len(groups) <= len(kinds):
         return solution
@@ -380,7 +380,7 @@ def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem:
     for node, (matmul, _) in _tail_nodes(graph, t).items():
         kept[node] = np.array([k for k, s in enumerate(t.cands[node])
                                if all(keep.get(kind, (kind, axes)) == (kind, axes)
-                                      for kind, axes in _reductions(s, matmul, model.mesh))],
+                                      for kind, axes in _reductions(s, matmul, model))],
                               dtype=np.int64)
     try:
         smaller, back = restricted(problem, kept)
@@ -419,7 +419,7 @@ def grouped_objective(graph: OpGraph, model: CostModel, t: Tables, problem: Prob
                       choice: np.ndarray) -> float:
     """`objective` with the tail's reductions paying one latency per (kind, device group)
     instead of a share each (what XLA's combiners make of them)."""
-    extra = tail_latency(graph, model, _tail_groups(graph, t, choice, model.mesh))
+    extra = tail_latency(graph, model, _tail_groups(graph, t, choice, model))
     return objective(problem, choice) + model.score(OpCost(comm_s=extra))
 
 
@@ -448,24 +448,25 @@ def _tail_nodes(graph: OpGraph, t: Tables) -> dict[int, tuple[bool, int]]:
     return out
 
 
-def _tail_groups(graph: OpGraph, t: Tables, choice: np.ndarray, mesh: MeshInfo
+def _tail_groups(graph: OpGraph, t: Tables, choice: np.ndarray, model: CostModel
                  ) -> dict[tuple, int]:
     """{(kind, axes): how many} of the reductions the tail's ops make under `choice`."""
     out: dict[tuple, int] = {}
     for node, (matmul, n) in _tail_nodes(graph, t).items():
-        for key in _reductions(t.cands[node][int(choice[node])], matmul, mesh):
+        for key in _reductions(t.cands[node][int(choice[node])], matmul, model):
             out[key] = out.get(key, 0) + n
     return out
 
 
-def _reductions(s, matmul: bool, mesh: MeshInfo) -> list[tuple[str, tuple[str, ...]]]:
+def _reductions(s, matmul: bool, model: CostModel) -> list[tuple[str, tuple[str, ...]]]:
     """(kind, axes) of the all-reduces and reduce-scatters an op strategy's own reductions
-    (cost.model.reduction_steps) run on `mesh`, as its cost counts them (comm.reshard): a
+    (cost.model.reduction_steps) run on model's mesh, as its cost counts them (the pair's
+    collectives, CostModel.one_byte, worked out once per mesh): a
     partial sum reduce-scattered over some of its axes and all-reduced over the others is
     one of each (a conv's weight gradient summed over d0 and d1 into a spec cut on d1: a
     reduce-scatter over d1, then an all-reduce over d0, which crosses the nodes apart)."""
-    return [(c.kind, c.axes) for _, raw, out in reduction_steps(s, matmul, mesh)
-            for c in reshard(raw, out, 1.0, mesh, matmul)
+    return [(c.kind, c.axes) for _, raw, out in reduction_steps(s, matmul, model.mesh)
+            for c in model.one_byte(raw, out, matmul)
             if c.kind in ("all-reduce", "reduce-scatter")]
 
 
