@@ -707,26 +707,38 @@ def _check_choice(op: str, d: dict) -> None:
 def tail_latency(graph, gp: GraphPlan, model, ops=None,
                  sliced: dict[int, OpCost] | None = None) -> float:
     """Seconds to add to graph_cost's communication for the step's tail (OpGraph.tail_values:
-    the gradient reductions), priced as XLA runs it: one latency per kind and device group
-    (search.exact.tail_latency), where graph_cost gives each reduction a share of one
-    (a third of a latency for an Adam step's one combined gradient all-reduce). The groups are
-    those of the collectives each op's cost holds: a partial sum reduce-scattered over some
-    axes and all-reduced over others is two groups (exact._reductions, from the strategy
-    alone, counts it one: its tables' coarser price). ops: the indices of the ops to count
-    (None: all). sliced: the ops' costs as graph_cost(shared=True) took them
-    (propagation.sliced_reductions: the reduce-scatters XLA makes of all-reduces whose every
-    reader slices the result count as such); None: each op's own."""
+    the gradient reductions), priced as XLA runs it: one latency per kind, device group and
+    round (search.exact.tail_groups: a reduction that waits for another, a global norm's sum
+    of squares for its gradient's all-reduce, is not combined with it), where graph_cost
+    gives each reduction a share of one (a third of a latency for an Adam step's one combined
+    gradient all-reduce). The groups are those of the collectives each op's cost holds: a
+    partial sum reduce-scattered over some axes and all-reduced over others is two groups
+    (exact._reductions, from the strategy alone, counts it one: its tables' coarser price).
+    ops: the indices of the ops to count (None: all). sliced: the ops' costs as
+    graph_cost(shared=True) took them (propagation.sliced_reductions: the reduce-scatters XLA
+    makes of all-reduces whose every reader slices the result count as such); None: each
+    op's own."""
     from jaxpar.search.exact import tail_latency as combined
 
-    groups, costs = {}, sliced or {}
-    for x in graph.tail_ops():
-        choice = gp.choices.get(x)
-        if choice is None or (ops is not None and x not in ops):
-            continue
-        for c in costs.get(x, choice.cost).collectives:
-            if c.kind in ("all-reduce", "reduce-scatter"):
-                groups[(c.kind, c.axes)] = groups.get((c.kind, c.axes), 0) + c.count
-    return combined(graph, model, groups)
+    return combined(graph, model, tail_reductions(graph, gp, ops, sliced))
+
+
+def tail_reductions(graph, gp: GraphPlan, ops=None, sliced: dict[int, OpCost] | None = None
+                    ) -> dict[tuple, int]:
+    """{(kind, axes, round): how many} of the all-reduces and reduce-scatters the step's tail
+    ops run in plan `gp` (search.exact.tail_groups); ops and sliced as for tail_latency."""
+    from jaxpar.search.exact import tail_groups
+
+    costs, choices = sliced or {}, gp.choices
+
+    def reductions(x: int) -> list | None:
+        choice = choices.get(x)
+        if choice is None:
+            return None
+        return [(c.kind, c.axes, c.count) for c in costs.get(x, choice.cost).collectives
+                if c.kind in ("all-reduce", "reduce-scatter")]
+
+    return tail_groups(graph, reductions, ops)
 
 
 def build_plan(graph, gp: GraphPlan, model, traced, in_specs: list[Spec], out_specs: list[Spec],

@@ -51,18 +51,21 @@ loop also offers its bodies solved for the least memory (CostModel.lean_bodies):
 solved for time may all hold more than a budget allows.
 
 A step's tail (gradient reductions, the optimizer) prices each reduction at a share of one
-latency, as if XLA combined them all; it combines those of one kind over one device group.
-A plan whose tail reduces over several groups is searched again with each kind kept to its
-most used group, and whichever of the two is cheaper with one latency per group is kept. That
-search again is exact over its own plans only: where the first stopped at its time limit, the
-plan is unproven whichever is kept, its gap to the first's bound.
+latency, as if XLA combined them all; it combines those of one kind over one device group, and
+only those that do not wait for one another (tail_groups: a global norm's sum of squares,
+reduced after the gradient it reads was, is a second round). A plan whose tail reduces over
+several groups is searched again with each kind kept to one group (its first round's most
+used), and where it reduces in several rounds also with its first round's groups, in one
+round both; whichever plan is cheapest with one latency per group is kept. Each search again
+is exact over its own plans only: where the first stopped at its time limit, the plan is
+unproven whichever is kept, its gap to the first's bound.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
@@ -151,7 +154,8 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
         def solved(t: Tables, problem: Problem) -> Solution:
             found = solve(problem, max(left(), 0.1))  # a first solve: a tenth at least
             if group_tail and left() > 0:
-                found = _one_latency_per_group(graph, model, t, problem, found, left)
+                found = _one_latency_per_group(graph, model, t, problem, found, left,
+                                               None if region is None else region.plan)
             return found
 
         classes = repeats(graph) if tie_repeats is None else \
@@ -360,45 +364,63 @@ def _wanted(graph: OpGraph, plan: GraphPlan, op: Op, ends: dict[int, list[Spec]]
 
 
 def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem: Problem,
-                           solution: Solution, left: Callable[[], float]) -> Solution:
+                           solution: Solution, left: Callable[[], float],
+                           held: GraphPlan | None = None) -> Solution:
     """The reductions of a step's tail (gradients) pay a share of one latency each in the
     tables, as if XLA combined them all into one collective; it combines only those of one
-    kind over one device group. When the plan reduces over several groups, the search runs
-    again with the tail's reductions kept to the most used group of each kind, and the plan
-    whose objective is lower once each group pays one whole latency is kept. That plan is
-    optimal over the plans whose tail reduces over those groups alone (Solution.tail_groups,
-    which the plan's note names), not over every plan: neither solve minimises the objective
-    with whole latencies, and a looser memory budget can end with a costlier plan."""
-    groups = _tail_groups(graph, t, solution.choice, model)
-    kinds = {kind for kind, _ in groups}
+    kind over one device group that do not wait for one another (tail_groups' rounds). When
+    the plan's tail reduces over several groups, the search runs again with each kind kept to
+    its first round's most used group; and where it reduces in more than one round, also
+    with the first round's groups kept as they are: in both, the nodes whose operands waited
+    for a reduction (a global norm's sum of squares, reading a reduced gradient) are kept
+    from reducing at all. The plan whose objective is lowest once each group pays one whole
+    latency is kept. That plan is optimal over the plans whose tail reduces over those groups
+    alone, in one round (Solution.tail_groups, which the plan's note names), not over every
+    plan: neither solve minimises the objective with whole latencies, and a looser memory
+    budget can end with a costlier plan. held: the plan a region's tables were built around
+    (its other ops' reductions count as that plan makes them)."""
+    waits: dict[int, int] = {}  # node -> the latest round its ops' operands wait for
+    groups = _tail_groups(graph, t, solution.choice, model, waits, held)
+    kinds = {kind for kind, _, _ in groups}
     if len(groups) <= len(kinds):
         return solution
-    keep = {kind: max((g for g in groups if g[0] == kind), key=lambda g: (groups[g], g))
+    most = {kind: min((g for g in groups if g[0] == kind), key=lambda g: (g[2], -groups[g], g))
             for kind in kinds}
+    first = {g for g in groups if g[2] == 1}
+    variants = [set(most.values())]  # the (kind, axes, round) groups each solve again keeps
+    if first != variants[0] and any(g[2] > 1 for g in groups):
+        variants.append(first)
     progress.step("solving again, the tail's reductions over fewer device groups")
-    kept = {}
-    for node, (matmul, _) in _tail_nodes(graph, t).items():
-        kept[node] = np.array([k for k, s in enumerate(t.cands[node])
-                               if all(keep.get(kind, (kind, axes)) == (kind, axes)
-                                      for kind, axes in _reductions(s, matmul, model))],
-                              dtype=np.int64)
-    try:
-        smaller, back = restricted(problem, kept)
-    except ValueError:  # a node left without a candidate, or tied nodes apart: no such plan
-        return solution
-    # At most a few times the first solve's time: a tail held to fewer groups can be far
-    # harder to prove (a ViT step on 2 x 2 x 2 devices: 26 s, unproven, at twice the first
-    # plan's objective, after a first solve of 0.9 s); past it, its best plan and gap.
-    again = solve(smaller, min(left(), max(_AGAIN_MIN_S, _AGAIN_TIMES * solution.seconds)))
-    again = dataclasses.replace(again, choice=back(again.choice))
-    if grouped_objective(graph, model, t, problem, again.choice) < \
-            grouped_objective(graph, model, t, problem, solution.choice):
-        cost = objective(problem, again.choice)
-        return dataclasses.replace(again, cost=cost, optimal=again.optimal and solution.optimal,
-                                   gap=_whole_gap(solution, again.gap, cost),
-                                   seconds=solution.seconds + again.seconds,
-                                   tail_groups=tuple(sorted(keep.values())))
-    return dataclasses.replace(solution, seconds=solution.seconds + again.seconds)
+    nodes = _tail_nodes(graph, t)
+    best, score = solution, grouped_objective(graph, model, t, problem, solution.choice, held)
+    seconds = solution.seconds
+    for keep in variants:
+        kept = {}
+        for node, (matmul, _) in nodes.items():
+            at = waits.get(node, 0) + 1  # the round its reductions would run in
+            kept[node] = np.array([k for k, s in enumerate(t.cands[node])
+                                   if all((kind, axes, at) in keep
+                                          for kind, axes in _reductions(s, matmul, model))],
+                                  dtype=np.int64)
+        try:
+            smaller, back = restricted(problem, kept)
+        except ValueError:  # a node left without a candidate, or tied nodes apart: none such
+            continue
+        # At most a few times the first solve's time: a tail held to fewer groups can be far
+        # harder to prove (a ViT step on 2 x 2 x 2 devices: 26 s, unproven, at twice the
+        # first plan's objective, after a first solve of 0.9 s); past it, its best plan and
+        # gap.
+        again = solve(smaller, min(left(), max(_AGAIN_MIN_S, _AGAIN_TIMES * solution.seconds)))
+        again = dataclasses.replace(again, choice=back(again.choice))
+        seconds += again.seconds
+        after = grouped_objective(graph, model, t, problem, again.choice, held)
+        if after < score:
+            cost = objective(problem, again.choice)
+            best, score = dataclasses.replace(
+                again, cost=cost, optimal=again.optimal and solution.optimal,
+                gap=_whole_gap(solution, again.gap, cost),
+                tail_groups=tuple(sorted((kind, axes) for kind, axes, _ in keep))), after
+    return dataclasses.replace(best, seconds=seconds)
 
 
 def _whole_gap(first: Solution, gap: float, cost: float) -> float:
@@ -416,24 +438,58 @@ def _whole_gap(first: Solution, gap: float, cost: float) -> float:
 
 
 def grouped_objective(graph: OpGraph, model: CostModel, t: Tables, problem: Problem,
-                      choice: np.ndarray) -> float:
-    """`objective` with the tail's reductions paying one latency per (kind, device group)
-    instead of a share each (what XLA's combiners make of them)."""
-    extra = tail_latency(graph, model, _tail_groups(graph, t, choice, model))
+                      choice: np.ndarray, held: GraphPlan | None = None) -> float:
+    """`objective` with the tail's reductions paying one latency per (kind, device group,
+    round) instead of a share each (what XLA's combiners make of them); held: as for
+    _tail_groups."""
+    extra = tail_latency(graph, model, _tail_groups(graph, t, choice, model, held=held))
     return objective(problem, choice) + model.score(OpCost(comm_s=extra))
 
 
 def tail_latency(graph: OpGraph, model: CostModel, groups: dict[tuple, int]) -> float:
-    """Seconds the step's tail reductions, {(kind, axes): how many} (the tables': from
-    `_reductions`; Plan.cost's: from each op's collectives), pay beyond the share of one
-    latency each that the tables and graph_cost give them (OpGraph.latency_share): XLA
-    combines those of one kind over one device group into one collective, which pays one
-    whole latency. Negative where the shares add up to more."""
+    """Seconds the step's tail reductions, {(kind, axes, round): how many} (tail_groups'),
+    pay beyond the share of one latency each that the tables and graph_cost give them
+    (OpGraph.latency_share): XLA combines those of one kind over one device group that do
+    not wait for one another into one collective, which pays one whole latency. Negative
+    where the shares add up to more."""
     if not groups:
         return 0.0
     share = graph.latency_share(next(iter(graph.tail_values())))
     return sum(model.collectives_cost([Collective(kind, axes, 0.0)]).comm_s * (1 - n * share)
-               for (kind, axes), n in groups.items())
+               for (kind, axes, _), n in groups.items())
+
+
+def tail_groups(graph: OpGraph, reductions: Callable[[int], Sequence[tuple] | None],
+                ops: Collection[int] | None = None,
+                waits: Callable[[int, int], None] | None = None) -> dict[tuple, int]:
+    """{(kind, axes, round): how many} of the reductions the step's tail ops make, each op's
+    from `reductions(x)`: [(kind, axes, count)] (empty or None: it reduces nothing). XLA
+    combines the reductions of one kind over one device group into one collective where
+    none waits for another: a reduction reading (through any ops) what an earlier one made
+    runs in a later round, a collective of its own (a global norm's sum of squares over a
+    gradient cut after its all-reduce waits for that all-reduce: optax.clip_by_global_norm
+    in a 2-layer GPT step on 8 devices, data parallel with the squares summed cut, compiled
+    to ten all-reduces where the Adam step alone has one). An op's round is one more than
+    the latest among the ops its operands come from where it reduces, that latest where it
+    does not (0: none). ops: those to count (None: all; the others still pass their rounds
+    on). waits: called with (op index, the latest round its operands wait for) for each."""
+    latest: dict[int, int] = {}  # value -> the latest round of the reductions it waits for
+    out: dict[tuple, int] = {}
+    for x in graph.tail_ops():
+        op = graph.ops[x]
+        at = max((latest.get(v, 0) for v in op.inputs if isinstance(v, int)), default=0)
+        if waits is not None:
+            waits(x, at)
+        found = reductions(x)
+        if found:
+            at += 1
+            if ops is None or x in ops:
+                for kind, axes, n in found:
+                    out[(kind, axes, at)] = out.get((kind, axes, at), 0) + n
+        if at:
+            for v in op.outputs:
+                latest[v] = at
+    return out
 
 
 def _tail_nodes(graph: OpGraph, t: Tables) -> dict[int, tuple[bool, int]]:
@@ -448,14 +504,37 @@ def _tail_nodes(graph: OpGraph, t: Tables) -> dict[int, tuple[bool, int]]:
     return out
 
 
-def _tail_groups(graph: OpGraph, t: Tables, choice: np.ndarray, model: CostModel
+def _tail_groups(graph: OpGraph, t: Tables, choice: np.ndarray, model: CostModel,
+                 waits: dict[int, int] | None = None, held: GraphPlan | None = None
                  ) -> dict[tuple, int]:
-    """{(kind, axes): how many} of the reductions the tail's ops make under `choice`."""
-    out: dict[tuple, int] = {}
-    for node, (matmul, n) in _tail_nodes(graph, t).items():
-        for key in _reductions(t.cands[node][int(choice[node])], matmul, model):
-            out[key] = out.get(key, 0) + n
-    return out
+    """{(kind, axes, round): how many} of the reductions the tail's ops make under `choice`
+    (tail_groups); waits: filled with {node: the latest round its ops' operands wait for}.
+    held: the plan a region's tables were built around: its other ops reduce as it has them
+    (counted too, and passing their rounds on: a region's sum of squares waits for a held
+    gradient's all-reduce); None: ops without a node reduce nothing."""
+    nodes, memo = t.op_nodes, {}
+
+    def reductions(x: int) -> list | None:
+        node = nodes.get(x)
+        if node is None:
+            other = None if held is None else held.choices.get(x)
+            if other is None:
+                return None
+            return [(kind, axes, 1) for kind, axes in _reductions(
+                other.strategy, reduces_as_matmul(graph.ops[x].name), model)]
+        hit = memo.get(node)
+        if hit is None:
+            matmul = reduces_as_matmul(graph.ops[x].name)
+            hit = memo[node] = [(kind, axes, 1) for kind, axes in
+                                _reductions(t.cands[node][int(choice[node])], matmul, model)]
+        return hit
+
+    def wait(x: int, at: int) -> None:
+        node = nodes.get(x)
+        if node is not None:
+            waits[node] = max(waits.get(node, 0), at)
+
+    return tail_groups(graph, reductions, waits=wait if waits is not None else None)
 
 
 def _reductions(s, matmul: bool, model: CostModel) -> list[tuple[str, tuple[str, ...]]]:

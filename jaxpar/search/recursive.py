@@ -81,6 +81,11 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    of the walk, which decides the ops around it without its costs, and its body is then planned
    for what they chose (a scanned GPT step scored 2.5x the exact search's objective; solved
    again so, 1.00x). Each kept where that objective drops.
+   Last, where the plan's tail reduces in more than one round (a global norm's sum of squares
+   cut, so summed after the gradients' all-reduce, which XLA cannot combine with it), the
+   tail is solved again with each kind's reductions kept to one device group and round
+   (resolve.solve_tail_rounds): optax.clip_by_global_norm in a 2-layer GPT step on 8
+   devices compiled to ten all-reduces, then to the one of an Adam step alone.
 6. A plan over the memory budget is searched again with mem_coeff four times larger (more model
    parallel, less memory) a few times. Once one fits, mem_coeffs between the last two are
    tried (bisected twice) and the fitting plan of least objective is kept: four times the
@@ -122,6 +127,7 @@ from jaxpar.search.resolve import (
     solve_grouped,
     solve_lockstep,
     solve_region,
+    solve_tail_rounds,
 )
 from jaxpar.search.state import place_state
 from jaxpar.spec import MeshInfo, OpStrategy, Spec
@@ -425,7 +431,14 @@ class _Sapp:
             _note(self.lines, f"axis {axis}: every op's use of it solved again exactly, the "
                               f"other axes held, scores {now:.6g}, less than {was:.6g}: "
                               "taken instead")
-        return self._solve_neighbourhoods(plan, before, ties)
+        plan = self._solve_neighbourhoods(plan, before, ties)
+        found, after = solve_tail_rounds(self.g, self.model, plan, self.fixed_in,
+                                         self.fixed_out, ties, self.index)
+        if found is not plan:
+            _note(self.lines, f"the step's tail solved again exactly, its reductions kept to "
+                              f"one round (a later one waits for the first): scores "
+                              f"{after:.6g}, taken instead")
+        return found
 
     def _starts(self, plan: GraphPlan, ties: tuple) -> list[tuple[str, GraphPlan, float]]:
         """The plans whose axes _solve_again solves again, each with its name and score: the
