@@ -723,10 +723,11 @@ def tail_latency(graph, gp: GraphPlan, model, ops=None,
     return combined(graph, model, tail_reductions(graph, gp, ops, sliced))
 
 
-def tail_reductions(graph, gp: GraphPlan, ops=None, sliced: dict[int, OpCost] | None = None
-                    ) -> dict[tuple, int]:
+def tail_reductions(graph, gp: GraphPlan, ops=None, sliced: dict[int, OpCost] | None = None,
+                    waits=None) -> dict[tuple, int]:
     """{(kind, axes, round): how many} of the all-reduces and reduce-scatters the step's tail
-    ops run in plan `gp` (search.exact.tail_groups); ops and sliced as for tail_latency."""
+    ops run in plan `gp` (search.exact.tail_groups, `waits` passed on); ops and sliced as for
+    tail_latency."""
     from jaxpar.search.exact import tail_groups
 
     costs, choices = sliced or {}, gp.choices
@@ -738,7 +739,7 @@ def tail_reductions(graph, gp: GraphPlan, ops=None, sliced: dict[int, OpCost] | 
         return [(c.kind, c.axes, c.count) for c in costs.get(x, choice.cost).collectives
                 if c.kind in ("all-reduce", "reduce-scatter")]
 
-    return tail_groups(graph, reductions, ops)
+    return tail_groups(graph, reductions, ops, waits)
 
 
 def build_plan(graph, gp: GraphPlan, model, traced, in_specs: list[Spec], out_specs: list[Spec],

@@ -365,7 +365,7 @@ def test_tail_reductions_over_several_groups_are_searched_again(monkeypatch):
     assert smaller.sizes != problem.sizes and smaller.sizes == tuple(
         len(keep[i]) if i in keep else k for i, k in enumerate(problem.sizes))
     again = seen["back"](second.choice)
-    most = min((g for g in groups if g[0] == "all-reduce"), key=lambda g: (g[2], -groups[g], g))
+    most = max((g for g in groups if g[0] == "all-reduce"), key=lambda g: (-g[2], groups[g], g))
     assert [g for g in exact._tail_groups(graph, t, again, model)
             if g[0] == "all-reduce"] == [most]  # one group per kind: the first round's most used
     scores = [real_groups(graph, model, t, problem, c) for c in (first.choice, again)]
@@ -740,7 +740,13 @@ def test_tail_groups_put_a_reduction_reading_another_in_a_later_round():
                                waits=waited.__setitem__)
     assert groups == {("all-reduce", ("d0",), 1): 2, ("all-reduce", ("d0",), 2): 1}
     square_sum = sums[1]  # (s * s).sum(), in program order
-    assert waited[square_sum] == 1 and waited[sums[0]] == waited[sums[2]] == 0
+    assert waited[square_sum] == {("all-reduce", ("d0",)): 1}
+    assert waited[sums[0]] == waited[sums[2]] == {}
+    # Waiting for a reduction of another device group only, it joins its own group's first.
+    d1 = ("all-reduce", ("d1",), 1)
+    assert exact.tail_groups(graph, lambda x: [d1] if x == sums[0] else
+                             [ar] if x in sums else None) == \
+        {("all-reduce", ("d1",), 1): 1, ("all-reduce", ("d0",), 1): 2}
     # Without the first reduction nothing waits: one round.
     assert exact.tail_groups(graph, lambda x: [ar] if x in sums[1:] else None) == \
         {("all-reduce", ("d0",), 1): 2}

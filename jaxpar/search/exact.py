@@ -379,12 +379,12 @@ def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem:
     plan: neither solve minimises the objective with whole latencies, and a looser memory
     budget can end with a costlier plan. held: the plan a region's tables were built around
     (its other ops' reductions count as that plan makes them)."""
-    waits: dict[int, int] = {}  # node -> the latest round its ops' operands wait for
+    waits: dict[int, dict] = {}  # node -> the latest round of each group its ops wait for
     groups = _tail_groups(graph, t, solution.choice, model, waits, held)
     kinds = {kind for kind, _, _ in groups}
     if len(groups) <= len(kinds):
         return solution
-    most = {kind: min((g for g in groups if g[0] == kind), key=lambda g: (g[2], -groups[g], g))
+    most = {kind: max((g for g in groups if g[0] == kind), key=lambda g: (-g[2], groups[g], g))
             for kind in kinds}
     first = {g for g in groups if g[2] == 1}
     variants = [set(most.values())]  # the (kind, axes, round) groups each solve again keeps
@@ -397,9 +397,9 @@ def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem:
     for keep in variants:
         kept = {}
         for node, (matmul, _) in nodes.items():
-            at = waits.get(node, 0) + 1  # the round its reductions would run in
+            at = waits.get(node, {})  # a reduction's round: one more than this of its group
             kept[node] = np.array([k for k, s in enumerate(t.cands[node])
-                                   if all((kind, axes, at) in keep
+                                   if all((kind, axes, at.get((kind, axes), 0) + 1) in keep
                                           for kind, axes in _reductions(s, matmul, model))],
                                   dtype=np.int64)
         try:
@@ -465,27 +465,42 @@ def tail_groups(graph: OpGraph, reductions: Callable[[int], Sequence[tuple] | No
     """{(kind, axes, round): how many} of the reductions the step's tail ops make, each op's
     from `reductions(x)`: [(kind, axes, count)] (empty or None: it reduces nothing). XLA
     combines the reductions of one kind over one device group into one collective where
-    none waits for another: a reduction reading (through any ops) what an earlier one made
+    none waits for another: one reading (through any ops) what another of its group made
     runs in a later round, a collective of its own (a global norm's sum of squares over a
     gradient cut after its all-reduce waits for that all-reduce: optax.clip_by_global_norm
     in a 2-layer GPT step on 8 devices, data parallel with the squares summed cut, compiled
-    to ten all-reduces where the Adam step alone has one). An op's round is one more than
-    the latest among the ops its operands come from where it reduces, that latest where it
-    does not (0: none). ops: those to count (None: all; the others still pass their rounds
-    on). waits: called with (op index, the latest round its operands wait for) for each."""
-    latest: dict[int, int] = {}  # value -> the latest round of the reductions it waits for
+    to ten all-reduces where the Adam step alone has one). One waiting for a reduction of
+    another group only joins its own group's first (search_gap's GPT on 4 x 2, an all-reduce
+    over d0 after one over d1: one all-reduce over d0 compiled). A reduction's round is one
+    more than the latest of its group among the reductions its operands wait for (none: 1).
+    ops: those to count (None: all; the others still pass their rounds on). waits: called
+    with (op index, {(kind, axes): the latest round of that group its operands wait for})
+    for each (the dict is not to be changed)."""
+    none: dict[tuple, int] = {}
+    latest: dict[int, dict[tuple, int]] = {}  # value -> the rounds it waits for, by group
     out: dict[tuple, int] = {}
     for x in graph.tail_ops():
         op = graph.ops[x]
-        at = max((latest.get(v, 0) for v in op.inputs if isinstance(v, int)), default=0)
+        at = none
+        for v in op.inputs:
+            got = latest.get(v, none) if isinstance(v, int) else none
+            if got is at or not got:
+                continue
+            if not at:
+                at = got
+            else:  # the latest of each group over both (a new dict: both stay as they were)
+                at = {g: max(r, got.get(g, 0)) for g, r in at.items()} | \
+                    {g: r for g, r in got.items() if g not in at}
         if waits is not None:
             waits(x, at)
         found = reductions(x)
         if found:
-            at += 1
-            if ops is None or x in ops:
-                for kind, axes, n in found:
-                    out[(kind, axes, at)] = out.get((kind, axes, at), 0) + n
+            mine = {}
+            for kind, axes, n in found:
+                r = mine[(kind, axes)] = at.get((kind, axes), 0) + 1
+                if ops is None or x in ops:
+                    out[(kind, axes, r)] = out.get((kind, axes, r), 0) + n
+            at = at | mine
         if at:
             for v in op.outputs:
                 latest[v] = at
@@ -505,10 +520,11 @@ def _tail_nodes(graph: OpGraph, t: Tables) -> dict[int, tuple[bool, int]]:
 
 
 def _tail_groups(graph: OpGraph, t: Tables, choice: np.ndarray, model: CostModel,
-                 waits: dict[int, int] | None = None, held: GraphPlan | None = None
+                 waits: dict[int, dict] | None = None, held: GraphPlan | None = None
                  ) -> dict[tuple, int]:
     """{(kind, axes, round): how many} of the reductions the tail's ops make under `choice`
-    (tail_groups); waits: filled with {node: the latest round its ops' operands wait for}.
+    (tail_groups); waits: filled with {node: {(kind, axes): the latest round of that group
+    its ops' operands wait for}}.
     held: the plan a region's tables were built around: its other ops reduce as it has them
     (counted too, and passing their rounds on: a region's sum of squares waits for a held
     gradient's all-reduce); None: ops without a node reduce nothing."""
@@ -529,10 +545,12 @@ def _tail_groups(graph: OpGraph, t: Tables, choice: np.ndarray, model: CostModel
                                 _reductions(t.cands[node][int(choice[node])], matmul, model)]
         return hit
 
-    def wait(x: int, at: int) -> None:
+    def wait(x: int, at: dict) -> None:
         node = nodes.get(x)
-        if node is not None:
-            waits[node] = max(waits.get(node, 0), at)
+        if node is not None and at:
+            was = waits.get(node)
+            waits[node] = at if not was else \
+                {g: max(was.get(g, 0), at.get(g, 0)) for g in {*was, *at}}
 
     return tail_groups(graph, reductions, waits=wait if waits is not None else None)
 

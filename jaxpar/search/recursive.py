@@ -81,9 +81,9 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    of the walk, which decides the ops around it without its costs, and its body is then planned
    for what they chose (a scanned GPT step scored 2.5x the exact search's objective; solved
    again so, 1.00x). Each kept where that objective drops.
-   Last, where the plan's tail reduces in more than one round (a global norm's sum of squares
-   cut, so summed after the gradients' all-reduce, which XLA cannot combine with it), the
-   tail is solved again with each kind's reductions kept to one device group and round
+   Last, where one of the plan's tail reductions waits for another's result (a global norm's
+   sum of squares cut, so summed after the gradients' all-reduce, which XLA cannot combine
+   with it), the tail is solved again with each kind's reductions kept to one device group and round
    (resolve.solve_tail_rounds): optax.clip_by_global_norm in a 2-layer GPT step on 8
    devices compiled to ten all-reduces, then to the one of an Adam step alone.
 6. A plan over the memory budget is searched again with mem_coeff four times larger (more model
@@ -436,7 +436,7 @@ class _Sapp:
                                          self.fixed_out, ties, self.index)
         if found is not plan:
             _note(self.lines, f"the step's tail solved again exactly, its reductions kept to "
-                              f"one round (a later one waits for the first): scores "
+                              f"one device group and round (one waited for another): scores "
                               f"{after:.6g}, taken instead")
         return found
 
