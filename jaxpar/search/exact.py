@@ -450,13 +450,18 @@ def tail_latency(graph: OpGraph, model: CostModel, groups: dict[tuple, int]) -> 
     """Seconds the step's tail reductions, {(kind, axes, round): how many} (tail_groups'),
     pay beyond the share of one latency each that the tables and graph_cost give them
     (OpGraph.latency_share): XLA combines those of one kind over one device group that do
-    not wait for one another into one collective, which pays one whole latency. Negative
-    where the shares add up to more."""
+    not wait for one another into one collective, which pays one whole latency; one that
+    waits (a later round) pays a whole latency of its own. XLA's combiner walks the program
+    in post order and closes the collective it is filling at the first that waits for a
+    member: a global norm's sums of squares, each read after its own gradient, alternate with
+    the gradients, and each closes one (optax.clip_by_global_norm in a 2-layer GPT step,
+    d 256, 4 x 2 devices, data parallel with nine of the squares summed cut: ten all-reduces
+    compiled). Negative where the shares add up to more."""
     if not groups:
         return 0.0
     share = graph.latency_share(next(iter(graph.tail_values())))
-    return sum(model.collectives_cost([Collective(kind, axes, 0.0)]).comm_s * (1 - n * share)
-               for (kind, axes, _), n in groups.items())
+    return sum(model.collectives_cost([Collective(kind, axes, 0.0)]).comm_s *
+               ((1 if at == 1 else n) - n * share) for (kind, axes, at), n in groups.items())
 
 
 def tail_groups(graph: OpGraph, reductions: Callable[[int], Sequence[tuple] | None],
