@@ -707,9 +707,10 @@ def _check_choice(op: str, d: dict) -> None:
 def tail_latency(graph, gp: GraphPlan, model, ops=None,
                  sliced: dict[int, OpCost] | None = None) -> float:
     """Seconds to add to graph_cost's communication for the step's tail (OpGraph.tail_values:
-    the gradient reductions), priced as XLA runs it: one latency per kind, device group and
-    round (search.exact.tail_groups: a reduction that waits for another, a global norm's sum
-    of squares for its gradient's all-reduce, is not combined with it), where graph_cost
+    the gradient reductions), priced as XLA runs it: one latency per kind and device group,
+    and one for each reduction waiting for another of its group (search.exact.tail_groups,
+    tail_latency: a global norm's sum of squares for its gradient's all-reduce, which XLA
+    does not combine with it), where graph_cost
     gives each reduction a share of one (a third of a latency for an Adam step's one combined
     gradient all-reduce). The groups are those of the collectives each op's cost holds: a
     partial sum reduce-scattered over some axes and all-reduced over others is two groups

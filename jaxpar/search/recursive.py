@@ -81,11 +81,11 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    of the walk, which decides the ops around it without its costs, and its body is then planned
    for what they chose (a scanned GPT step scored 2.5x the exact search's objective; solved
    again so, 1.00x). Each kept where that objective drops.
-   Last, where one of the plan's tail reductions waits for another's result (a global norm's
-   sum of squares cut, so summed after the gradients' all-reduce, which XLA cannot combine
-   with it), the tail is solved again with each kind's reductions kept to one device group and round
-   (resolve.solve_tail_rounds): optax.clip_by_global_norm in a 2-layer GPT step on 8
-   devices compiled to ten all-reduces, then to the one of an Adam step alone.
+   Last, where the reductions of two of the plan's tail ops or more wait for others' results
+   (a global norm's sums of squares cut, so summed after the gradients' all-reduce, which XLA
+   cannot combine with them), the tail is solved again with each kind's reductions kept to
+   one device group and round (resolve.solve_tail_rounds): optax.clip_by_global_norm in a
+   2-layer GPT Adam step (d 128) on 8 devices compiled to eight all-reduces, then to one.
 6. A plan over the memory budget is searched again with mem_coeff four times larger (more model
    parallel, less memory) a few times. Once one fits, mem_coeffs between the last two are
    tried (bisected twice) and the fitting plan of least objective is kept: four times the

@@ -78,13 +78,13 @@ propagation.py). After: a GraphPlan and notes for the Plan.
    one, the exact search 1.020; 48 layers 23.3, 18.5 and 17.0 ms, the exact search 17.0).
    It costs two exact solves and the axes of the starts kept (48 layers: about as long as
    the three axes of propagation's plan it skips there).
-7. Last, where one of the plan's tail reductions waits for another's result (a global norm's
-   sum of squares, cut, waits for the gradients' all-reduce, and XLA cannot combine the two),
-   the tail is solved again with each kind's reductions kept to one device group and round
-   (resolve.solve_tail_rounds, as recursive_programming does last): the searches price each
-   tail reduction at a share of one latency, and one op at a time no move removes the second
-   collective. optax.clip_by_global_norm
-   before Adam in a 2-layer GPT step (d 256) on 8 devices: ten all-reduces compiled, then one.
+7. Last, where the reductions of two of the plan's tail ops or more wait for others' results
+   (a global norm's sums of squares, cut, wait for the gradients' all-reduce, and XLA cannot
+   combine them), the tail is solved again with each kind's reductions kept to one device
+   group and round (resolve.solve_tail_rounds, as recursive_programming does last): the
+   searches price each tail reduction at a share of one latency, and one op at a time no
+   move removes the later collectives. optax.clip_by_global_norm before Adam in a 2-layer GPT
+   step (d 128) on 8 devices: eight all-reduces compiled, then one.
 8. A memory budget bounds nothing above (the objective weighs memory): a plan over it is
    searched again, steps 1 to 7, with larger mem_coeffs, and the fitting plan of least
    objective is kept (budget.within_budget, as recursive_programming does), or the plan one
