@@ -756,6 +756,11 @@ def test_tail_groups_put_a_reduction_reading_another_in_a_later_round():
     two = exact.tail_latency(graph, model, groups)
     latency = model.collectives_cost([exact.Collective("all-reduce", ("d0",), 0.0)]).comm_s
     assert two - one == pytest.approx(latency)
+    # Each reduction of a later round is a collective of its own (XLA's combiner closes the
+    # one it fills at each that waits): two of them, two latencies more.
+    three = exact.tail_latency(graph, model, {("all-reduce", ("d0",), 1): 1,
+                                              ("all-reduce", ("d0",), 2): 2})
+    assert three - one == pytest.approx(2 * latency)
 
 
 @pytest.mark.parametrize("mode", ["recursive_programming", "dynamic_programming",
@@ -764,8 +769,8 @@ def test_a_clipped_steps_global_norm_is_not_summed_cut(mode):
     # optax.clip_by_global_norm sums the squares of every gradient. Cut, each sum is a partial
     # sum whose all-reduce waits for the gradient's: XLA cannot combine it with the
     # gradients' all-reduce, and this step compiled to 8 all-reduces (130 us by
-    # estimate_time) where every search modelled one (25 us). Priced a latency per round, the
-    # searches sum the squares whole: one all-reduce, as modelled.
+    # estimate_time) where every search modelled one (25 us). Priced a latency for each that
+    # waits, the searches sum the squares whole: one all-reduce, as modelled.
     import optax
 
     from jaxpar.analysis import collective_stats, estimate_time
