@@ -24,7 +24,7 @@ from rich.text import Text
 from jaxpar.context import SEARCH_MODES, is_finite
 from jaxpar.cost.comm import Collective
 from jaxpar.cost.hardware import COLLECTIVE_KINDS
-from jaxpar.cost.model import OpCost
+from jaxpar.cost.model import COMBINED_KINDS, OpCost
 from jaxpar.ir.graph import body_operands
 from jaxpar.rules.registry import OpInfo, candidates, is_local
 from jaxpar.search.propagation import Choice, GraphPlan
@@ -738,7 +738,7 @@ def tail_reductions(graph, gp: GraphPlan, ops=None, sliced: dict[int, OpCost] | 
         if choice is None:
             return None
         return [(c.kind, c.axes, c.count) for c in costs.get(x, choice.cost).collectives
-                if c.kind in ("all-reduce", "reduce-scatter")]
+                if c.kind in COMBINED_KINDS]
 
     return tail_groups(graph, reductions, ops, waits)
 

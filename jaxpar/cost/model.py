@@ -50,7 +50,7 @@ from jaxpar.spec import Axes, MeshInfo, OpStrategy, Spec
 _CALLBACKS = frozenset({"pure_callback", "io_callback"})  # run on one device (_callback)
 _LEVEL_COMM_WEIGHT = {0: 2.0, 1: 1.0, 2: 1.0}
 _LEVEL_MEM_WEIGHT = {0: 0.0, 1: 1.0, 2: 0.0}
-_COMBINED_KINDS = frozenset({"all-reduce", "reduce-scatter"})  # what XLA's combiners merge
+COMBINED_KINDS = frozenset({"all-reduce", "reduce-scatter"})  # what XLA's combiners merge
 HEAVY_OPS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
 _LINE_BYTES = 2.0 ** 30  # reshard_line's slope is measured over this many bytes
 
@@ -198,7 +198,7 @@ class CostModel:
 
     def collectives_cost(self, cs: list[Collective], share: float = 1.0) -> OpCost:
         return OpCost(comm_s=sum(collective_time(c, self.mesh, self.links,
-                                                 share if c.kind in _COMBINED_KINDS else 1.0)
+                                                 share if c.kind in COMBINED_KINDS else 1.0)
                                  for c in cs),
                       comm_bytes=sum(c.bytes for c in cs), collectives=tuple(cs))
 
@@ -262,7 +262,7 @@ class CostModel:
         """(seconds per byte, seconds) of reshard(src, dst) over the mesh's links."""
         slope = fixed = 0.0
         for c in self.one_byte(src, dst):
-            latency = share if c.kind in _COMBINED_KINDS else 1.0
+            latency = share if c.kind in COMBINED_KINDS else 1.0
             key = (c.kind, c.axes, latency)
             line = self._collective_lines.get(key)
             if line is None:

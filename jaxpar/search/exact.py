@@ -72,7 +72,13 @@ import numpy as np
 
 from jaxpar import progress
 from jaxpar.cost.comm import Collective
-from jaxpar.cost.model import CostModel, OpCost, reduces_as_matmul, reduction_steps
+from jaxpar.cost.model import (
+    COMBINED_KINDS,
+    CostModel,
+    OpCost,
+    reduces_as_matmul,
+    reduction_steps,
+)
 from jaxpar.ir.graph import Op, OpGraph, scan_counts
 from jaxpar.ir.repeat import op_classes
 from jaxpar.rules.registry import has_rule
@@ -393,17 +399,15 @@ def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem:
     if first != variants[0] and any(g[2] > 1 for g in groups):
         variants.append(first)
     progress.step("solving again, the tail's reductions over fewer device groups")
-    nodes = _tail_nodes(graph, t)
+    # each tail node's candidates' reductions, as (kind, axes, the round they would run in)
+    rounds = {node: [[(kind, axes, waits.get(node, {}).get((kind, axes), 0) + 1)
+                      for kind, axes in _reductions(s, matmul, model)] for s in t.cands[node]]
+              for node, (matmul, _) in _tail_nodes(graph, t).items()}
     best, score = solution, grouped_objective(graph, model, t, problem, solution.choice, held)
     seconds = solution.seconds
     for keep in variants:
-        kept = {}
-        for node, (matmul, _) in nodes.items():
-            at = waits.get(node, {})  # a reduction's round: one more than this of its group
-            kept[node] = np.array([k for k, s in enumerate(t.cands[node])
-                                   if all((kind, axes, at.get((kind, axes), 0) + 1) in keep
-                                          for kind, axes in _reductions(s, matmul, model))],
-                                  dtype=np.int64)
+        kept = {node: np.array([k for k, made in enumerate(each) if keep.issuperset(made)],
+                               dtype=np.int64) for node, each in rounds.items()}
         try:
             smaller, back = restricted(problem, kept)
         except ValueError:  # a node left without a candidate, or tied nodes apart: none such
@@ -572,7 +576,7 @@ def _reductions(s, matmul: bool, model: CostModel) -> list[tuple[str, tuple[str,
     reduce-scatter over d1, then an all-reduce over d0, which crosses the nodes apart)."""
     return [(c.kind, c.axes) for _, raw, out in reduction_steps(s, matmul, model.mesh)
             for c in model.one_byte(raw, out, matmul)
-            if c.kind in ("all-reduce", "reduce-scatter")]
+            if c.kind in COMBINED_KINDS]
 
 
 def _budget_left(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],

@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from jaxpar import progress
-from jaxpar.cost.model import CostModel, OpCost
+from jaxpar.cost.model import COMBINED_KINDS, CostModel, OpCost
 from jaxpar.ir.graph import OpGraph
 from jaxpar.search.exact import dynamic_programming
 from jaxpar.search.propagation import GraphIndex, GraphPlan, graph_cost
@@ -367,10 +367,16 @@ def solve_tail(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict
     replicated spec the user fixed for them. Solved together, the all-reduce and a replicated
     update win (gpt_plans' data-parallel layout through jaxpar, the step's modelled total:
     2.53 ms as propagated then, 1.27 ms polished by semi.py)."""
+    return _lower(graph, model, plan, fixed_in, fixed_out, ties, _tail_ops(graph, pinned),
+                  index, time_limit)
+
+
+def _tail_ops(graph: OpGraph, pinned: frozenset[int]) -> set[int]:
+    """The ops all of whose results lie in the step's tail (OpGraph.tail_values), less
+    `pinned`: what solve_tail and solve_tail_rounds solve again."""
     tail = graph.tail_values()
-    ops = {op.index for op in graph.ops
-           if op.outputs and op.index not in pinned and all(v in tail for v in op.outputs)}
-    return _lower(graph, model, plan, fixed_in, fixed_out, ties, ops, index, time_limit)
+    return {op.index for op in graph.ops
+            if op.outputs and op.index not in pinned and all(v in tail for v in op.outputs)}
 
 
 def solve_tail_rounds(graph: OpGraph, model: CostModel, plan: GraphPlan,
@@ -398,19 +404,11 @@ def solve_tail_rounds(graph: OpGraph, model: CostModel, plan: GraphPlan,
 
     waited: list[int] = []  # the ops whose operands wait for a reduction
     tail_reductions(graph, plan, waits=lambda x, at: waited.append(x) if at else None)
-    if sum(any(c.kind in ("all-reduce", "reduce-scatter")
-               for c in plan.choices[x].cost.collectives) for x in waited) < 2:
-        return plan, before if before is not None else \
-            objective(graph, model, plan, fixed_out, ties)
-    if before is None:
-        before = objective(graph, model, plan, fixed_out, ties)
-    tail = graph.tail_values()
-    ops = {op.index for op in graph.ops
-           if op.outputs and op.index not in pinned and all(v in tail for v in op.outputs)}
-    found = solve_region(graph, model, plan, fixed_in, fixed_out, ties, ops,
-                         index.free_reads(ops, fixed_in), time_limit, group_tail=True)
-    after = objective(graph, model, found, fixed_out, ties)
-    return (found, after) if after < before * (1 - 1e-9) else (plan, before)
+    several = sum(any(c.kind in COMBINED_KINDS for c in plan.choices[x].cost.collectives)
+                  for x in waited) > 1
+    return _lower(graph, model, plan, fixed_in, fixed_out, ties,
+                  _tail_ops(graph, pinned) if several else set(), index, time_limit, before,
+                  group_tail=True)
 
 
 def solve_latency_bound(graph: OpGraph, model: CostModel, plan: GraphPlan,
@@ -463,17 +461,17 @@ def solve_latency_bound(graph: OpGraph, model: CostModel, plan: GraphPlan,
 
 def _lower(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict[int, Spec],
            fixed_out: dict[int, Spec], ties: tuple[tuple[int, int], ...], ops: set[int],
-           index: GraphIndex, time_limit: float, before: float | None = None
-           ) -> tuple[GraphPlan, float]:
-    """solve_region over `ops` and the free inputs they read: its solution where its
-    objective is lower than `plan`'s (`before`, when known), else `plan`; with the objective
-    of the plan returned."""
+           index: GraphIndex, time_limit: float, before: float | None = None,
+           group_tail: bool = False) -> tuple[GraphPlan, float]:
+    """solve_region over `ops` and the free inputs they read (group_tail passed on): its
+    solution where its objective is lower than `plan`'s (`before`, when known), else `plan`;
+    with the objective of the plan returned."""
     if before is None:
         before = objective(graph, model, plan, fixed_out, ties)
     if not ops:
         return plan, before
     found = solve_region(graph, model, plan, fixed_in, fixed_out, ties, ops,
-                         index.free_reads(ops, fixed_in), time_limit)
+                         index.free_reads(ops, fixed_in), time_limit, group_tail)
     after = objective(graph, model, found, fixed_out, ties)
     return (found, after) if after < before * (1 - 1e-9) else (plan, before)
 
