@@ -8,9 +8,11 @@ included), trace and graph-building time (first, cold), the search time (the who
 minus a second, warm trace and graph build: `.plan()` traces again, so what is left is the
 strategy parsing, the search (carried state priced and tied within it), and assembling the
 Plan), the same in CPU time (`time.process_time`: below the wall clock when the process
-waits, equal to it when the machine just runs slow), the plan's modelled cost (the step's
-time) and objective (what the automatic searches minimise: at the default level 0 and
-mem_coeff 0.1, communication counts twice and memory is weighed too), and for
+waits, equal to it when the machine just runs slow), how the search's wall time splits over
+its steps (progress.timed: the steps its progress line shows; a table per mode at the most
+layers it planned), the plan's modelled cost (the step's time) and objective (what the
+automatic searches minimise: at the default level 0 and mem_coeff 0.1, communication counts
+twice and memory is weighed too), and for
 dynamic_programming whether the solver proved the plan optimal or stopped at a gap (its note
 in `plan.notes`).
 
@@ -66,6 +68,7 @@ def plan_once(layers: int, mode: str, cfg: Config) -> dict:
     from search_gap import plan_objective  # beside this file: on the path of the child process
 
     import jaxpar
+    from jaxpar import progress
     from jaxpar.api import AUTOMATIC_MODES
     from jaxpar.ir import build_graph, trace
     from jaxpar.models.gpt import GPTConfig, abstract_train_step
@@ -84,7 +87,8 @@ def plan_once(layers: int, mode: str, cfg: Config) -> dict:
     warm_s, warm_cpu = time.perf_counter() - start, time.process_time() - cpu
     f = jaxpar.shard(step, mesh=jaxpar.make_mesh(8), search_mode=mode, hardware=cfg.hardware)
     start, cpu = time.perf_counter(), time.process_time()
-    plan = f.plan(*args)
+    with progress.timed() as timings:
+        plan = f.plan(*args)
     plan_s, plan_cpu = time.perf_counter() - start, time.process_time() - cpu
     score = plan_objective(plan, graph, cfg.hardware, f.opts.level, f.opts.mem_coeff,
                            recompute_heavy=mode not in AUTOMATIC_MODES)
@@ -93,7 +97,18 @@ def plan_once(layers: int, mode: str, cfg: Config) -> dict:
             "search_s": max(plan_s - warm_s, 0.0),
             "search_cpu_s": max(plan_cpu - warm_cpu, 0.0), "cost": plan.cost.total_s,
             "objective": score,
-            "comm_bytes": plan.cost.comm_bytes, "notes": plan.notes} | _optimality(plan.notes)
+            "comm_bytes": plan.cost.comm_bytes, "notes": plan.notes,
+            "steps": _steps(timings, f"searching ({mode})")} | _optimality(plan.notes)
+
+
+def _steps(timings, stage: str) -> list[list]:
+    """[[step, seconds, runs]] of the search stage's steps (progress.timed), as they first
+    ran: where the search's time goes."""
+    path = next((p for p in timings.seconds if p[-1] == stage), None)
+    if path is None:
+        return []
+    return [[name, seconds, timings.runs[path + (name,)]]
+            for name, seconds in timings.under(*path).items()]
 
 
 def _optimality(notes: list[str]) -> dict:
@@ -214,6 +229,17 @@ def markdown(result: dict) -> str:
              f"jax {result['jax']}.", "",
              "| " + " | ".join(HEADER) + " |", "|---:|---|" + "---:|" * 8 + "---|"]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in result["rows"]]
+    for mode in dict.fromkeys(r["mode"] for r in result["rows"]):
+        ran = [r for r in result["rows"] if r["mode"] == mode and r["status"] == "ok"
+               and r.get("steps")]
+        if not ran:
+            continue
+        r = max(ran, key=lambda r: r["layers"])
+        lines += ["", f"Where {mode}'s search time goes at {r['layers']} layers (that row's "
+                  f"run; a step's time includes the exact searches inside it):", "",
+                  "| step | time | runs | share of the search |", "|---|---:|---:|---:|"]
+        lines += [f"| {name} | {_s(t)} | {n} | {t / r['search_s']:.0%} |"
+                  for name, t, n in r["steps"]]
     return "\n".join(lines) + "\n"
 
 

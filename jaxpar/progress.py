@@ -17,6 +17,10 @@ program at the same time).
 Code drawing its own live display (a training loop's progress bar, whose first step plans and
 compiles) keeps jaxpar's line off it with `with progress.quiet(): ...`.
 
+The same calls time the work: under `with progress.timed() as t: ...` nothing shows, and
+t.seconds holds the wall time of every stage and step by its path (benchmarks/search_time.py
+reports where each search's time goes so).
+
 Library code reports through three calls, which cost next to nothing when nothing is shown:
 
     with progress.activity("planning train_step"):   # the outermost owns the line; one
@@ -46,8 +50,9 @@ from rich.text import Text
 ENV = "JAXPAR_PROGRESS"
 DELAY = 0.5  # seconds of work before the line appears
 
-_current: contextvars.ContextVar[_Activity | _Quiet | None] = contextvars.ContextVar(
+_current: contextvars.ContextVar[_Activity | _Quiet | _Timer | None] = contextvars.ContextVar(
     "jaxpar_progress", default=None)
+_clock = time.perf_counter  # what timed() reads (tests replace this)
 
 
 def _console() -> Console:
@@ -118,6 +123,48 @@ def quiet() -> Iterator[None]:
         yield
     finally:
         _current.reset(token)
+
+
+@dataclass
+class Timings:
+    """What timed() measured. seconds: {path: wall seconds}, a path being the names of the
+    activities, stages and steps it ran inside, outermost first, its own last (a stage named
+    "" adds none: its steps are its parent's); a stage's or step's time includes what ran
+    inside it, and a path met several times (an axis solved again from two plans) adds up,
+    `runs` counting them."""
+
+    seconds: dict[tuple[str, ...], float] = field(default_factory=dict)
+    runs: dict[tuple[str, ...], int] = field(default_factory=dict)
+
+    def add(self, path: tuple[str, ...], seconds: float) -> None:
+        self.seconds[path] = self.seconds.get(path, 0.0) + seconds
+        self.runs[path] = self.runs.get(path, 0) + 1
+
+    def under(self, *path: str) -> dict[str, float]:
+        """{name: seconds} of the stages and steps directly inside `path`, in the order they
+        first ran."""
+        n = len(path)
+        return {p[n]: t for p, t in self.seconds.items() if len(p) == n + 1 and p[:n] == path}
+
+
+@contextlib.contextmanager
+def timed() -> Iterator[Timings]:
+    """Time every stage and step of the work inside (activities become stages of it);
+    nothing shows meanwhile. Yields the Timings, filled as the work runs.
+
+    Example:
+        >>> with progress.timed() as t:
+        ...     plan = jaxpar.shard(step).plan(*args)
+        >>> t.under("planning step", "searching (recursive_programming)")
+    """
+    timer = _Timer(Timings())
+    token = _current.set(timer)
+    try:
+        yield timer.timings
+    finally:
+        _current.reset(token)
+        while timer.stages:  # the work raised: what ran until then
+            timer.pop()
 
 
 def step(name: str) -> None:
@@ -259,6 +306,44 @@ class _Quiet:
 
     def begin(self, name: str) -> None:
         pass
+
+
+class _Timer:
+    """An activity that shows nothing and times each stage and step (timed())."""
+
+    def __init__(self, timings: Timings):
+        self.timings = timings
+        self.stages: list[list] = []  # per open stage: [its path, its step's name, when that
+                                      # step began, when the stage began]
+
+    def _path(self) -> tuple[str, ...]:
+        """The path of what runs now: the innermost stage's, with its step's name."""
+        if not self.stages:
+            return ()
+        path, now = self.stages[-1][0], self.stages[-1][1]
+        return path + (now,) if now else path
+
+    def push(self, name: str, total: int | None) -> None:
+        now = _clock()
+        self.stages.append([self._path() + ((name,) if name else ()), "", now, now])
+
+    def _end_step(self, now: float) -> None:
+        path, name, began, _ = self.stages[-1]
+        if name:
+            self.timings.add(path + (name,), now - began)
+
+    def pop(self) -> None:
+        now = _clock()
+        self._end_step(now)
+        path, _, _, began = self.stages.pop()
+        if path and (not self.stages or path != self._path()):  # a stage named "": none
+            self.timings.add(path, now - began)
+
+    def begin(self, name: str) -> None:
+        if self.stages:
+            now = _clock()
+            self._end_step(now)
+            self.stages[-1][1:3] = [name, now]
 
 
 class _Count(ProgressColumn):

@@ -104,15 +104,22 @@ def test_search_time_tiny(tmp_path):
     assert ok["search_cpu_s"] in ok["search_cpu_s_runs"] and ok["search_cpu_s"] > 0
     assert ok["ops"] >= ok["eqns"] > 100 and ok["layers"] == 1
     assert ok["plan_s"] >= ok["search_s"] >= 0 and ok["trace_s"] > 0 and ok["graph_s"] > 0
+    names = [name for name, _, _ in ok["steps"]]  # where the search's time went
+    assert "pricing strategies and resharding" in names and "solving" in names
+    assert all(t >= 0 and n >= 1 for _, t, n in ok["steps"])
+    assert sum(t for _, t, _ in ok["steps"]) <= ok["plan_s"]
+    assert "Where sharding_propagation's search time goes at 1 layers" in \
+        (tmp_path / "search_time.md").read_text()
     assert math.isfinite(ok["cost"]) and ok["cost"] > 0
     # The objective prices the step's tail reductions a share of one latency each, Plan.cost
     # one whole latency per kind and device group: neither bounds the other on a toy step.
     assert math.isfinite(ok["objective"]) and ok["objective"] > 0
     assert ok["optimal"] is None and ok["gap"] is None
-    table = [line for line in (tmp_path / "search_time.md").read_text().splitlines()
-             if line.startswith("|")]
-    assert table[0].startswith("| layers | mode |")
-    assert len({line.count("|") for line in table}) == 1  # every row has every column
+    first, steps = (block.splitlines() for block in
+                    (tmp_path / "search_time.md").read_text().split("\n\n")[1:3])
+    assert first[0].startswith("| layers | mode |") and len(first) == 2 + 2
+    assert len({line.count("|") for line in first}) == 1  # every row has every column
+    assert steps[0].startswith("Where sharding_propagation's")  # the steps' table after it
 
 
 @pytest.mark.parametrize("repeat", [0, 1.5, True])

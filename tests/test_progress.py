@@ -151,6 +151,52 @@ def test_nothing_shows_inside_quiet_even_forced_on(terminal, monkeypatch):
     assert progress._current.get() is None
 
 
+def test_timed_adds_each_stage_and_step_by_its_path(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(progress, "_clock", lambda: now[0])
+
+    def wait(seconds: float) -> None:
+        now[0] += seconds
+
+    with progress.timed() as t:
+        with progress.activity("planning f"):  # inside timed(): a stage of it
+            with progress.stage("searching", total=3):
+                progress.step("pricing")
+                wait(1.0)
+                for _ in range(2):  # a step met twice adds up
+                    progress.step("axis d0")
+                    with progress.stage(""):  # adds no name: its steps are the step's
+                        progress.step("solving")
+                        wait(2.0)
+                    wait(0.5)
+            wait(0.25)
+    searching = ("planning f", "searching")
+    assert t.under(*searching) == {"pricing": 1.0, "axis d0": 5.0}
+    assert t.runs[searching + ("axis d0",)] == 2
+    assert t.under(*searching, "axis d0") == {"solving": 4.0}
+    assert t.seconds[searching] == 6.0 and t.seconds[("planning f",)] == 6.25
+    assert set(t.seconds) == {("planning f",), searching, searching + ("pricing",),
+                              searching + ("axis d0",), searching + ("axis d0", "solving")}
+    assert progress._current.get() is None
+
+
+def test_timed_shows_nothing_and_times_a_real_search(terminal, monkeypatch):
+    monkeypatch.setenv(progress.ENV, "1")
+    step, args = _sgd_problem()
+    f = jaxpar.shard(step, mesh=jaxpar.make_mesh(4), search_mode="recursive_programming")
+    start = time.perf_counter()
+    with progress.timed() as t:
+        f.plan(*args)
+    wall = time.perf_counter() - start
+    assert terminal.getvalue() == ""
+    (planning,) = [p for p in t.seconds if len(p) == 1]
+    steps = t.under(*planning, "searching (recursive_programming)")
+    assert list(steps)[:2] == ["pricing the units' cuts and links", "axis d0, pass 1 of 2"]
+    assert "placing the carried state" in steps and all(s >= 0 for s in steps.values())
+    assert sum(steps.values()) <= t.seconds[planning + ("searching (recursive_programming)",)]
+    assert t.seconds[planning] <= wall
+
+
 def test_forced_on_it_shows_off_a_terminal_and_with_a_debug_log(monkeypatch, debug_log):
     monkeypatch.setenv(progress.ENV, "1")
     assert progress.enabled(Console(file=io.StringIO(), force_terminal=False))
