@@ -15,7 +15,7 @@ from jaxpar.ir.repeat import op_classes
 from jaxpar.models import PROGRAMS
 from jaxpar.models.gpt import GPTConfig, abstract_train_step
 from jaxpar.plan import peak_memory
-from jaxpar.search import exact
+from jaxpar.search import exact, resolve
 from jaxpar.search.dynamic import Problem, objective
 from jaxpar.search.exact import dynamic_programming
 from jaxpar.search.propagation import GraphIndex, graph_cost, propagate
@@ -231,6 +231,41 @@ def test_folded_tables_price_every_agreeing_choice_alike(always_tie):
     assert sol.cost == pytest.approx(objective(whole, sol.choice[where]), rel=1e-9)
     for x, node in t.op_nodes.items():
         assert plan.choices[x].strategy == t.cands[node][sol.choice[where[node]]]
+
+
+def _same_tables(a, b) -> None:
+    assert a.op_nodes == b.op_nodes and a.input_nodes == b.input_nodes
+    assert a.cands == b.cands and a.count == b.count and a.tied == b.tied
+    for x, y in [*zip(a.node_cost, b.node_cost, strict=True),
+                 *zip(a.node_mem, b.node_mem, strict=True)]:
+        assert np.array_equal(x, y)
+    assert [(e.u, e.v, e.port) for e in a.edges] == [(e.u, e.v, e.port) for e in b.edges]
+    for e, f in zip(a.edges, b.edges, strict=True):
+        assert np.array_equal(e.cost, f.cost) and np.array_equal(e.row, f.row) and \
+            np.array_equal(e.col, f.col)
+
+
+@pytest.mark.parametrize("fold", [True, False])
+@pytest.mark.parametrize("key_limit", [2**63, 1])  # 1: the keys compared column by column
+def test_whole_graph_tables_match_a_region_of_every_op(monkeypatch, fold, key_limit):
+    # The whole graph's tables gather what ops read from each other as arrays
+    # (_Builder.op_edges); a region's, op by op. A region of every op and free input (one
+    # operand fixed, one axis's choices allowed) gives the same tables, edge for edge and in
+    # the same order: merged edges and charges land where op by op they were made first.
+    monkeypatch.setattr("jaxpar.search.tables._KEY_LIMIT", key_limit)
+    graph, model, ties = _small_gpt_tied(3)
+    plan, _ = dynamic_programming(graph, model, {}, {}, ties=ties)
+    fixed = {graph.inputs[-1]: plan.specs[graph.inputs[-1]]}  # the batch's labels
+    ops = frozenset(range(len(graph.ops)))
+    inputs = frozenset(GraphIndex(graph).free_reads(ops, fixed)) | \
+        frozenset(v for v, _ in ties if v not in fixed)
+    allow = resolve._OtherAxes(plan, model.mesh.names[-1], groups=model.axis_groups)
+    whole = build_tables(graph, model, fixed, {}, ties, allow, op_classes(graph), fold=fold)
+    region = build_tables(graph, model, fixed, {}, ties, allow, op_classes(graph), fold=fold,
+                          region=Region(plan, ops, inputs))
+    assert len(whole.edges) > 50 and any(e.port >= 0 for e in whole.edges)
+    assert fold == bool(whole.count) and (not fold or max(whole.count) >= 3)
+    _same_tables(whole, region)
 
 
 def test_region_tables_price_its_choices_as_the_whole_graph_does():

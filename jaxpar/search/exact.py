@@ -666,8 +666,9 @@ def _to_plan(graph: OpGraph, t: Tables, choice: np.ndarray, fixed_in: dict[int, 
         if node not in tied:
             k = _leanest(t, choice, node, touching.get(node, []))
         plan.specs[v] = t.cands[node][k]
-    picked: dict[int, tuple] = {}  # node -> what its ops' Choice says (a folded node's
-                                   # members share it, its costs per member)
+    picked: dict[int, tuple] = {}  # node -> what its ops' Choice says and, for ops without
+                                   # bodies, the Choice (a folded node's members share it,
+                                   # its costs per member; no one changes a Choice)
     for x, node in t.op_nodes.items():
         op = graph.ops[x]
         hit = picked.get(node)
@@ -677,14 +678,18 @@ def _to_plan(graph: OpGraph, t: Tables, choice: np.ndarray, fixed_in: dict[int, 
             k = int(choice[node])
             others = np.argsort(local, kind="stable")[:2]
             runner = next((int(j) for j in others if j != k), None)
-            hit = picked[node] = (
-                t.cands[node][k], t.own[node][k], float(local[k]),
-                t.cands[node][runner] if runner is not None else None,
-                float(local[runner]) if runner is not None else None, len(t.cands[node]),
-                has_rule(op.primitive) or bool(op.regions))
-        plans, trips, _ = t.regions.get(op.index, {}).get(id(hit[0]), ((), 1, None))
-        plan.choices[op.index] = Choice(*hit, plans, trips)
-        plan.specs.update(zip(op.outputs, hit[0].outs, strict=True))
+            says = (t.cands[node][k], t.own[node][k], float(local[k]),
+                    t.cands[node][runner] if runner is not None else None,
+                    float(local[runner]) if runner is not None else None, len(t.cands[node]),
+                    has_rule(op.primitive) or bool(op.regions))
+            hit = picked[node] = (says, Choice(*says))
+        bodies = t.regions.get(x)
+        if bodies is None:
+            plan.choices[x] = hit[1]
+        else:
+            plans, trips, _ = bodies.get(id(hit[0][0]), ((), 1, None))
+            plan.choices[x] = Choice(*hit[0], plans, trips)
+        plan.specs.update(zip(op.outputs, hit[0][0].outs, strict=True))
     for v in graph.inputs:
         plan.specs.setdefault(v, Spec.replicated(len(graph.values[v].shape)))
     return plan

@@ -19,6 +19,7 @@ between them are computed once and shared by identity (a deep model's layers all
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -142,25 +143,31 @@ def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     b = _Builder(graph, model, allow, classes, fold, region_seeds or {},
                  {} if held is None else held.choices)
     inside = range(len(graph.ops)) if region is None else region.ops
-    ops = [op for op in graph.ops if op.index in inside]
+    ops = graph.ops if region is None else [op for op in graph.ops if op.index in inside]
     for op in ops:
         b.t.op_nodes[op.index] = b.op_node(op)
-    producer = {v: (op, j) for op in graph.ops for j, v in enumerate(op.outputs)}
+    producer = _OpEdges.of(graph).made_by  # value -> (op, result index)
     held = {} if region is None else region.plan.specs
     free = (lambda v: True) if region is None else \
         (lambda v: v in region.inputs or v not in held)  # no spec to hold: free
-    for op in ops:
-        for i, v in enumerate(op.inputs):
-            if isinstance(v, Lit):
-                continue
-            if v in fixed_in:
-                b.charge_fixed_input(op, i, fixed_in[v])
-            elif v in producer and producer[v][0].index in inside:
-                b.edge(producer[v], op, i)
-            elif v in producer or not free(v):  # held by the region's plan
-                b.charge_fixed_input(op, i, held[v].resolved())
-            else:
-                b.input_edge(v, op, i)
+    if region is None:  # every op a node: what one op reads from another, as arrays
+        b.op_edges(fixed_in)
+        reads = _OpEdges.of(graph).sources
+    else:
+        reads = ((op, i, v) for op in ops for i, v in enumerate(op.inputs))
+    for op, i, v in reads:
+        if isinstance(v, Lit):
+            continue
+        b.at = (op.index, i)
+        if v in fixed_in:
+            b.charge_fixed_input(op, i, fixed_in[v])
+        elif v in producer and producer[v][0].index in inside:
+            b.edge(producer[v], op, i)
+        elif v in producer or not free(v):  # held by the region's plan
+            b.charge_fixed_input(op, i, held[v].resolved())
+        else:
+            b.input_edge(v, op, i)
+    b.at = (len(graph.ops), 0)  # links made below come after every op's
     back = handed_back(graph, fixed_in, fixed_out, ties)
     if region is None and not fold:  # a budget's live sets: held at the end
         b.returned = (back, fixed_in, {pos for v_in, pos in ties
@@ -186,6 +193,45 @@ def latency_shares(graph: OpGraph) -> Callable[[int], float]:
     tail = graph.tail_values()
     inside = graph.latency_share(next(iter(tail))) if tail else 1.0
     return lambda v: inside if v in tail else 1.0
+
+
+_KEY_LIMIT = 2**63  # _Builder.op_edges: keys whose codes' product reaches this (int64's
+                   # end) are compared column by column instead
+
+
+class _OpEdges:
+    """A graph's def-use edges between ops as arrays, one row per operand an op reads from
+    another op's result (in program order: op, then operand), and the operands made by no op
+    (inputs, constants, literals) as (op, operand index, value), in that order too. Worked out
+    once per graph (OpGraph is not changed once built): build_tables runs many times over one
+    graph (each mesh axis solved again), and a 48-layer step has 20k such edges."""
+
+    def __init__(self, graph: OpGraph):
+        self.made_by = {v: (op, j) for op in graph.ops for j, v in enumerate(op.outputs)}
+        made = {v: (op.index, j) for v, (op, j) in self.made_by.items()}
+        share = latency_shares(graph)
+        self.op_share = [max((share(v) for v in op.outputs), default=1.0) for op in graph.ops]
+        rows, self.sources = [], []
+        for op in graph.ops:
+            for i, v in enumerate(op.inputs):
+                if isinstance(v, int) and v in made:
+                    rows.append((op.index, i, *made[v], v, graph.values[v].nbytes))
+                else:
+                    self.sources.append((op, i, v))
+        table = np.array(rows, dtype=np.int64).reshape(-1, 6)
+        self.op, self.port, self.producer, self.result, self.value, nbytes = table.T
+        # each value's bytes and latency share as a code (equal codes: equal bytes, shares)
+        self.size_code = np.unique(nbytes, return_inverse=True)[1].reshape(-1)
+        self.share_code = np.unique([share(int(v)) for v in self.value],
+                                    return_inverse=True)[1].reshape(-1).astype(np.int64)
+
+    @staticmethod
+    def of(graph: OpGraph) -> _OpEdges:
+        memo = graph.__dict__.get("_op_edges")
+        if memo is None or memo[0] != (len(graph.ops), len(graph.values)):
+            memo = graph.__dict__["_op_edges"] = ((len(graph.ops), len(graph.values)),
+                                                 _OpEdges(graph))
+        return memo[1]
 
 
 def _classes(specs) -> tuple[tuple[Spec, ...], np.ndarray]:
@@ -214,6 +260,7 @@ class _Builder:
         self._kept: dict[tuple, tuple] = {}    # (id(list), indices kept) -> (list, costs)
         self._kept_specs: dict[tuple, tuple] = {}  # an input's allowed specs, one object each
         self.share = latency_shares(graph)
+        self._op_share = _OpEdges.of(graph).op_share  # per op: its results' largest share
         self._nodes: dict[int, tuple] = {}     # id(candidate list) -> (list, cost, mem)
         self._ports: dict[tuple, tuple] = {}   # (id(list), side, i) -> (list, classes)
         self._classes: dict[tuple, tuple] = {}  # distinct specs -> the one tuple of them
@@ -229,6 +276,10 @@ class _Builder:
         self._first: dict[int, tuple] = {}     # free input -> (node, side, i) its specs
                                                # come from (its first reader's operand)
         self._links: list[tuple] = []          # _link's arguments, in order
+        self._at: list[tuple] = []             # where each of them was made: (op, operand)
+        self.at = (0, 0)                       # where the links made now are
+        self._op_links: list[tuple] = []       # op_edges' links, each made first at `at`,
+                                               # with its number: (at, link, number)
         self._last: dict[int, int] | None = None  # value -> its last program point
         self._parts: dict[tuple, np.ndarray] = {}  # (id(list), results) -> their bytes
         self._scatter: dict[int, np.ndarray] = {}  # id(list) -> OpStrategy.scatter_bytes
@@ -273,7 +324,7 @@ class _Builder:
 
     def op_node(self, op) -> int:
         model = self.model
-        share = max((self.share(v) for v in op.outputs), default=1.0)
+        share = self._op_share[op.index]
         if op.regions:  # bodies planned from free operands (regions.region_candidates)
             from jaxpar.plan import body_memory
 
@@ -303,6 +354,11 @@ class _Builder:
         cands, own = self._candidates(op, share)
         if self.allow is not None:
             cands, own = self._subset(cands, own, self.allow.op(op.index, cands))
+        if self.fold and self.classes is not None:  # folded: the node of its kind, if made
+            first = self._groups.get((self.classes[op.index], id(cands)))
+            if first is not None:
+                self._count[first] += 1
+                return first
         hit = self._nodes.get(id(cands))
         if hit is None:
             # Memory a node holds: its results, per device (operands belong to their producers).
@@ -491,6 +547,41 @@ class _Builder:
         finish(); u or w may be ("in", value): a free input, whose node is made last, or a
         Spec: a fixed end, whose resharding is charged to the other end's node."""
         self._links.append((u, src_side, j, w, dst_side, i, v, port))
+        self._at.append(self.at)
+
+    def op_edges(self, fixed_in: dict[int, Spec]) -> None:
+        """The links of every op reading another op's result (the whole graph searched, each
+        op a node), made at once: the edges' rows (_OpEdges) with one key as finish() merges
+        them become one link, made where its first row is, times their number."""
+        e, n = _OpEdges.of(self.graph), len(self.graph.ops)
+        if not len(e.op):
+            return
+        node = np.fromiter((self.t.op_nodes[x] for x in range(n)), dtype=np.int64, count=n)
+        keep = ~np.isin(e.value, np.fromiter(fixed_in, dtype=np.int64, count=len(fixed_in)))
+        for r in np.flatnonzero(~keep).tolist():  # a result the caller fixed: a charge
+            x, i = int(e.op[r]), int(e.port[r])
+            self.at = (x, i)
+            self.charge_fixed_input(self.graph.ops[x], i, fixed_in[int(e.value[r])])
+        rows = np.flatnonzero(keep)
+        if not len(rows):
+            return
+        columns = np.stack([node[e.producer[rows]], e.result[rows], node[e.op[rows]],
+                            e.port[rows], e.size_code[rows], e.share_code[rows]])
+        radix = [int(c.max()) + 1 for c in columns]
+        if math.prod(radix) < _KEY_LIMIT:  # the columns' codes in mixed radix: one number
+            key = np.zeros(len(rows), dtype=np.int64)
+            for column, base in zip(columns, radix, strict=True):
+                key = key * base + column
+            _, first, number = np.unique(key, return_index=True, return_counts=True)
+        else:
+            _, first, number = np.unique(columns.T, axis=0, return_index=True,
+                                         return_counts=True)
+        for f, k in zip(first.tolist(), number.tolist(), strict=True):
+            r = rows[f]
+            x, i, v = int(e.op[r]), int(e.port[r]), int(e.value[r])
+            self._op_links.append(((x, i), (self.t.op_nodes[int(e.producer[r])], "out",
+                                            int(e.result[r]), self.t.op_nodes[x], "in", i, v,
+                                            i), k))
 
     def _end(self, x, side: str, i: int) -> tuple[tuple, np.ndarray | None]:
         """_port of a node, or a fixed spec's own class."""
@@ -565,16 +656,23 @@ class _Builder:
             self.returned_copies(*self.returned)
         scaled: dict[tuple, np.ndarray] = {}
         merged: dict[tuple, list] = {}  # links with one key (one matrix between the same
-                                        # two nodes' ports) become one, times their number
-        for u, src_side, j, w, dst_side, i, v, port in self._links:
+                                        # two nodes' ports) become one, times their number,
+                                        # where the first was made
+        for (u, src_side, j, w, dst_side, i, v, port), at in zip(self._links, self._at,
+                                                                 strict=True):
             u, w = (t.input_nodes[x[1]] if isinstance(x, tuple) else x for x in (u, w))
             key = (u, src_side, j, w, dst_side, i, self.graph.values[v].nbytes, self.share(v))
             hit = merged.get(key)
             if hit is None:
-                merged[key] = [(u, src_side, j, w, dst_side, i, v, port), 1]
+                merged[key] = [(u, src_side, j, w, dst_side, i, v, port), 1, at]
             else:
                 hit[1] += 1
-        for (u, src_side, j, w, dst_side, i, v, port), k in merged.values():
+                hit[2] = min(hit[2], at)
+        links = list(merged.values())
+        if self._op_links:  # (their keys are no other link's: both ends are op nodes)
+            links += [[link, k, at] for at, link, k in self._op_links]
+            links.sort(key=lambda m: m[2])  # in the order they were made (a stable sort)
+        for (u, src_side, j, w, dst_side, i, v, port), k, _ in links:
             src, row = self._end(u, src_side, j)
             dst, col = self._end(w, dst_side, i)
             cost = self._matrix(v, src, dst)
