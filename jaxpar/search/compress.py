@@ -167,10 +167,19 @@ def _distinct_rows(k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return reps, cls
 
 
+def _used(idx: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(idx, return_inverse=True) for indices in range(n) (an edge's classes: a few
+    each, and a deep model's reduction settles tens of thousands of edges)."""
+    used = np.flatnonzero(np.bincount(idx, minlength=n))
+    number = np.zeros(n, dtype=np.int64)
+    number[used] = np.arange(len(used))
+    return used, number[idx]
+
+
 def _canonical(e: CEdge) -> CEdge:
     """Drop unused classes and merge classes whose rows (columns) of K are equal."""
-    used_r, row = np.unique(e.row, return_inverse=True)
-    used_c, col = np.unique(e.col, return_inverse=True)
+    used_r, row = _used(e.row, e.K.shape[0])
+    used_c, col = _used(e.col, e.K.shape[1])
     k = e.K[np.ix_(used_r, used_c)]
     reps_r, cls_r = _distinct_rows(k)
     reps_c, cls_c = _distinct_rows(np.ascontiguousarray(k.T))
