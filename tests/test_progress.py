@@ -85,6 +85,25 @@ def test_planning_shows_each_stage_and_step_of_the_search(terminal):
     assert progress._current.get() is None
 
 
+def test_sharding_propagation_shows_its_steps(terminal):
+    step, args = _sgd_problem()
+    jaxpar.shard(step, mesh=jaxpar.make_mesh(4)).plan(*args)  # the default mode
+    frames = _frames(terminal)
+    for want in ("propagating", "refining, the step's tail solved again exactly",
+                 "every axis used together, solved exactly", "axis d1 solved again exactly",
+                 "the step's tail solved again where its reductions wait on one another"):
+        assert any(f"searching (sharding_propagation) · {want}" in fr for fr in frames), want
+    with progress.timed() as t:
+        jaxpar.shard(step, mesh=jaxpar.make_mesh(4)).plan(*args)
+    (planning,) = [p for p in t.seconds if len(p) == 1]
+    steps = t.under(*planning, "searching (sharding_propagation)")
+    assert list(steps)[:3] == ["propagating", "refining, the step's tail solved again exactly",
+                               "latency-bound collectives solved again exactly"]
+    # the exact searches' own steps are inside the step that runs them
+    assert "solving" not in steps and "solving" in t.under(
+        *planning, "searching (sharding_propagation)", "every axis used together, solved exactly")
+
+
 def test_dynamic_programming_shows_its_steps(terminal):
     step, args = _sgd_problem()
     jaxpar.shard(step, mesh=jaxpar.make_mesh(4), search_mode="dynamic_programming").plan(*args)

@@ -101,6 +101,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from jaxpar import progress
 from jaxpar.cost.model import CostModel
 from jaxpar.ir.graph import OpGraph
 from jaxpar.search.budget import scored, within_budget
@@ -195,6 +196,7 @@ def _polished(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     placed = dict(fixed_in)
     free = [v for v, _ in ties if v not in fixed_in]
     first = None
+    progress.step("propagating")  # (steps of the caller's stage: the progress line, timed())
     if free:  # step 1's first pass: carried inputs no one fixed take the spec it gives them
         first = propagate(graph, model, fixed_in, fixed_out, ties=ties, index=index, kept=kept)
         placed |= {v: first.specs[v].resolved() for v in free}
@@ -214,20 +216,25 @@ def _polished(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     back = handed_back(graph, fixed_in, fixed_out, ties)
     if len(back) > len(fixed_out):
         starts.append(start(back, tuple((v, pos) for v, pos in ties if pos not in back)))
+    progress.step("refining, the step's tail solved again exactly")
     solved = [solve_tail(graph, model, refine(graph, model, gp, fixed_in, fixed_out, None,
                                               ties, index, pinned, chains=True),
                          fixed_in, fixed_out, ties, index, pinned)
               for gp in starts]  # (plan, its objective) each
     k = min(range(len(solved)), key=lambda i: solved[i][1])
+    progress.step("latency-bound collectives solved again exactly")
     better, score = solve_latency_bound(graph, model, solved[k][0], fixed_in, fixed_out, ties,
                                         index, pinned, before=solved[k][1])
     axes, solved_axes, notes = model.mesh.names[::-1], [], []
     begins = [("propagation", better, score)]
     if not pinned and len(axes) > 1:  # step 6: also the best plans of fewer axes
+        progress.step("every axis used together, solved exactly")
         flat = solve_lockstep(graph, model, fixed_in, fixed_out, ties)
         begins.append(("all of them together", flat, score_of(flat)))
         if len(axes) > 2:
             runs = axis_runs(model)
+            progress.step(f"axes {' and '.join('+'.join(r) for r in runs)} each used together, "
+                          "solved exactly")
             grouped = solve_grouped(graph, model, fixed_in, fixed_out, ties, runs)
             begins.append((f"{' and '.join('+'.join(r) for r in runs)} each together", grouped,
                            score_of(grouped)))
@@ -236,6 +243,7 @@ def _polished(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
                                before=begin_score, held=pinned, solved=solved_axes)[:2])
             for what, begin, begin_score in begins if begin_score <= least * _START_NEAR]
     what, better, after = min(ends, key=lambda e: e[2])
+    progress.step("the step's tail solved again where its reductions wait on one another")
     better, after = solve_tail_rounds(graph, model, better, fixed_in, fixed_out, ties, index,
                                       pinned, after)
     if what != "propagation":
