@@ -233,11 +233,10 @@ def _polished(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
         begins.append(("all of them together", flat, score_of(flat)))
         if len(axes) > 2:
             runs = axis_runs(model)
-            progress.step(f"axes {' and '.join('+'.join(r) for r in runs)} each used together, "
-                          "solved exactly")
+            named = " and ".join("+".join(r) for r in runs)
+            progress.step(f"axes {named} each used together, solved exactly")
             grouped = solve_grouped(graph, model, fixed_in, fixed_out, ties, runs)
-            begins.append((f"{' and '.join('+'.join(r) for r in runs)} each together", grouped,
-                           score_of(grouped)))
+            begins.append((f"{named} each together", grouped, score_of(grouped)))
     least = min(s for _, _, s in begins)
     ends = [(what, *solve_axes(graph, model, begin, fixed_in, fixed_out, ties, axes, score_of,
                                before=begin_score, held=pinned, solved=solved_axes)[:2])
