@@ -656,6 +656,35 @@ def test_under_a_budget_the_tail_is_solved_again_after_a_proven_first_solve_only
     assert len(tails) == (0 if stopped else 1)
 
 
+def test_a_tail_no_plan_of_which_fits_the_budget_leaves_the_first_plan(monkeypatch):
+    # Held to one device group per kind, the tail's plans may all break the budget: the solve
+    # again then says so (ValueError), and the first solve's plan stands; the search must not
+    # say the budget cannot be met.
+    import optax
+
+    from jaxpar.models import mlp
+
+    tx = optax.adam(1e-2)
+    params = jax.eval_shape(lambda: mlp.init_mlp(jax.random.key(0), [64, 256, 256, 16]))
+    x, y = (jax.ShapeDtypeStruct((32, n), np.float32) for n in (64, 16))
+    args = (params, jax.eval_shape(tx.init, params), x, y)
+    real_solve, solves = exact.solve, []
+
+    def solve(problem, time_limit=30.0):
+        solves.append(problem)
+        if len(solves) == 2:  # the tail's solve again
+            raise ValueError("no strategy assignment fits memory_budget=600000 bytes per device")
+        return real_solve(problem, time_limit)
+
+    monkeypatch.setattr(exact, "solve", solve)
+    step = mlp.make_train_step(tx)
+    plan = jaxpar.shard(step, search_mode="dynamic_programming", level=2, mem_coeff=0.0,
+                        donate_argnums=(0, 1), memory_budget=600_000).plan(*args)
+    assert len(solves) >= 2 and solves[1].sizes != solves[0].sizes  # the tail, held to fewer
+    assert plan.cost.peak_memory_bytes <= 600_000
+    assert "whose step-tail reductions" not in plan.notes[0]  # the first solve's plan
+
+
 def test_tied_nodes_are_held_to_what_each_of_them_keeps():
     kept = {1: np.array([0, 2, 3]), 4: np.array([2, 3, 5]), 7: np.array([1])}
     alike = exact._tied_alike(kept, ((1, 4, 6), (7, 8), (9, 10)))

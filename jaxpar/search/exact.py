@@ -422,7 +422,10 @@ def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem:
         # harder to prove (a ViT step on 2 x 2 x 2 devices: 26 s, unproven, at twice the
         # first plan's objective, after a first solve of 0.9 s); past it, its best plan and
         # gap.
-        again = solve(smaller, min(left(), max(_AGAIN_MIN_S, _AGAIN_TIMES * solution.seconds)))
+        try:
+            again = solve(smaller, min(left(), max(_AGAIN_MIN_S, _AGAIN_TIMES * solution.seconds)))
+        except ValueError:  # under a budget: no plan whose tail reduces so fits it
+            continue
         again = dataclasses.replace(again, choice=back(again.choice))
         seconds += again.seconds
         after = grouped_objective(graph, model, t, problem, again.choice, held)
