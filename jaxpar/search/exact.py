@@ -59,7 +59,9 @@ used), and where it reduces in several rounds also with its first round's groups
 round both; whichever plan is cheapest with one latency per group (and one per reduction of a
 later round) is kept. Each search again
 is exact over its own plans only: where the first stopped at its time limit, the plan is
-unproven whichever is kept, its gap to the first's bound.
+unproven whichever is kept, its gap to the first's bound. Under a memory budget the tail is
+searched again so too (its nodes tied to others held alike: _tied_alike), unless the first
+search stopped at its limit: the time left then goes to fitting the plan (_refit).
 """
 
 from __future__ import annotations
@@ -162,9 +164,10 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
         def solved(t: Tables, problem: Problem) -> Solution:
             found = solve(problem, max(left(), 0.1))  # a first solve: a tenth at least
             # Under a budget, a first solve stopped at its limit leaves the time to fitting
-            # the plan (_refit), not to the tail: solved again in what was left, the tail of
-            # the memory_budget benchmark's GPT at 0.3 took 2.3 s, was not kept, and the
-            # refits that came short of it planned 21.6x the optimum's objective, not 13.1x.
+            # the plan (_refit), not to the tail: recursive_programming's exact search under
+            # the budget (10 s) for the memory_budget benchmark's GPT at 0.3 solved its tail
+            # again for 2.3 s, did not keep it, and its refits came short: 21.6x the
+            # optimum's objective, not 13.1x.
             if group_tail and left() > 0 and (budget is None or found.optimal):
                 found = _one_latency_per_group(graph, model, t, problem, found, left,
                                                None if region is None else region.plan)
