@@ -581,11 +581,8 @@ def test_a_plan_with_tied_layers_says_its_optimum_is_over_plans_whose_layers_agr
         "as far as their shapes allow and whose repeated layers agree")
 
 
-def test_a_plan_whose_tail_was_solved_again_says_over_which_groups_it_is_optimal():
-    """The tail's solve again keeps its reductions to the most used device group of each kind
-    and is exact over those plans only; the note said "optimal" as if over every plan, and a
-    budget of 400,000 bytes ended 4.8% costlier than one of 300,000 (whose plan fits it too):
-    the note names the groups (d1 and d2 there; d1 unbudgeted, here)."""
+def _mlp_adam_step():
+    """A 64-256-256-16 MLP's Adam step and its abstract arguments (params, state, x, y)."""
     import optax
 
     from jaxpar.models import mlp
@@ -593,8 +590,16 @@ def test_a_plan_whose_tail_was_solved_again_says_over_which_groups_it_is_optimal
     tx = optax.adam(1e-2)
     params = jax.eval_shape(lambda: mlp.init_mlp(jax.random.key(0), [64, 256, 256, 16]))
     x, y = (jax.ShapeDtypeStruct((32, n), np.float32) for n in (64, 16))
-    args = (params, jax.eval_shape(tx.init, params), x, y)
-    plan = jaxpar.shard(mlp.make_train_step(tx), search_mode="dynamic_programming", level=2,
+    return mlp.make_train_step(tx), (params, jax.eval_shape(tx.init, params), x, y)
+
+
+def test_a_plan_whose_tail_was_solved_again_says_over_which_groups_it_is_optimal():
+    """The tail's solve again keeps its reductions to the most used device group of each kind
+    and is exact over those plans only; the note said "optimal" as if over every plan, and a
+    budget of 400,000 bytes ended 4.8% costlier than one of 300,000 (whose plan fits it too):
+    the note names the groups (d1 and d2 there; d1 unbudgeted, here)."""
+    step, args = _mlp_adam_step()
+    plan = jaxpar.shard(step, search_mode="dynamic_programming", level=2,
                         mem_coeff=0.0, donate_argnums=(0, 1)).plan(*args)
     assert plan.notes[0].endswith("whose step-tail reductions are all-reduces over d1 only")
 
@@ -605,14 +610,7 @@ def test_under_a_budget_the_tail_is_solved_again_after_a_proven_first_solve_only
     # Stopped at its limit, a first solve under a budget leaves what time is left to fitting
     # the plan (exact._refit), not to the tail: the benchmark's GPT at 0.3 of its optimum's
     # peak spent 2.3 s on a tail not kept, and its refits came short (21.6x, not 13.1x).
-    import optax
-
-    from jaxpar.models import mlp
-
-    tx = optax.adam(1e-2)
-    params = jax.eval_shape(lambda: mlp.init_mlp(jax.random.key(0), [64, 256, 256, 16]))
-    x, y = (jax.ShapeDtypeStruct((32, n), np.float32) for n in (64, 16))
-    args = (params, jax.eval_shape(tx.init, params), x, y)
+    step, args = _mlp_adam_step()
     real_solve, tails = exact.solve, []
 
     def solve(problem, time_limit=30.0):
@@ -625,8 +623,8 @@ def test_under_a_budget_the_tail_is_solved_again_after_a_proven_first_solve_only
 
     monkeypatch.setattr(exact, "solve", solve)
     monkeypatch.setattr(exact, "_one_latency_per_group", tail)
-    jaxpar.shard(mlp.make_train_step(tx), search_mode="dynamic_programming", level=2,
-                 mem_coeff=0.0, donate_argnums=(0, 1), memory_budget=600_000).plan(*args)
+    jaxpar.shard(step, search_mode="dynamic_programming", level=2, mem_coeff=0.0,
+                 donate_argnums=(0, 1), memory_budget=600_000).plan(*args)
     assert len(tails) == (0 if stopped else 1)
 
 
@@ -634,14 +632,7 @@ def test_a_tail_no_plan_of_which_fits_the_budget_leaves_the_first_plan(monkeypat
     # Held to one device group per kind, the tail's plans may all break the budget: the solve
     # again then says so (ValueError), and the first solve's plan stands; the search must not
     # say the budget cannot be met.
-    import optax
-
-    from jaxpar.models import mlp
-
-    tx = optax.adam(1e-2)
-    params = jax.eval_shape(lambda: mlp.init_mlp(jax.random.key(0), [64, 256, 256, 16]))
-    x, y = (jax.ShapeDtypeStruct((32, n), np.float32) for n in (64, 16))
-    args = (params, jax.eval_shape(tx.init, params), x, y)
+    step, args = _mlp_adam_step()
     real_solve, solves = exact.solve, []
 
     def solve(problem, time_limit=30.0):
@@ -651,7 +642,6 @@ def test_a_tail_no_plan_of_which_fits_the_budget_leaves_the_first_plan(monkeypat
         return real_solve(problem, time_limit)
 
     monkeypatch.setattr(exact, "solve", solve)
-    step = mlp.make_train_step(tx)
     plan = jaxpar.shard(step, search_mode="dynamic_programming", level=2, mem_coeff=0.0,
                         donate_argnums=(0, 1), memory_budget=600_000).plan(*args)
     assert len(solves) >= 2 and solves[1].sizes != solves[0].sizes  # the tail, held to fewer
