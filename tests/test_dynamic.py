@@ -358,6 +358,27 @@ def test_tied_nodes_that_disagree_on_their_least_memory_candidate_give_a_bound()
         solve(agree)
 
 
+def test_a_budget_no_found_assignment_fits_is_refused_as_proven_or_as_not_found(monkeypatch):
+    # Tied nodes 0 and 1 hold 1 + 9 or 9 + 1 bytes: no assignment fits 5, though each node's
+    # least (1 + 1) does, so the first check passes and the ILP has the last word. Where it
+    # proves none fits, the budget cannot be met; where it stops before finding one, the
+    # search says that it found none in time (it said none fits, and a ViT step's budget
+    # that recursive_programming meets was refused so).
+    tied = Problem((_mat([0, 1]), _mat([1, 0]), _mat([0, 0])),
+                   ((0, 2, _mat([[0, 1], [1, 0]])), (1, 2, _mat([[0, 1], [1, 0]]))),
+                   (_mat([1, 9]), _mat([9, 1]), _mat([0, 0])), budget=5.0, tied=((0, 1),))
+    with pytest.raises(ValueError, match=r"^no strategy assignment in which tied nodes agree "
+                                         r"fits memory_budget=5 bytes") as proven:
+        solve(tied)
+    assert not isinstance(proven.value, dynamic.NotFound)
+    monkeypatch.setattr(dynamic, "_solve_ilp", lambda *a, **k: (None, -np.inf, False))
+    with pytest.raises(dynamic.NotFound, match=r"^no strategy assignment that fits "
+                                               r"memory_budget=5 bytes per device was found "
+                                               r"within the time limit, and none is proven "
+                                               r"impossible \(.* peaks at 10\)$"):
+        solve(tied)
+
+
 def test_pruning_removes_a_dominated_candidate():
     # Candidate 1 of node 0 costs more, uses more memory and reshards no cheaper: dominated.
     problem = Problem((_mat([1, 2, 0]), _mat([0, 0])),

@@ -1,6 +1,7 @@
 """search_mode="dynamic_programming": the exact optimum of the cost model, end to end."""
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -647,6 +648,40 @@ def test_a_tail_no_plan_of_which_fits_the_budget_leaves_the_first_plan(monkeypat
     assert len(solves) >= 2 and solves[1].sizes != solves[0].sizes  # the tail, held to fewer
     assert plan.cost.peak_memory_bytes <= 600_000
     assert "whose step-tail reductions" not in plan.notes[0]  # the first solve's plan
+
+
+def test_a_budgeted_search_that_found_none_in_time_gives_the_walks_plan(monkeypatch):
+    # dynamic_programming found no plan under the budget within its time limit and proved
+    # none impossible (dynamic.NotFound): recursive_programming's plan under the budget, said
+    # in the notes; the exact search's error where the walk finds none either.
+    from jaxpar.search import dynamic, recursive
+
+    step, args = _mlp_adam_step()
+    said = ("memory_budget=600000 bytes per device was not met: no strategy assignment that "
+            "fits memory_budget=600000 bytes per device was found within the time limit, and "
+            "none is proven impossible (the one of least bytes per node peaks at 700000)")
+
+    def stopped(*args, **kwargs):
+        raise dynamic.NotFound(said)
+
+    monkeypatch.setattr("jaxpar.api.dynamic_programming", stopped)
+
+    def plan():
+        return jaxpar.shard(step, search_mode="dynamic_programming", level=2, mem_coeff=0.0,
+                            donate_argnums=(0, 1), memory_budget=600_000).plan(*args)
+
+    found = plan()
+    assert found.notes[0] == f"dynamic_programming: {said}; recursive_programming's plan " \
+                             "under the budget: kept instead"
+    assert found.cost.peak_memory_bytes <= 600_000
+
+    def refused(*args, **kwargs):
+        raise ValueError("memory_budget=600000 bytes per device cannot be met by "
+                         "recursive_programming")
+
+    monkeypatch.setattr(recursive, "recursive_programming", refused)
+    with pytest.raises(dynamic.NotFound, match=re.escape(said)):
+        plan()
 
 
 def test_tied_nodes_are_held_to_what_each_of_them_keeps():

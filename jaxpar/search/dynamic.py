@@ -383,7 +383,9 @@ def solve(problem: Problem, time_limit: float = 30.0, rel_gap: float = 1e-9) -> 
         A Solution; `cost` is always the objective of `choice` on `problem`.
 
     Raises:
-        ValueError: when no assignment fits the memory budget (names the smallest peak).
+        ValueError: when no assignment fits the memory budget (names the smallest peak);
+            NotFound (a ValueError) when none that fits was found within the time limit and
+            none is proven impossible.
 
     Example:
         >>> p = Problem((np.array([1.0, 0.0]), np.array([0.0, 1.0])),
@@ -436,6 +438,11 @@ def _check_budget(problem: Problem) -> None:
             f"{byte_count(sums[worst])} bytes{where} (found by taking every node's least-memory "
             "candidate"
             f"{', which is exact for this memory model' if exact else ''})")
+
+
+class NotFound(ValueError):
+    """No assignment that fits the memory budget was found before the time limit, and none
+    is proven impossible (solve's ValueError says the budget cannot be met: proven)."""
 
 
 def byte_count(x: float) -> str:
@@ -557,13 +564,22 @@ def _finish_ilp(problem: Problem, core: Core, search: LocalSearch, keep: tuple[d
                 best: dict | None, lower: float, deadline: float, rel_gap: float) -> tuple:
     """The ILP over what fixing kept; the better of its answer and `best`, with the gap."""
     found, bound, proven = _solve_ilp(problem, core, keep, _scale(core), deadline, rel_gap)
+    impossible = bound == np.inf  # HiGHS proved that no kept assignment fits the budget
+    if impossible:
+        bound = -np.inf
     if found is not None:
         found = search.polish(found)
         if best is None or search.value(found) < search.value(best):
             best = found
-    if best is None:
+    if best is None:  # the ILP found none in time, or none exists
         least = search.least_memory()
         if not search.feasible(least):
+            if not impossible:  # the ILP stopped: none found, none proven impossible
+                raise NotFound(
+                    f"no strategy assignment that fits memory_budget="
+                    f"{byte_count(problem.budget)} bytes per device was found within the time "
+                    "limit, and none is proven impossible (the one of least bytes per node "
+                    f"peaks at {byte_count(search.usage(least).max())})")
             raise ValueError(f"no strategy assignment in which tied nodes agree fits "
                              f"memory_budget={byte_count(problem.budget)} bytes per device")
         best = search.polish(least)
@@ -598,6 +614,7 @@ def _solve_ilp(problem: Problem, core: Core, keep: tuple[dict, dict], scale: flo
                options={"time_limit": seconds, "mip_rel_gap": rel_gap})
     if res.status == 2 and problem.has_budget:
         _check_budget(problem)  # raises the user-facing message when the budget is the cause
+        return None, np.inf, False  # proven: no assignment fits (an empty set's bound)
     if res.status not in (0, 1, 2):
         raise RuntimeError(f"HiGHS failed on the strategy ILP: {res.message}")
     found = None

@@ -86,6 +86,7 @@ from jaxpar.ir.graph import Op, OpGraph, scan_counts
 from jaxpar.ir.repeat import op_classes
 from jaxpar.rules.registry import has_rule
 from jaxpar.search.dynamic import (
+    NotFound,
     Problem,
     Solution,
     byte_count,
@@ -181,7 +182,8 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
         progress.step("solving")
         try:
             solution = solved(t, problem)
-        except ValueError as err:  # no assignment fits: say it in the user's terms
+        except ValueError as err:  # no assignment fits (or none found in time): said in the
+            # user's terms
             said = str(err)
             bodies = ""
             if loops:  # the bound holds over the loops' few body plans, not over every plan
@@ -204,8 +206,9 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
                 said = said.replace("the smallest possible peak is",
                                     "the smallest possible peak of the rest is", 1).replace(
                     "the smallest peak of those is", "the smallest peak of the rest is", 1)
-            raise ValueError(f"memory_budget={memory_budget:.0f} bytes per device cannot be "
-                             f"met{placed}: {said}{bodies}") from None
+            verdict = "was not met" if isinstance(err, NotFound) else "cannot be met"
+            raise type(err)(f"memory_budget={memory_budget:.0f} bytes per device {verdict}"
+                            f"{placed}: {said}{bodies}") from None
         plan = _to_plan(graph, t, solution.choice, fixed_in, region)
         # Each loop's body was solved for free operands; solved again for the operand specs
         # this plan gives it (a region's: and those its held plan gives it), the loops of a

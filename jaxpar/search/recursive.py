@@ -221,7 +221,8 @@ def _exact_within(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
         gp, found = dynamic_programming(graph, model, fixed_in, fixed_out, memory_budget,
                                         time_limit=_EXACT_S, ties=ties)
     except ValueError as err:
-        said = re.sub(r"^memory_budget=\S+ bytes per device cannot be met: ", "", str(err))
+        said = re.sub(r"^memory_budget=\S+ bytes per device (cannot be|was not) met: ", "",
+                      str(err))
         said = said.rstrip(".") + "."
         raise ValueError(
             f"memory_budget={memory_budget:.0f} bytes per device cannot be met by "
