@@ -609,8 +609,9 @@ def test_a_plan_whose_tail_was_solved_again_says_over_which_groups_it_is_optimal
 def test_under_a_budget_the_tail_is_solved_again_after_a_proven_first_solve_only(
         monkeypatch, stopped):
     # Stopped at its limit, a first solve under a budget leaves what time is left to fitting
-    # the plan (exact._refit), not to the tail: the benchmark's GPT at 0.3 of its optimum's
-    # peak spent 2.3 s on a tail not kept, and its refits came short (21.6x, not 13.1x).
+    # the plan (exact._refit), not to the tail: recursive_programming's exact search (10 s)
+    # under the benchmark GPT's budget of 0.3 of its optimum's peak spent 2.3 s on a tail it
+    # did not keep, and its refits came short (21.6x the optimum's objective, not 13.1x).
     step, args = _mlp_adam_step()
     real_solve, tails = exact.solve, []
 
