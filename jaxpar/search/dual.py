@@ -45,6 +45,11 @@ class DualAscent:
         self.links = {v: [self._link(v, j) for j in sorted(core.adj[v])] for v in self.vars}
         self.weight = {v: 1.0 / max(sum(j < v for j in core.adj[v]),
                                     sum(j > v for j in core.adj[v]), 1) for v in self.vars}
+        # what a sweep reads of each link, in one tuple: (the pair of multipliers it updates,
+        # its side, the other side, K, own classes, order, starts, ahead forward, backward)
+        self._sweep = {v: [(self.lam[key], side, 1 - side, k, own, order, starts, j > v, j < v)
+                           for key, side, k, own, j, _, order, starts in links]
+                       for v, links in self.links.items()}
 
     def reprice(self, cost: dict[int, np.ndarray]) -> None:
         """New candidate costs; the multipliers stay (a warm start)."""
@@ -64,17 +69,20 @@ class DualAscent:
 
     def sweep(self, backward: bool, balanced: bool = False) -> None:
         """One pass over the variables, forward or backward (see the module doc)."""
+        least, reduceat = np.minimum.reduce, np.minimum.reduceat
         for v in (reversed(self.vars) if backward else self.vars):
-            links = self.links[v]
+            links = self._sweep[v]
             if not links:
                 continue
-            mus = [self._mu(link) for link in links]
-            total = self.cost[v] + sum(m[link[3]] for m, link in zip(mus, links, strict=True))
+            mus = [least(k - pair[other], axis=1) for pair, _, other, k, *_ in links]
+            total = self.cost[v] + sum(m[link[4]] for m, link in zip(mus, links, strict=True))
             w = 1.0 / (len(links) + 1) if balanced else self.weight[v]
-            for m, (key, side, _, _, j, _, order, starts) in zip(mus, links, strict=True):
-                ahead = balanced or (j < v if backward else j > v)
-                self.lam[key][side] = m - w * np.minimum.reduceat(total[order], starts) \
-                    if ahead else m
+            for m, (pair, side, _, _, _, order, starts, forward, back) in zip(mus, links,
+                                                                              strict=True):
+                if balanced or (back if backward else forward):
+                    pair[side] = m - w * reduceat(total[order], starts)
+                else:
+                    pair[side] = m
 
     def theta(self, v: int) -> np.ndarray:
         t = self.cost[v].copy()
@@ -149,11 +157,18 @@ class LocalSearch:
 
     def polish(self, x: dict, sweeps: int = 50) -> dict:
         """Iterated conditional modes: move one variable at a time to a cheaper candidate
-        given its neighbours' choices, keeping the budget, until no move helps."""
+        given its neighbours' choices, keeping the budget, until no move helps. Without a
+        budget a variable is looked at again only once a neighbour has moved (else it would
+        stay where it is: its costs are the same), which ends where the full sweeps end."""
         x = dict(x)
+        adj, stale = self.core.adj, set(self.vars)  # stale: to look at in the next sweep
         for _ in range(sweeps):
             moved = False
             for v in self.vars:
+                if self.memory is None:
+                    if v not in stale:
+                        continue
+                    stale.discard(v)
                 t = self.local(x, v)
                 for s in np.argsort(t, kind="stable"):
                     if t[s] >= t[x[v]] - 1e-12 * abs(t[x[v]]):
@@ -161,6 +176,7 @@ class LocalSearch:
                     old, x[v] = x[v], int(s)
                     if self.feasible(x):
                         moved = True
+                        stale.update(adj[v])
                         break
                     x[v] = old
             if not moved:
