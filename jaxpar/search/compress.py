@@ -154,7 +154,7 @@ def _merge(edges: list[CEdge]) -> CEdge:
         return edges[0]
     row, rep_r = _refine([e.row for e in edges])
     col, rep_c = _refine([e.col for e in edges])
-    k = sum(e.K[np.ix_(e.row[rep_r], e.col[rep_c])] for e in edges)
+    k = sum(e.K[e.row[rep_r]][:, e.col[rep_c]] for e in edges)
     return CEdge(k, row, col)
 
 
@@ -180,10 +180,10 @@ def _canonical(e: CEdge) -> CEdge:
     """Drop unused classes and merge classes whose rows (columns) of K are equal."""
     used_r, row = _used(e.row, e.K.shape[0])
     used_c, col = _used(e.col, e.K.shape[1])
-    k = e.K[np.ix_(used_r, used_c)]
+    k = e.K[used_r][:, used_c]
     reps_r, cls_r = _distinct_rows(k)
     reps_c, cls_c = _distinct_rows(np.ascontiguousarray(k.T))
-    return CEdge(k[np.ix_(reps_r, reps_c)], cls_r[row.ravel()], cls_c[col.ravel()])
+    return CEdge(k[reps_r][:, reps_c], cls_r[row.ravel()], cls_c[col.ravel()])
 
 
 def _settle(core: Core, key: tuple[int, int], memo: dict | None = None) -> None:
