@@ -199,6 +199,39 @@ def test_fixing_keeps_every_assignment_within_the_slack():
         assert [e.row[x[a]], e.col[x[b]]] in pairs[(a, b)].tolist()
 
 
+def _full_sweeps(search: dual.LocalSearch, x: dict) -> dict:
+    """Iterated conditional modes, every variable looked at in every sweep until none moves
+    (what LocalSearch.polish did before it skipped the variables no neighbour's move touched)."""
+    x = dict(x)
+    while True:
+        moved = False
+        for v in search.vars:
+            t = search.local(x, v)
+            best = int(np.argsort(t, kind="stable")[0])
+            if t[best] < t[x[v]] - 1e-12 * abs(t[x[v]]):
+                x[v], moved = best, True
+        if not moved:
+            return x
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_polish_ends_where_full_sweeps_end(seed):
+    # Without a budget, polish looks again only at variables whose neighbour moved: from any
+    # start it must end at the assignment that sweeping every variable each time ends at,
+    # and at one no single move improves.
+    problem = random_problem(300 + seed, "dense" if seed % 2 else "dag", False)
+    core = reduce_problem(problem, memory=True)  # nothing eliminated: many variables
+    search = dual.LocalSearch(core, core.cost)
+    rng = np.random.default_rng(seed)
+    for _ in range(5):
+        start = {v: int(rng.integers(len(core.cost[v]))) for v in search.vars}
+        got = search.polish(start)
+        assert got == _full_sweeps(search, start)
+        for v in search.vars:
+            t = search.local(got, v)
+            assert t[got[v]] <= t.min() + 1e-12 * abs(t[got[v]])
+
+
 @pytest.mark.parametrize("seed", range(16))
 def test_live_ranges_act_as_the_live_sets_at_every_point(seed):
     base = random_problem(300 + seed, SHAPES[seed % 4], True)
