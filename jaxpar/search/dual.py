@@ -124,6 +124,7 @@ class LocalSearch:
         self.core, self.cost, self.memory = core, cost, memory
         self.vars = sorted(core.alive)
         self.links = {v: [core.edge(v, j) + (j,) for j in core.adj[v]] for v in self.vars}
+        self.neighbours = {v: tuple(j for *_, j in links) for v, links in self.links.items()}
 
     def local(self, x: dict, v: int) -> np.ndarray:
         t = self.cost[v].copy()
@@ -161,7 +162,7 @@ class LocalSearch:
         budget a variable is looked at again only once a neighbour has moved (else it would
         stay where it is: its costs are the same), which ends where the full sweeps end."""
         x = dict(x)
-        adj, stale = self.core.adj, set(self.vars)  # stale: to look at in the next sweep
+        stale = set(self.vars)  # to look at in the next sweep
         for _ in range(sweeps):
             moved = False
             for v in self.vars:
@@ -176,7 +177,7 @@ class LocalSearch:
                     old, x[v] = x[v], int(s)
                     if self.feasible(x):
                         moved = True
-                        stale.update(adj[v])
+                        stale.update(self.neighbours[v])
                         break
                     x[v] = old
             if not moved:
