@@ -74,6 +74,7 @@ class DualAscent:
             links = self._sweep[v]
             if not links:
                 continue
+            # _mu of each link, inline (8% of the 48-layer GPT step's grouped solve)
             mus = [least(k - pair[other], axis=1) for pair, _, other, k, *_ in links]
             total = self.cost[v] + sum(m[link[4]] for m, link in zip(mus, links, strict=True))
             w = 1.0 / (len(links) + 1) if balanced else self.weight[v]
