@@ -21,12 +21,15 @@ Each run is its own process, killed after `--time-limit` seconds ("timeout") and
 run on the larger programs ("skipped"). With `--repeat N` each (layers, mode) is run N times,
 each in a fresh process, and its row is the run with the least search time (the others'
 search times are kept in the JSON): wall times on a shared machine vary by up to 2x. A mode
-this jaxpar does not have is recorded as "unavailable". Writes DIR/search_time.json and
+this jaxpar does not have is recorded as "unavailable". `--memory-budget` plans under
+jaxpar.shard's memory_budget (bytes per device, or "hardware"). Writes DIR/search_time.json and
 DIR/search_time.md after every run, so a long sweep stopped early keeps what it measured.
 
     python benchmarks/search_time.py --layers 2 4 8 16 32 48 --time-limit 600 --repeat 3
     python benchmarks/search_time.py --layers 1 2 --d-model 64 --heads 4 --vocab 128 --seq 16 \
         --batch 8 --modes sharding_propagation
+    python benchmarks/search_time.py --layers 48 --modes dynamic_programming \
+        --memory-budget hardware
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class Config:
     seq: int = 512
     batch: int = 16
     hardware: str = "h100-nvlink"
+    memory_budget: str | None = None  # jaxpar.shard's: bytes per device, or "hardware"
 
 
 def plan_once(layers: int, mode: str, cfg: Config) -> dict:
@@ -85,7 +89,8 @@ def plan_once(layers: int, mode: str, cfg: Config) -> dict:
     start, cpu = time.perf_counter(), time.process_time()  # again, warm, as `.plan()` will
     build_graph(trace(step, args).closed_jaxpr, traced.in_paths)  # trace and build it
     warm_s, warm_cpu = time.perf_counter() - start, time.process_time() - cpu
-    f = jaxpar.shard(step, mesh=jaxpar.make_mesh(8), search_mode=mode, hardware=cfg.hardware)
+    f = jaxpar.shard(step, mesh=jaxpar.make_mesh(8), search_mode=mode, hardware=cfg.hardware,
+                     memory_budget=_budget(cfg.memory_budget))
     start, cpu = time.perf_counter(), time.process_time()
     with progress.timed() as timings:
         plan = f.plan(*args)
@@ -99,6 +104,18 @@ def plan_once(layers: int, mode: str, cfg: Config) -> dict:
             "objective": score,
             "comm_bytes": plan.cost.comm_bytes, "notes": plan.notes,
             "steps": _steps(timings, f"searching ({mode})")} | _optimality(plan.notes)
+
+
+def _budget(given: str | None) -> float | str | None:
+    """--memory-budget as jaxpar.shard takes it: "hardware" (the profile's memory per device),
+    a number of bytes per device, or None."""
+    if given is None or given == "hardware":
+        return given
+    try:
+        return float(given)
+    except ValueError:
+        raise ValueError(f"--memory-budget {given!r}: bytes per device (a number, e.g. 8e9) or "
+                         "'hardware'") from None
 
 
 def _steps(timings, stage: str) -> list[list]:
@@ -126,7 +143,8 @@ def run_child(layers: int, mode: str, cfg: Config, time_limit: float,
     """plan_once in a fresh process, killed after `time_limit` seconds, its address space
     capped at `memory_gb` (None: no cap)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(layers), mode,
-           *(a for k, v in asdict(cfg).items() for a in (f"--{k.replace('_', '-')}", str(v)))]
+           *(a for k, v in asdict(cfg).items() if v is not None
+             for a in (f"--{k.replace('_', '-')}", str(v)))]
 
     def cap() -> None:
         limit = int(memory_gb * 2**30)
@@ -222,8 +240,9 @@ HEADER = ["layers", "mode", "eqns", "ops", "trace+graph", "search", "search CPU"
 
 def markdown(result: dict) -> str:
     c = result["config"]
+    budget = "" if c.get("memory_budget") is None else f", memory_budget {c['memory_budget']}"
     lines = [f"GPT step, d_model {c['d_model']}, {c['heads']} heads, vocab {c['vocab']}, seq "
-             f"{c['seq']}, batch {c['batch']}; 8 devices, {c['hardware']}; limits per run "
+             f"{c['seq']}, batch {c['batch']}; 8 devices, {c['hardware']}{budget}; limits per run "
              f"{result['time_limit_s']:g} s, {result['memory_limit_gb'] or 'no'} GB; "
              f"each row the least search time of {result.get('repeat', 1)} run(s); "
              f"jax {result['jax']}.", "",
@@ -263,12 +282,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="runs per (layers, mode), each its own process; the row is the one "
                         "with the least search time")
     parser.add_argument("--hardware", default="h100-nvlink")
+    parser.add_argument("--memory-budget", default=None,
+                        help="jaxpar.shard's memory_budget: bytes per device, or 'hardware' "
+                        "(default: none)")
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--child", nargs=2, metavar=("LAYERS", "MODE"), help=argparse.SUPPRESS)
     a = parser.parse_args(argv)
     if a.repeat < 1:
         parser.error(f"--repeat {a.repeat}: runs per (layers, mode); pass 1 or more")
-    cfg = Config(a.d_model, a.heads, a.vocab, a.seq, a.batch, a.hardware)
+    cfg = Config(a.d_model, a.heads, a.vocab, a.seq, a.batch, a.hardware, a.memory_budget)
+    try:
+        _budget(cfg.memory_budget)
+    except ValueError as err:
+        parser.error(str(err))
     if a.child:
         print(_MARK + json.dumps(plan_once(int(a.child[0]), a.child[1], cfg)))
         return 0

@@ -123,6 +123,20 @@ def test_search_time_tiny(tmp_path):
     assert steps[0].startswith("Where sharding_propagation's")  # the steps' table after it
 
 
+def test_search_time_plans_under_a_memory_budget(tmp_path):
+    # Given to the child process as a flag, and to jaxpar.shard there: a budget too small for
+    # any plan is refused in the child, whose error becomes the row's.
+    for budget, status in (("hardware", "ok"), ("1000", "error")):
+        cfg = search_time.Config(**TINY, memory_budget=budget)
+        row, = search_time.run([1], ["dynamic_programming"], cfg, 300.0, tmp_path)["rows"]
+        assert row["status"] == status, row.get("error")
+        assert f"h100-nvlink, memory_budget {budget};" in \
+            (tmp_path / "search_time.md").read_text()
+    assert "memory_budget=1000 bytes per device" in row["error"]
+    with pytest.raises(SystemExit):  # neither bytes nor "hardware": argparse's error
+        search_time.main(["--memory-budget", "lots"])
+
+
 @pytest.mark.parametrize("repeat", [0, 1.5, True])
 def test_search_time_rejects_a_bad_repeat(repeat):
     with pytest.raises(ValueError, match="repeat="):

@@ -6,7 +6,9 @@ method, seconds). The graph becomes cost tables (tables.py), the tables a `Probl
 solver (dynamic.py), and the answer a plan again. The memory budget bounds the bytes live at
 every point of the program (Alpa's peak of live tensors); the solver prices them per choice,
 and a plan holding more than the budget by what two choices make together (plan.peak_memory
-counts it) is solved again for a budget lower by that (at most _REFITS times).
+counts it) is solved again for a budget lower by that (at most _REFITS times). The search runs
+without the budget first: the plans that fit are some of all plans, so where the optimum of all
+fits, it is the answer, found without live sets on the folded tables (_unbudgeted_fits).
 
 Repeated layers are solved once: with tie_repeats (by default in a deep model, below), ops that
 play the same part in identical layers (one Weisfeiler-Lehman class, ir/repeat.py, and one
@@ -103,6 +105,8 @@ _LOOP_PASSES = 4  # at most this many solves again with loop bodies planned for 
 _TIE_SHARE = 0.25  # tie_repeats ties only where op classes are at most this share of the ops
 _AGAIN_TIMES, _AGAIN_MIN_S = 3.0, 1.0  # the tail's solve again: 3x the first solve, 1 s at least
 _REFITS = 3       # under a budget: solves again, the budget lowered by what the plan held over it
+_LOOSE_SHARE = 0.5  # under a budget: at most this share of time_limit for the search without
+                    # it first (_unbudgeted_fits)
 
 
 def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
@@ -149,6 +153,12 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
     if region is not None and budget is not None:
         raise ValueError("dynamic_programming: a region is searched without a memory budget "
                          "(live sets count every op); pass memory_budget=None with it")
+    if budget is not None:
+        found = _unbudgeted_fits(graph, model, fixed_in, fixed_out, memory_budget,
+                                 min(left(), time_limit * _LOOSE_SHARE), ties, tie_repeats,
+                                 allow, group_tail)
+        if found is not None:
+            return found
     with progress.stage(""):
         progress.step("pricing strategies and resharding")
 
@@ -234,6 +244,25 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
             plan, solution = _refit(graph, model, fixed_in, fixed_out, ties, memory_budget,
                                     t, problem, plan, solution, solved, left)
     return plan, dataclasses.replace(solution, repeats_tied=classes is not None)
+
+
+def _unbudgeted_fits(graph, model, fixed_in, fixed_out, memory_budget, time_limit, ties,
+                     tie_repeats, allow, group_tail) -> tuple[GraphPlan, Solution] | None:
+    """The search without the budget, its answer where it is proven optimal and fits the
+    budget (its peak as plan.peak_memory counts it, as _refit's), else None. The plans that
+    fit are some of all plans, so the optimum of all that fits is theirs too; found without
+    live sets, repeated layers are one node of the tables (the budget unfolds them: every
+    op a node), and a budget the optimum meets (memory_budget="hardware", most often) costs
+    about what no budget does: benchmarks/search_time.py's 48-layer GPT step searched in
+    9.5 s under "hardware", 5.8 s now; at its optimum's own peak 37.9 s, 6.0 s now. A budget
+    it misses pays for this search too, out of time_limit."""
+    from jaxpar.plan import search_peak
+
+    with progress.stage("without the budget (its optimum, where that fits)"):
+        plan, solution = dynamic_programming(graph, model, fixed_in, fixed_out, None,
+                                             time_limit, ties, tie_repeats, allow, group_tail)
+    fits = search_peak(graph, plan, model.mesh, fixed_out, ties) <= memory_budget
+    return (plan, solution) if solution.optimal and fits else None
 
 
 def _refit(graph, model, fixed_in, fixed_out, ties, memory_budget, t, problem, plan, solution,
