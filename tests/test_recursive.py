@@ -874,6 +874,38 @@ def test_a_budget_no_plan_of_the_walk_meets_is_planned_by_the_exact_search():
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
+def test_a_budget_the_exact_search_misses_too_is_said_once(monkeypatch):
+    """Where neither the walk nor the exact search under the budget finds a plan that fits,
+    the error says the budget once, in recursive_programming's words, and the exact search's
+    reason after it (exact's error carries it bare, as `reason`)."""
+    from budget_cases import sgd_mlp_and_its_least_peak
+
+    from jaxpar.search import dynamic, exact
+
+    step, args, least = sgd_mlp_and_its_least_peak()
+    real_solve = exact.solve
+
+    def solve(problem, time_limit=30.0):  # the search under the budget stops with nothing
+        if problem.has_budget:
+            raise dynamic.NotFound("no strategy assignment that fits memory_budget=... was "
+                                   "found within the time limit, and none is proven "
+                                   "impossible")
+        return real_solve(problem, time_limit)
+
+    monkeypatch.setattr(exact, "solve", solve)
+    budget = 1.5 * least
+    with pytest.raises(ValueError) as err:
+        jaxpar.shard(step, search_mode="recursive_programming", memory_budget=budget
+                     ).plan(*args)
+    said = str(err.value)
+    assert said.startswith(f"memory_budget={budget:.0f} bytes per device cannot be met by "
+                           "recursive_programming: its leanest plan peaks at ")
+    assert "and the exact search under the budget found none either: no strategy " \
+           "assignment that fits memory_budget=... was found within the time limit, and " \
+           "none is proven impossible. Cut more dimensions" in said
+    assert "met:" not in said and said.count(f"memory_budget={budget:.0f}") == 1
+
+
 @pytest.mark.parametrize("budget,in_strategy,match", [
     (20_000, None, r"memory_budget=20000 bytes per device cannot be met: no plan holds "
                    r"less than \d+ bytes per device at its fullest point .*recursive_"

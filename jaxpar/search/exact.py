@@ -217,8 +217,10 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
                                     "the smallest possible peak of the rest is", 1).replace(
                     "the smallest peak of those is", "the smallest peak of the rest is", 1)
             verdict = "was not met" if isinstance(err, NotFound) else "cannot be met"
-            raise type(err)(f"memory_budget={memory_budget:.0f} bytes per device {verdict}"
-                            f"{placed}: {said}{bodies}") from None
+            unmet = type(err)(f"memory_budget={memory_budget:.0f} bytes per device {verdict}"
+                              f"{placed}: {said}{bodies}")
+            unmet.placed, unmet.reason = placed, f"{said}{bodies}"  # for a caller's own words
+            raise unmet from None
         plan = _to_plan(graph, t, solution.choice, fixed_in, region)
         # Each loop's body was solved for free operands; solved again for the operand specs
         # this plan gives it (a region's: and those its held plan gives it), the loops of a

@@ -103,7 +103,6 @@ remains are not bounded so.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -220,15 +219,14 @@ def _exact_within(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     try:
         gp, found = dynamic_programming(graph, model, fixed_in, fixed_out, memory_budget,
                                         time_limit=_EXACT_S, ties=ties)
-    except ValueError as err:
-        said = re.sub(r"^memory_budget=\S+ bytes per device (cannot be|was not) met: ", "",
-                      str(err))
-        said = said.rstrip(".") + "."
+    except ValueError as err:  # its reason without its own "memory_budget=... met" (where
+        # it gives one: exact.dynamic_programming's budget errors)
+        said = getattr(err, "reason", str(err)).rstrip(".") + "."
         raise ValueError(
             f"memory_budget={memory_budget:.0f} bytes per device cannot be met by "
             f"recursive_programming: {tried}, and the exact search under the budget found "
-            f"none either: {said} Cut more dimensions in in_strategy/parameter_plan, use a "
-            "larger mesh, or raise the budget.") from None
+            f"none either{getattr(err, 'placed', '')}: {said} Cut more dimensions in "
+            "in_strategy/parameter_plan, use a larger mesh, or raise the budget.") from None
     lines: list[str] = []
     _note(lines, f"memory_budget={memory_budget:.0f} bytes per device: no plan of the walk "
           f"fits; {tried}. The exact search under the budget (dynamic_programming, "
