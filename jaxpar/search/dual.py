@@ -125,7 +125,6 @@ class LocalSearch:
         self.core, self.cost, self.memory = core, cost, memory
         self.vars = sorted(core.alive)
         self.links = {v: [core.edge(v, j) + (j,) for j in core.adj[v]] for v in self.vars}
-        self.neighbours = {v: tuple(j for *_, j in links) for v, links in self.links.items()}
 
     def local(self, x: dict, v: int) -> np.ndarray:
         t = self.cost[v].copy()
@@ -178,7 +177,7 @@ class LocalSearch:
                     old, x[v] = x[v], int(s)
                     if self.feasible(x):
                         moved = True
-                        stale.update(self.neighbours[v])
+                        stale.update(j for *_, j in self.links[v])  # its neighbours
                         break
                     x[v] = old
             if not moved:
