@@ -414,6 +414,37 @@ def test_on_three_axes_the_axes_are_also_solved_again_from_the_lockstep_plan(mon
     assert _tied_cost(graph, model, walk, ties) > exact * 1.3
 
 
+def _gpt_step(layers: int):
+    step, args = abstract_train_step(GPTConfig(layers=layers, d_model=32, heads=2, vocab=64,
+                                               seq=8), 4)
+    return _tied(step, args, jaxpar.make_mesh(8))
+
+
+def test_a_deep_steps_solves_again_tie_its_end_layers_to_the_rest(monkeypatch):
+    # Eight hops tell apart the four layers nearest each end of a step, so the tables of each
+    # solve again grew with its depth; tied by two hops (resolve._tying) a deep step's are as
+    # large at 6 layers as at 4. Two layers are all ends: tied by eight, and a small graph
+    # is searched op by op.
+    from jaxpar.ir.repeat import ROUNDS
+    from jaxpar.search import exact
+
+    nodes, built = [], exact.build_tables
+
+    def counted(*args, **kw):
+        tables = built(*args, **kw)
+        nodes.append(len(tables.cands))
+        return tables
+    monkeypatch.setattr(exact, "build_tables", counted)
+    for layers in (4, 6):
+        graph, model, ties = _gpt_step(layers)
+        assert resolve._tying(graph) == {"tie_repeats": True, "tie_rounds": 2}
+        resolve.solve_lockstep(graph, model, {}, {}, tuple(ties))
+    assert nodes[0] == nodes[1]
+    assert resolve._tying(_gpt_step(2)[0]) == {"tie_repeats": True, "tie_rounds": ROUNDS}
+    small = _graph(mlp_step, mlp_args(32, 256), None, jaxpar.make_mesh(8))[0]
+    assert resolve._tying(small) == {"tie_repeats": None}
+
+
 def test_on_three_axes_a_start_uses_two_runs_of_axes_each_together(monkeypatch):
     # benchmarks/search_gap.py's MLP Adam step (8 layers, d 1024, ffn 4096, batch 256) on
     # 2 x 2 x 2 devices across two nodes, default objective: the optimum is a 2-D tensor

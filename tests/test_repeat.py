@@ -102,3 +102,18 @@ def test_classes_are_remembered_per_graph_and_handed_out_as_copies():
     again = op_classes(graph)
     assert again[0] != -1 and again == op_classes(graph, 8)
     assert op_classes(graph, 0) == _reference(graph, 0)
+
+
+def test_rounds_asked_in_turn_of_one_graph_match_the_plain_refinement():
+    # the signatures and edges are worked out once per graph and shared by every rounds
+    graph = _gpt(2)
+    for rounds in (8, 2, 0, 3):
+        assert op_classes(graph, rounds) == _reference(graph, rounds)
+
+
+def test_two_hops_tie_the_end_layers_to_the_rest():
+    # eight hops tell apart the layers nearest each end, so a deeper step has more classes;
+    # two tie them to the middle ones (what a deep step's solves again tie by, resolve._tying)
+    four, six = _gpt(4), _gpt(6)
+    assert len(set(op_classes(four, 8))) < len(set(op_classes(six, 8)))
+    assert len(set(op_classes(four, 2))) == len(set(op_classes(six, 2)))

@@ -118,22 +118,35 @@ def _refine(colour: np.ndarray, e: _Edges) -> np.ndarray:
     return _pair(_pair(colour, operands), readers)
 
 
-def op_classes(graph: OpGraph, rounds: int = 8) -> list[int]:
+ROUNDS = 8  # op_classes' hops by default
+
+
+def op_classes(graph: OpGraph, rounds: int = ROUNDS) -> list[int]:
     """Class number of each op (by op index), numbered in order of first appearance; see the
-    module docstring. Remembered on the graph (the searches ask more than once)."""
+    module docstring. Remembered on the graph (the searches ask more than once, and for more
+    than one number of rounds: the signatures and edges are worked out once)."""
     memo = graph.__dict__.setdefault("_op_classes", {})
     if rounds not in memo:
         memo[rounds] = _op_classes(graph, rounds)
     return list(memo[rounds])
 
 
+def _start(graph: OpGraph) -> tuple[np.ndarray, _Edges]:
+    """Each op's colour before refinement (its signature's number) and the graph's edges,
+    remembered on the graph (as op_classes' answers are: OpGraph is not changed once built)."""
+    hit = graph.__dict__.get("_op_colours")
+    if hit is None:
+        signatures: dict = {}
+        colour = np.array([signatures.setdefault(op_signature(op, graph), len(signatures))
+                           for op in graph.ops], dtype=np.uint64)
+        hit = graph.__dict__["_op_colours"] = (colour, _Edges(graph))
+    return hit
+
+
 def _op_classes(graph: OpGraph, rounds: int) -> list[int]:
     if not graph.ops:
         return []
-    signatures: dict = {}
-    colour = np.array([signatures.setdefault(op_signature(op, graph), len(signatures))
-                       for op in graph.ops], dtype=np.uint64)
-    edges = _Edges(graph)
+    colour, edges = _start(graph)
     with np.errstate(over="ignore"):
         for _ in range(rounds):
             colour = _refine(colour, edges)

@@ -36,8 +36,9 @@ against 17.8 s; 48: 12.3 s against 55.4 s, op classes 5% of the ops; busy).
 When it ties, the Solution says so (`repeats_tied`) and the plan's note names it. The
 solves again of parts of a plan inside recursive_programming and sharding_propagation
 (resolve.py) tie wherever op_classes finds repeats in a graph of more than a few hundred
-ops (resolve._tie: tie_repeats=True): untied, recursive_programming planned the 8-layer GPT
-step in 1.4 times the time, sharding_propagation in 3.4 times.
+ops (resolve._tying: tie_repeats=True): untied, recursive_programming planned the 8-layer GPT
+step in 1.4 times the time, sharding_propagation in 3.4 times. In a deep model they tie by
+two hops (tie_rounds), the layers by the ends too.
 
 A loop (scan, while; and a cond, see regions.py) is one node whose candidates are plans of its
 bodies (regions.region_candidates): by propagation, and with `CostModel.search_bodies`
@@ -85,7 +86,7 @@ from jaxpar.cost.model import (
     reduction_steps,
 )
 from jaxpar.ir.graph import Op, OpGraph, scan_counts
-from jaxpar.ir.repeat import op_classes
+from jaxpar.ir.repeat import ROUNDS, op_classes
 from jaxpar.rules.registry import has_rule
 from jaxpar.search.dynamic import (
     NotFound,
@@ -113,8 +114,8 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
                         fixed_out: dict[int, Spec], memory_budget: float | None = None,
                         time_limit: float = 30.0, ties: tuple[tuple[int, int], ...] = (),
                         tie_repeats: bool | None = None, allow: Allow | None = None,
-                        group_tail: bool = True, region: Region | None = None
-                        ) -> tuple[GraphPlan, Solution]:
+                        group_tail: bool = True, region: Region | None = None,
+                        tie_rounds: int = ROUNDS) -> tuple[GraphPlan, Solution]:
     """The cheapest plan of `graph` under `model` (see the module docstring).
 
     Args:
@@ -129,6 +130,8 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
             where that pays (repeats: a deep model), True wherever op_classes finds them
             (the solves again inside recursive_programming and sharding_propagation, which
             trade exactness for speed), False never.
+        tie_rounds: with tie_repeats True, the hops op_classes tells ops apart by (fewer:
+            more ops alike, fewer nodes; the solves again of a deep model's plan, resolve.py).
         allow: the candidates each op and free input may take (tables.Allow; None: all):
             the optimum over the plans made of those.
         group_tail: price the tail's reductions one latency per device group as XLA
@@ -156,7 +159,7 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
     if budget is not None:
         found = _unbudgeted_fits(graph, model, fixed_in, fixed_out, memory_budget,
                                  min(left(), time_limit * _LOOSE_SHARE), ties, tie_repeats,
-                                 allow, group_tail)
+                                 allow, group_tail, tie_rounds)
         if found is not None:
             return found
     with progress.stage(""):
@@ -185,7 +188,7 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
             return found
 
         classes = repeats(graph) if tie_repeats is None else \
-            op_classes(graph) if tie_repeats else None
+            op_classes(graph, tie_rounds) if tie_repeats else None
         loops = [op for op in graph.ops if op.name in LOOPS
                  and (region is None or op.index in region.ops)]
         t, problem = tables()
@@ -249,7 +252,8 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
 
 
 def _unbudgeted_fits(graph, model, fixed_in, fixed_out, memory_budget, time_limit, ties,
-                     tie_repeats, allow, group_tail) -> tuple[GraphPlan, Solution] | None:
+                     tie_repeats, allow, group_tail, tie_rounds
+                     ) -> tuple[GraphPlan, Solution] | None:
     """The search without the budget, its answer where it is proven optimal and fits the
     budget (its peak as plan.peak_memory counts it, as _refit's), else None. The plans that
     fit are some of all plans, so the optimum of all that fits is theirs too; found without
@@ -262,7 +266,8 @@ def _unbudgeted_fits(graph, model, fixed_in, fixed_out, memory_budget, time_limi
 
     with progress.stage("without the budget (its optimum, where that fits)"):
         plan, solution = dynamic_programming(graph, model, fixed_in, fixed_out, None,
-                                             time_limit, ties, tie_repeats, allow, group_tail)
+                                             time_limit, ties, tie_repeats, allow, group_tail,
+                                             tie_rounds=tie_rounds)
     fits = search_peak(graph, plan, model.mesh, fixed_out, ties) <= memory_budget
     return (plan, solution) if solution.optimal and fits else None
 

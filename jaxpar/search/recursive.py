@@ -95,9 +95,9 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    each found: the peak need not fall as mem_coeff grows.
 The work is linear in the number of ops but for step 5: every op is walked, propagated and
 refined a bounded number of times, and the units of repeated layers are decided once per
-class; step 5 solves repeated layers once too (build_tables folds them), and its region solve
-builds tables over the region alone (tables.Region), but its exact searches on what
-remains are not bounded so.
+class; step 5 solves repeated layers once too (build_tables folds them; in a deep model the
+layers by the ends with the rest: resolve._tying), and its region solve builds tables over
+the region alone (tables.Region), but its exact searches on what remains are not bounded so.
 """
 
 from __future__ import annotations
