@@ -13,7 +13,8 @@ experts, a ViT. "full" holds the sizes of the issue (MLP d 1024 / ffn 4096; GPT 
 d 512 / seq 256 and d 2048 / seq 1024; MoE d 1024 / ffn 4096; ViT-Base width at 224 px, 4
 layers); "quick" the same with 2-layer GPT and ViT (compile time grows with depth, not
 width); "small" the same families at sizes 8 CPU devices run in well under a second a step
-(for wall-clock runs); "tiny" the smallest that still exercise every layout (tests).
+(for wall-clock runs); "deep" small's GPT and ViT at 8 layers (planning a deep step:
+search_gap.py); "tiny" the smallest that still exercise every layout (tests).
 Compiling takes about as long at any size: what costs is the number of ops.
 
     model = build("gpt-512")
@@ -200,6 +201,11 @@ PRESETS: dict[str, dict[str, tuple[Callable[..., BenchModel], dict]]] = {
         "vit": (vit_model, {"image": 32, "patch": 4, "d_model": 128, "heads": 4, "layers": 2,
                             "classes": 10, "batch": 16}),
     },
+    "deep": {
+        "gpt": (gpt_model, {"layers": 8, "d_model": 256, "heads": 8, "vocab": 2048, "seq": 128}),
+        "vit": (vit_model, {"image": 32, "patch": 4, "d_model": 128, "heads": 4, "layers": 8,
+                            "classes": 10, "batch": 16}),
+    },
     "tiny": {
         "mlp": (mlp_model, {"d": 32, "ffn": 64, "layers": 2, "batch": 16}),
         "gpt": (gpt_model, {"layers": 1, "d_model": 32, "heads": 4, "vocab": 64, "seq": 8,
@@ -216,7 +222,7 @@ def build(name: str, preset: str = "full") -> BenchModel:
 
     Args:
       name: a model of the preset (`list(PRESETS[preset])`).
-      preset: which sizes: "full", "quick", "small" or "tiny".
+      preset: which sizes: "full", "quick", "small", "deep" or "tiny".
 
     Returns:
       A BenchModel.

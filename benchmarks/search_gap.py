@@ -19,6 +19,7 @@ worst ratio, and how many cases are within 5%).
 
     python benchmarks/search_gap.py --out results
     python benchmarks/search_gap.py --models mlp gpt --meshes 8 --hardware h100-nvlink
+    python benchmarks/search_gap.py --preset deep --models gpt vit --out results  # 8 layers
 """
 
 from __future__ import annotations
