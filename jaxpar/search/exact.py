@@ -38,7 +38,7 @@ solves again of parts of a plan inside recursive_programming and sharding_propag
 (resolve.py) tie wherever op_classes finds repeats in a graph of more than a few hundred
 ops (resolve._tying: tie_repeats=True): untied, recursive_programming planned the 8-layer GPT
 step in 1.4 times the time, sharding_propagation in 3.4 times. In a deep model they tie by
-two hops (tie_rounds), the layers by the ends too.
+two hops (tie_rounds), which ties the layers by the ends with the rest too.
 
 A loop (scan, while; and a cond, see regions.py) is one node whose candidates are plans of its
 bodies (regions.region_candidates): by propagation, and with `CostModel.search_bodies`
