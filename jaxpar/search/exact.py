@@ -307,10 +307,10 @@ def _refit(graph, model, fixed_in, fixed_out, ties, memory_budget, t, problem, p
     return best[1], dataclasses.replace(best[2], seconds=solution.seconds)
 
 
-def repeats(graph: OpGraph) -> list[int] | None:
-    """op_classes where tying repeated layers pays (at most _TIE_SHARE of the ops as classes:
-    a deep model), else None (see the module docstring)."""
-    classes = op_classes(graph)
+def repeats(graph: OpGraph, rounds: int = ROUNDS) -> list[int] | None:
+    """op_classes (of `rounds` hops) where tying repeated layers pays (at most _TIE_SHARE of
+    the ops as classes: a deep model), else None (see the module docstring)."""
+    classes = op_classes(graph, rounds)
     return classes if len(set(classes)) <= _TIE_SHARE * len(classes) else None
 
 

@@ -31,16 +31,15 @@ from collections.abc import Callable, Sequence
 from jaxpar import progress
 from jaxpar.cost.model import COMBINED_KINDS, CostModel, OpCost
 from jaxpar.ir.graph import OpGraph
-from jaxpar.ir.repeat import ROUNDS, op_classes
-from jaxpar.search.exact import dynamic_programming
+from jaxpar.ir.repeat import ROUNDS
+from jaxpar.search.exact import dynamic_programming, repeats
 from jaxpar.search.propagation import GraphIndex, GraphPlan, graph_cost
 from jaxpar.search.tables import Region
 from jaxpar.spec import OpStrategy, Spec, derived
 
 _SMALL_HOPS = 4  # solve_latency_bound: def-use steps through small values around its seeds
 _UNTIED_OPS = 500  # the solves again search a graph of at most this many ops op by op
-_DEEP_ROUNDS = 2   # a deep model's solves again tie ops alike within this many hops ...
-_DEEP_SHARE = 0.25  # ... where such classes are at most this share of the ops
+_DEEP_ROUNDS = 2   # a deep model's solves again tie ops alike within this many hops
 
 
 def _tying(graph: OpGraph) -> dict:
@@ -51,23 +50,24 @@ def _tying(graph: OpGraph) -> dict:
     within op_classes' eight hops, tied to one layout kept recursive_programming off the
     Megatron pair: 1.5x the objective).
 
-    In a deep model (ops alike within _DEEP_ROUNDS hops at most _DEEP_SHARE of the ops: a GPT
-    or ViT step of 4 layers or more) the ties are by two hops, not eight: eight tell apart the
-    four layers nearest each end (a 48-layer GPT step's tables: 1025 nodes, more than a
-    2-layer step's untied), two tie them to the rest (its op classes 940 -> 417, as many as at
-    4 or 8 layers). benchmarks/search_time.py's 48-layer step: recursive_programming 6.5 ->
-    5.3 s, sharding_propagation 7.5 -> 4.7 s, every plan of 2 to 48 layers the same. GPT
-    and ViT steps of 4 and 8 layers (d 256 and 128), over search_gap.py's meshes, hardware
-    profiles and objectives (72 cases), each planned with these ties and with eight hops in
-    one process: recursive_programming 18%, 29% and 38% faster on 8, 4 x 2 and 2 x 2 x 2
-    devices, 68 plans scoring the same and four more, the GPT's under tpu-v5e at the speed
-    objective on 4 x 2 and 2 x 2 x 2 (1.0096x at 4 layers, 1.0054x at 8: an end layer's own
-    layout is worth about its share of the layers); sharding_propagation 29-48% faster, 68
-    the same and four 4.1-5.0% lower. Two layers are all ends: not deep (two hops' classes
-    are 42% of a 2-layer GPT step's ops), and search_gap.py's quick preset plans the same."""
+    In a deep model (exact.repeats' rule over _DEEP_ROUNDS hops: ops alike within them at
+    most a quarter of the ops, a GPT or ViT step of 4 layers or more) the ties are by two
+    hops, not eight: eight tell apart the four layers nearest each end (a 48-layer GPT step's
+    tables: 1025 nodes, more than a 2-layer step's untied), two tie them to the rest (its op
+    classes 940 -> 417, as many as at 4 or 8 layers). benchmarks/search_time.py's 48-layer
+    step: recursive_programming 6.5 -> 5.3 s, sharding_propagation 7.5 -> 4.7 s, every plan
+    of 2 to 48 layers the same. GPT and ViT steps of 4 and 8 layers (d 256 and 128), over
+    search_gap.py's meshes, hardware profiles and objectives (72 cases), each planned with
+    these ties and with eight hops in one process: recursive_programming 18%, 29% and 38%
+    faster on 8, 4 x 2 and 2 x 2 x 2 devices, 68 plans scoring the same and four more, the
+    GPT's under tpu-v5e at the speed objective on 4 x 2 and 2 x 2 x 2 (1.0096x at 4 layers,
+    1.0054x at 8: an end layer's own layout is worth about its share of the layers);
+    sharding_propagation 29-48% faster, 68 the same and four 4.1-5.0% lower. Two layers are
+    all ends: not deep (two hops' classes are 42% of a 2-layer GPT step's ops), and
+    search_gap.py's quick preset plans the same."""
     if len(graph.ops) <= _UNTIED_OPS:
         return {"tie_repeats": None}
-    deep = len(set(op_classes(graph, _DEEP_ROUNDS))) <= _DEEP_SHARE * len(graph.ops)
+    deep = repeats(graph, _DEEP_ROUNDS) is not None
     return {"tie_repeats": True, "tie_rounds": _DEEP_ROUNDS if deep else ROUNDS}
 
 
