@@ -633,6 +633,10 @@ class ShardedFunction:
             if sol.refitted:
                 verdict += (", for a budget lowered by what its first plans held over the one "
                             "given (its live sets miss what two choices make together)")
+            if sol.moved:
+                verdict += (f", then {sol.moved} carried state{'s' if sol.moved > 1 else ''} "
+                            "given one layout in and out where the copy held at the step's "
+                            "end broke the budget")
             # How the solver got there goes to the debug log; the note names it only where the
             # plan depends on it (stopped at the time limit): an optimum's plan file and Plan
             # equality stay the same from run to run.

@@ -306,6 +306,9 @@ class Solution:
             `optimal` is then over the plans in which they agree.
         refitted: solved again for a budget lowered by what the plan held over the one
             given (exact._refit): `optimal` and `gap` are then for that lower budget.
+        moved: how many carried states were moved after the solve, where their copies at
+            the step's end (which the live sets miss) broke the budget (copies.shed_copies):
+            `optimal` is then False and `gap` is to the bound of the plan they were moved from.
         tail_groups: the (kind, mesh axes) groups the step's tail reductions were kept to
             when it was solved again so (exact._one_latency_per_group) and that plan kept:
             `optimal` and `gap` are then over the plans whose tail reduces over those alone.
@@ -319,6 +322,7 @@ class Solution:
     seconds: float
     repeats_tied: bool = False
     refitted: bool = False
+    moved: int = 0
     tail_groups: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 

@@ -6,7 +6,8 @@ method, seconds). The graph becomes cost tables (tables.py), the tables a `Probl
 solver (dynamic.py), and the answer a plan again. The memory budget bounds the bytes live at
 every point of the program (Alpa's peak of live tensors); the solver prices them per choice,
 and a plan holding more than the budget by what two choices make together (plan.peak_memory
-counts it) is solved again for a budget lower by that (at most _REFITS times). The search runs
+counts it) is solved again for a budget lower by that (at most _REFITS times), and what is
+still over has the carried states whose end copies break it moved (copies.py). The search runs
 without the budget first: the plans that fit are some of all plans, so where the optimum of all
 fits, it is the answer, found without live sets on the folded tables (_unbudgeted_fits).
 
@@ -88,6 +89,7 @@ from jaxpar.cost.model import (
 from jaxpar.ir.graph import Op, OpGraph, scan_counts
 from jaxpar.ir.repeat import ROUNDS, op_classes
 from jaxpar.rules.registry import has_rule
+from jaxpar.search.copies import shed_copies
 from jaxpar.search.dynamic import (
     NotFound,
     Problem,
@@ -99,7 +101,14 @@ from jaxpar.search.dynamic import (
 )
 from jaxpar.search.propagation import Choice, GraphPlan
 from jaxpar.search.regions import LOOPS, RESULT_SPECS
-from jaxpar.search.tables import Allow, Region, Tables, build_tables
+from jaxpar.search.tables import (
+    Allow,
+    Region,
+    Tables,
+    build_tables,
+    local_costs,
+    touching_edges,
+)
 from jaxpar.spec import Spec
 
 _LOOP_PASSES = 4  # at most this many solves again with loop bodies planned for their neighbours
@@ -279,8 +288,10 @@ def _refit(graph, model, fixed_in, fixed_out, ties, memory_budget, t, problem, p
     spec than its input's (both held at the end), one made in a donated argument's buffer in
     another spec (held apart). Where the plan holds more than the budget so, it is solved
     again for a budget lower by that, at most _REFITS times; the first plan that fits is
-    kept, else the one holding least (the caller's check then refuses it, quoting its
-    peak)."""
+    kept, else the one holding least, with the carried states whose end copies break the
+    budget moved (copies.shed_copies: its time is not bounded by the search's limit, one
+    second at least). Where none of that fits, the caller's check refuses it, quoting its
+    peak."""
     from jaxpar.plan import search_peak
 
     def peak(p) -> float:
@@ -304,7 +315,20 @@ def _refit(graph, model, fixed_in, fixed_out, ties, memory_budget, t, problem, p
         held = peak(plan)
         if held < best[0]:
             best = (held, plan, solution)
-    return best[1], dataclasses.replace(best[2], seconds=solution.seconds)
+    held, plan, found = best
+    if held > memory_budget:  # what the refits left over: carried states moved
+        progress.step("moving carried state whose copies at the end break the budget")
+        choice, moved = shed_copies(graph, t, problem, found.choice, ties, memory_budget,
+                                    lambda c: _to_plan(graph, t, c, fixed_in, None), peak,
+                                    left())
+        if moved:
+            cost = objective(problem, choice)
+            bound = found.cost * (1 - found.gap)
+            found = dataclasses.replace(found, choice=choice, cost=cost, optimal=False,
+                                        gap=max(0.0, 1 - bound / cost) if cost > 0 else 0.0,
+                                        moved=moved)
+            plan = _to_plan(graph, t, choice, fixed_in, None)
+    return plan, dataclasses.replace(found, seconds=solution.seconds)
 
 
 def repeats(graph: OpGraph, rounds: int = ROUNDS) -> list[int] | None:
@@ -699,24 +723,13 @@ def live_ranges(graph: OpGraph, t: Tables) -> np.ndarray:
     return ranges
 
 
-def _local_costs(t: Tables, choice: np.ndarray, node: int, touching: list) -> np.ndarray:
-    """Cost of each candidate of `node` with every other node kept at its choice."""
-    cost = t.node_cost[node].copy()
-    for e in touching:
-        if e.u == node:
-            cost += e.cost[e.row, e.col[choice[e.v]]]
-        elif e.v == node:
-            cost += e.cost[e.row[choice[e.u]], e.col]
-    return cost
-
-
 def _leanest(t: Tables, choice: np.ndarray, node: int, touching: list) -> int:
     """Free input `node`'s candidate: of those that cost what its chosen one does with its
     readers as chosen, the one holding the fewest bytes per device (the solver takes any of
     them: a weight each device slices for free was left whole on every device, a tensor
     parallel MLP's at level 1 holding 3.7x the memory of the same plan with it cut)."""
     k = int(choice[node])
-    local = _local_costs(t, choice, node, touching)
+    local = local_costs(t, choice, node, touching)
     same = np.flatnonzero(local <= local[k] + 1e-12 * abs(local[k]))
     return int(same[np.argmin(t.node_mem[node][same])]) if len(same) else k
 
@@ -726,10 +739,7 @@ def _to_plan(graph: OpGraph, t: Tables, choice: np.ndarray, fixed_in: dict[int, 
     """The plan `choice` makes of the tables' nodes (a region's: the rest of its plan)."""
     plan = GraphPlan(specs=dict(fixed_in)) if region is None else \
         GraphPlan(dict(region.plan.specs), dict(region.plan.choices))
-    touching: dict[int, list] = {}
-    for e in t.edges:
-        touching.setdefault(e.u, []).append(e)
-        touching.setdefault(e.v, []).append(e)
+    touching = touching_edges(t)
     tied = {node for group in t.tied for node in group}
     for v, node in t.input_nodes.items():
         k = int(choice[node])
@@ -743,7 +753,7 @@ def _to_plan(graph: OpGraph, t: Tables, choice: np.ndarray, fixed_in: dict[int, 
         op = graph.ops[x]
         hit = picked.get(node)
         if hit is None:
-            local = _local_costs(t, choice, node, touching.get(node, [])) / \
+            local = local_costs(t, choice, node, touching.get(node, [])) / \
                 (t.count[node] if t.count else 1)
             k = int(choice[node])
             others = np.argsort(local, kind="stable")[:2]

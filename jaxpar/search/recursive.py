@@ -231,8 +231,15 @@ def _exact_within(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     _note(lines, f"memory_budget={memory_budget:.0f} bytes per device: no plan of the walk "
           f"fits; {tried}. The exact search under the budget (dynamic_programming, "
           f"{'optimal' if found.optimal else f'stopped at {_EXACT_S:g} s, gap {found.gap:.1%}'}"
-          ") planned it.")
+          f"{_moved(found.moved)}) planned it.")
     return gp, lines
+
+
+def _moved(moved: int) -> str:
+    """What exact._refit's moves of carried state (Solution.moved) add to a note."""
+    return "" if not moved else (f"; then {moved} carried state{'s' if moved > 1 else ''} "
+                                 "given one layout in and out, its copy at the step's end "
+                                 "over the budget")
 
 
 def _check_fixed(graph: OpGraph, mesh: MeshInfo, fixed_in: dict[int, Spec],

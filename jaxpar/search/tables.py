@@ -700,3 +700,25 @@ class _Builder:
                 groups.setdefault(first, []).append(node)
             t.tied = tuple(tuple(g) for g in groups.values() if len(g) > 1)
         return t
+
+
+def touching_edges(t: Tables) -> dict[int, list[Edge]]:
+    """node -> the edges it is an end of."""
+    out: dict[int, list[Edge]] = {}
+    for e in t.edges:
+        out.setdefault(e.u, []).append(e)
+        out.setdefault(e.v, []).append(e)
+    return out
+
+
+def local_costs(t: Tables, choice: np.ndarray, node: int, touching: Sequence[Edge]
+                ) -> np.ndarray:
+    """Cost of each candidate of `node` with every other node kept at its choice
+    (`touching`: its edges)."""
+    cost = t.node_cost[node].copy()
+    for e in touching:
+        if e.u == node:
+            cost += e.cost[e.row, e.col[choice[e.v]]]
+        elif e.v == node:
+            cost += e.cost[e.row[choice[e.u]], e.col]
+    return cost
