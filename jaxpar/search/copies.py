@@ -106,4 +106,3 @@ def _moved(choice: np.ndarray, nodes: list[int], k: int) -> np.ndarray:
     out = choice.copy()
     out[nodes] = k
     return out
-
