@@ -122,6 +122,26 @@ def test_impossible_memory_budget_is_a_clear_error(budget, match):
         f.plan(*args)
 
 
+def test_a_budget_no_plan_meets_says_its_parts_for_a_callers_own_words():
+    """The exact search's budget error is a BudgetUnmet (a ValueError): besides its message,
+    why (`reason`, without the message's own "memory_budget=... cannot be met") and what the
+    fixed inputs took first (`placed`), which recursive_programming's error quotes."""
+    from jaxpar.search.dynamic import BudgetUnmet, NotFound
+
+    fn, args, in_strategy = PROGRAMS["moe_top2"]()
+    f = jaxpar.shard(fn, in_strategy=in_strategy, search_mode="dynamic_programming",
+                     memory_budget=4200)
+    with pytest.raises(BudgetUnmet) as err:
+        f.plan(*args)
+    assert not isinstance(err.value, NotFound)  # proven: no assignment fits
+    assert err.value.placed == " once the fixed inputs are placed (they take 4096 bytes per " \
+                               "device)"
+    assert err.value.reason.startswith("no strategy assignment fits the 104 bytes per device "
+                                       "they leave")
+    assert str(err.value) == (f"memory_budget=4200 bytes per device cannot be met"
+                              f"{err.value.placed}: {err.value.reason}")
+
+
 SMALL = MeshInfo(("d0", "d1"), (2, 2))  # few specs per tensor: fast tables, same algorithm
 
 

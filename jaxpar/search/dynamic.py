@@ -387,9 +387,9 @@ def solve(problem: Problem, time_limit: float = 30.0, rel_gap: float = 1e-9) -> 
         A Solution; `cost` is always the objective of `choice` on `problem`.
 
     Raises:
-        ValueError: when no assignment fits the memory budget (names the smallest peak);
-            NotFound (a ValueError) when none that fits was found within the time limit and
-            none is proven impossible.
+        BudgetUnmet (a ValueError): when no assignment fits the memory budget (names the
+            smallest peak); NotFound (a BudgetUnmet) when none that fits was found within the
+            time limit and none is proven impossible.
 
     Example:
         >>> p = Problem((np.array([1.0, 0.0]), np.array([0.0, 1.0])),
@@ -436,7 +436,7 @@ def _check_budget(problem: Problem) -> None:
             else ""
         exact = all(np.logical_and.reduce([problem.node_mem[i] <= problem.node_mem[i].min()
                                             for i in g]).any() for g in problem.tied or ())
-        raise ValueError(
+        raise BudgetUnmet(
             f"no strategy assignment fits memory_budget={byte_count(problem.budget)} bytes per "
             f"device; the smallest possible peak is {'' if exact else 'at least '}"
             f"{byte_count(sums[worst])} bytes{where} (found by taking every node's least-memory "
@@ -444,9 +444,22 @@ def _check_budget(problem: Problem) -> None:
             f"{', which is exact for this memory model' if exact else ''})")
 
 
-class NotFound(ValueError):
+class BudgetUnmet(ValueError):
+    """No strategy assignment meets the memory budget (solve: proven; NotFound: none found in
+    time). `reason` and `placed` are the parts a caller words a message of its own with:
+    why (the message itself, unless said otherwise), and what fixed inputs took of the budget
+    first ("" where none did; exact.dynamic_programming's errors say it)."""
+
+    def __init__(self, message: str, reason: str | None = None, placed: str = ""):
+        super().__init__(message)
+        self.reason = message if reason is None else reason
+        self.placed = placed
+
+
+class NotFound(BudgetUnmet):
     """No assignment that fits the memory budget was found before the time limit, and none
-    is proven impossible (solve's ValueError says the budget cannot be met: proven)."""
+    is proven impossible (a BudgetUnmet of another type says the budget cannot be met:
+    proven)."""
 
 
 def byte_count(x: float) -> str:
@@ -584,7 +597,7 @@ def _finish_ilp(problem: Problem, core: Core, search: LocalSearch, keep: tuple[d
                     f"{byte_count(problem.budget)} bytes per device was found within the time "
                     "limit, and none is proven impossible (the one of least bytes per node "
                     f"peaks at {byte_count(search.usage(least).max())})")
-            raise ValueError(f"no strategy assignment in which tied nodes agree fits "
+            raise BudgetUnmet(f"no strategy assignment in which tied nodes agree fits "
                              f"memory_budget={byte_count(problem.budget)} bytes per device")
         best = search.polish(least)
     if proven:

@@ -91,6 +91,7 @@ from jaxpar.ir.repeat import ROUNDS, op_classes
 from jaxpar.rules.registry import has_rule
 from jaxpar.search.copies import shed_copies
 from jaxpar.search.dynamic import (
+    BudgetUnmet,
     NotFound,
     Problem,
     Solution,
@@ -204,7 +205,7 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
         progress.step("solving")
         try:
             solution = solved(t, problem)
-        except ValueError as err:  # no assignment fits (or none found in time): said in the
+        except BudgetUnmet as err:  # no assignment fits (or none found in time): said in the
             # user's terms
             said = str(err)
             bodies = ""
@@ -228,11 +229,11 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
                 said = said.replace("the smallest possible peak is",
                                     "the smallest possible peak of the rest is", 1).replace(
                     "the smallest peak of those is", "the smallest peak of the rest is", 1)
-            verdict = "was not met" if isinstance(err, NotFound) else "cannot be met"
-            unmet = type(err)(f"memory_budget={memory_budget:.0f} bytes per device {verdict}"
-                              f"{placed}: {said}{bodies}")
-            unmet.placed, unmet.reason = placed, f"{said}{bodies}"  # for a caller's own words
-            raise unmet from None
+            found = isinstance(err, NotFound)  # none found in time: that type again
+            raise (NotFound if found else BudgetUnmet)(
+                f"memory_budget={memory_budget:.0f} bytes per device "
+                f"{'was not met' if found else 'cannot be met'}{placed}: {said}{bodies}",
+                reason=f"{said}{bodies}", placed=placed) from None
         plan = _to_plan(graph, t, solution.choice, fixed_in, region)
         # Each loop's body was solved for free operands; solved again for the operand specs
         # this plan gives it (a region's: and those its held plan gives it), the loops of a

@@ -114,7 +114,7 @@ from jaxpar.ir.repeat import op_classes
 from jaxpar.rules.registry import OpInfo
 from jaxpar.search import paused_gc
 from jaxpar.search.budget import RETRIES, Run, bigger, within_budget
-from jaxpar.search.dynamic import Problem, solve
+from jaxpar.search.dynamic import BudgetUnmet, Problem, solve
 from jaxpar.search.links import Link, Slot, Units, mapped
 from jaxpar.search.propagation import GraphIndex, GraphPlan, propagate
 from jaxpar.search.refine import Refiner
@@ -221,11 +221,12 @@ def _exact_within(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
                                         time_limit=_EXACT_S, ties=ties)
     except ValueError as err:  # its reason without its own "memory_budget=... met" (where
         # it gives one: exact.dynamic_programming's budget errors)
-        said = getattr(err, "reason", str(err)).rstrip(".") + "."
+        unmet = isinstance(err, BudgetUnmet)
+        said = (err.reason if unmet else str(err)).rstrip(".") + "."
         raise ValueError(
             f"memory_budget={memory_budget:.0f} bytes per device cannot be met by "
             f"recursive_programming: {tried}, and the exact search under the budget found "
-            f"none either{getattr(err, 'placed', '')}: {said} Cut more dimensions in "
+            f"none either{err.placed if unmet else ''}: {said} Cut more dimensions in "
             "in_strategy/parameter_plan, use a larger mesh, or raise the budget.") from None
     lines: list[str] = []
     _note(lines, f"memory_budget={memory_budget:.0f} bytes per device: no plan of the walk "
