@@ -27,9 +27,9 @@ def _step(w, x):
 
 def _copied():
     """A weight update's tables (built for a budget: every op a node) and a choice in which
-    the weight comes in whole (read so by two data parallel products) and its update is made cut on
-    rows: at the step's end the update is held cut and again whole, resharded for the next
-    step."""
+    the weight comes in whole (read so by two data parallel products) and its update is made
+    cut on rows: at the step's end the update is held cut and again whole, resharded for the
+    next step."""
     args = (jax.ShapeDtypeStruct((256, 256), jnp.float32),
             jax.ShapeDtypeStruct((64, 256), jnp.float32))
     traced = trace(_step, args)
