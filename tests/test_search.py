@@ -574,10 +574,12 @@ def test_a_memory_budget_is_priced_like_the_plan_for_a_scanned_step(monkeypatch)
     # measured: 0.37 x peak (0.898 x before the loops were also solved for the specs the
     # plan wants their results in: the unbudgeted plan is now data parallel, gradients whole)
     assert smallest < peak
+    # A plan stopped at its time limit also faces the walk's plan under the budget
+    # (api._within_budget): the walk refused here, the plan is dynamic_programming's own (the
+    # walk took 45 s of this test's 70).
 
-    def not_asked(*a, **k):  # the walk under the budget, which a plan stopped at its time
-        raise ValueError("not asked")  # limit also faces (api._within_budget): refused, the
-        # plan is dynamic_programming's own (the walk took 45 s of this test's 70)
+    def not_asked(*a, **k):
+        raise ValueError("not asked")
 
     monkeypatch.setattr("jaxpar.search.recursive.recursive_programming", not_asked)
     assert plan(1.01 * smallest).cost.peak_memory_bytes <= 1.01 * smallest
