@@ -49,6 +49,7 @@ from jaxpar.lower.jit import build_callable, placeable, tracer_consts
 from jaxpar.mesh import abstract_mesh, make_mesh, mesh_devices, planning_shape
 from jaxpar.plan import Plan, as_run, build_plan
 from jaxpar.search import paused_gc
+from jaxpar.search.copies import moved_note
 from jaxpar.search.dynamic import NotFound
 from jaxpar.search.exact import dynamic_programming
 from jaxpar.search.propagation import GraphIndex, out_spec
@@ -634,9 +635,7 @@ class ShardedFunction:
                 verdict += (", for a budget lowered by what its first plans held over the one "
                             "given (its live sets miss what two choices make together)")
             if sol.moved:
-                verdict += (f", then {sol.moved} carried state{'s' if sol.moved > 1 else ''} "
-                            "given one layout in and out where the copy held at the step's "
-                            "end broke the budget")
+                verdict += f", {moved_note(sol.moved)}"
             # How the solver got there goes to the debug log; the note names it only where the
             # plan depends on it (stopped at the time limit): an optimum's plan file and Plan
             # equality stay the same from run to run.

@@ -68,9 +68,10 @@ def test_a_carried_states_end_copy_over_the_budget_is_moved_away():
     w, out = graph.inputs[0], graph.outputs[0]
     assert plan.specs[w] is not plan.specs[out]  # held twice at the end
     budget = peak_of(plan) - 1
-    moved, n = shed_copies(graph, t, problem, choice, ties, budget, plan_of, peak_of, 5.0)
-    after = plan_of(moved)
+    moved, after, n = shed_copies(graph, t, problem, choice, plan, peak_of(plan), ties, budget,
+                                  plan_of, peak_of, 5.0)
     assert n == 1
+    assert after.specs == plan_of(moved).specs  # the plan returned is the choice's
     assert after.specs[w] is after.specs[out]  # one layout in and out: no copy
     assert peak_of(after) <= budget
     # the fitting move of least objective: the weight taken in as its update makes it, or
@@ -84,14 +85,18 @@ def test_a_carried_states_end_copy_over_the_budget_is_moved_away():
 def test_a_plan_within_its_budget_or_with_no_copy_to_move_is_kept():
     graph, model, ties, t, problem, choice = _copied()
     plan_of, peak_of = _plan_and_peak(graph, model, ties, t)
-    peak = peak_of(plan_of(choice))
-    kept, n = shed_copies(graph, t, problem, choice, ties, peak, plan_of, peak_of, 5.0)
+    plan = plan_of(choice)
+    peak = peak_of(plan)
+    kept, _, n = shed_copies(graph, t, problem, choice, plan, peak, ties, peak, plan_of,
+                             peak_of, 5.0)
     assert n == 0 and (kept == choice).all()
     # far over: moving the copy lowers the peak but no plan fits; the moves stop once none
     # lowers it, each kept
-    kept, n = shed_copies(graph, t, problem, choice, ties, 1.0, plan_of, peak_of, 5.0)
+    kept, moved, n = shed_copies(graph, t, problem, choice, plan, peak, ties, 1.0, plan_of,
+                                 peak_of, 5.0)
     assert n >= 1 and peak_of(plan_of(kept)) < peak
-    again, m = shed_copies(graph, t, problem, kept, ties, 1.0, plan_of, peak_of, 5.0)
+    again, _, m = shed_copies(graph, t, problem, kept, moved, peak_of(moved), ties, 1.0,
+                              plan_of, peak_of, 5.0)
     assert m == 0 and (again == kept).all()
 
 
@@ -140,5 +145,5 @@ def test_the_notes_say_how_many_carried_states_were_moved(monkeypatch):
                "out where the copy held at the step's end broke the budget" in n
                for n in plan.notes), plan.notes
     assert _moved(0) == ""
-    assert _moved(1) == ("; then 1 carried state given one layout in and out, its copy at the "
-                         "step's end over the budget")
+    assert _moved(1) == ("; then 1 carried state given one layout in and out where the copy "
+                         "held at the step's end broke the budget")

@@ -30,22 +30,22 @@ import numpy as np
 from jaxpar.ir.graph import OpGraph
 from jaxpar.search.dynamic import Problem, objective
 from jaxpar.search.propagation import GraphPlan
-from jaxpar.search.tables import Tables, local_costs, touching_edges
+from jaxpar.search.tables import Tables, _OpEdges, local_costs, touching_edges
 
 _MIN_S = 1.0  # seconds the moves may take at least, whatever time the search has left
 
 
 def shed_copies(graph: OpGraph, t: Tables, problem: Problem, choice: np.ndarray,
-                ties: Sequence[tuple[int, int]], budget: float,
+                plan: GraphPlan, peak: float, ties: Sequence[tuple[int, int]], budget: float,
                 plan_of: Callable[[np.ndarray], GraphPlan],
                 peak_of: Callable[[GraphPlan], float], seconds: float
-                ) -> tuple[np.ndarray, int]:
-    """(choice, moves made): `choice` with carried states moved where their end copies break
-    `budget` (see the module docstring).
+                ) -> tuple[np.ndarray, GraphPlan, int]:
+    """(choice, its plan, moves made): `choice` with carried states moved where their end
+    copies break `budget` (see the module docstring).
 
     Args:
       graph, t, problem: the program, its tables (not folded) and their Problem.
-      choice: a candidate per node of `t`.
+      choice: a candidate per node of `t`; plan, peak: its plan and that plan's peak.
       ties: (input value, output position) pairs of carried state.
       budget: bytes per device.
       plan_of: the GraphPlan of a choice (exact._to_plan); peak_of: its peak as the budget
@@ -55,9 +55,8 @@ def shed_copies(graph: OpGraph, t: Tables, problem: Problem, choice: np.ndarray,
     deadline = time.perf_counter() + max(seconds, _MIN_S)
     groups = {n: list(g) for g in t.tied for n in g}
     touching = touching_edges(t)
-    made_by = {v: (op.index, j) for op in graph.ops for j, v in enumerate(op.outputs)}
-    plan = plan_of(choice)
-    peak, cost, moves = peak_of(plan), objective(problem, choice), 0
+    made_by = _OpEdges.of(graph).made_by  # value -> (op, result index)
+    cost, moves = objective(problem, choice), 0
     while peak > budget and time.perf_counter() < deadline:
         priced = []
         for tried in _moves(graph, t, plan, choice, ties, made_by, groups, touching):
@@ -73,7 +72,13 @@ def shed_copies(graph: OpGraph, t: Tables, problem: Problem, choice: np.ndarray,
         peak, cost, choice, plan = min(fits, key=lambda m: m[1]) if fits else \
             max(priced, key=lambda m: (peak - m[0]) / max(m[1] - cost, 1e-300))
         moves += 1
-    return choice, moves
+    return choice, plan, moves
+
+
+def moved_note(moved: int) -> str:
+    """What a plan's note says of `moved` (> 0) carried states moved so (Solution.moved)."""
+    return (f"then {moved} carried state{'s' if moved > 1 else ''} given one layout in and "
+            "out where the copy held at the step's end broke the budget")
 
 
 def _moves(graph: OpGraph, t: Tables, plan: GraphPlan, choice: np.ndarray, ties, made_by,
@@ -91,8 +96,8 @@ def _moves(graph: OpGraph, t: Tables, plan: GraphPlan, choice: np.ndarray, ties,
         k = next((k for k, s in enumerate(t.cands[node]) if s is made), None)
         if k is not None:
             yield _moved(choice, groups.get(node, [node]), k)
-        x, j = made_by[v]
-        op_node = t.op_nodes.get(x)
+        op, j = made_by[v]
+        op_node = t.op_nodes.get(op.index)
         if op_node is None:
             continue
         members = groups.get(op_node, [op_node])

@@ -319,16 +319,16 @@ def _refit(graph, model, fixed_in, fixed_out, ties, memory_budget, t, problem, p
     held, plan, found = best
     if held > memory_budget:  # what the refits left over: carried states moved
         progress.step("moving carried state whose copies at the end break the budget")
-        choice, moved = shed_copies(graph, t, problem, found.choice, ties, memory_budget,
-                                    lambda c: _to_plan(graph, t, c, fixed_in, None), peak,
-                                    left())
+        choice, plan, moved = shed_copies(graph, t, problem, found.choice, plan, held, ties,
+                                          memory_budget,
+                                          lambda c: _to_plan(graph, t, c, fixed_in, None),
+                                          peak, left())
         if moved:
             cost = objective(problem, choice)
             bound = found.cost * (1 - found.gap)
             found = dataclasses.replace(found, choice=choice, cost=cost, optimal=False,
                                         gap=max(0.0, 1 - bound / cost) if cost > 0 else 0.0,
                                         moved=moved)
-            plan = _to_plan(graph, t, choice, fixed_in, None)
     return plan, dataclasses.replace(found, seconds=solution.seconds)
 
 

@@ -114,6 +114,7 @@ from jaxpar.ir.repeat import op_classes
 from jaxpar.rules.registry import OpInfo
 from jaxpar.search import paused_gc
 from jaxpar.search.budget import RETRIES, Run, bigger, within_budget
+from jaxpar.search.copies import moved_note
 from jaxpar.search.dynamic import BudgetUnmet, Problem, solve
 from jaxpar.search.links import Link, Slot, Units, mapped
 from jaxpar.search.propagation import GraphIndex, GraphPlan, propagate
@@ -238,9 +239,7 @@ def _exact_within(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
 
 def _moved(moved: int) -> str:
     """What exact._refit's moves of carried state (Solution.moved) add to a note."""
-    return "" if not moved else (f"; then {moved} carried state{'s' if moved > 1 else ''} "
-                                 "given one layout in and out, its copy at the step's end "
-                                 "over the budget")
+    return f"; {moved_note(moved)}" if moved else ""
 
 
 def _check_fixed(graph: OpGraph, mesh: MeshInfo, fixed_in: dict[int, Spec],
