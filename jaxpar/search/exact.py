@@ -229,10 +229,10 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
                 said = said.replace("the smallest possible peak is",
                                     "the smallest possible peak of the rest is", 1).replace(
                     "the smallest peak of those is", "the smallest peak of the rest is", 1)
-            found = isinstance(err, NotFound)  # none found in time: that type again
-            raise (NotFound if found else BudgetUnmet)(
+            timed_out = isinstance(err, NotFound)  # none found in time: that type again
+            raise (NotFound if timed_out else BudgetUnmet)(
                 f"memory_budget={memory_budget:.0f} bytes per device "
-                f"{'was not met' if found else 'cannot be met'}{placed}: {said}{bodies}",
+                f"{'was not met' if timed_out else 'cannot be met'}{placed}: {said}{bodies}",
                 reason=f"{said}{bodies}", placed=placed) from None
         plan = _to_plan(graph, t, solution.choice, fixed_in, region)
         # Each loop's body was solved for free operands; solved again for the operand specs
