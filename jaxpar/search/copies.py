@@ -30,7 +30,7 @@ import numpy as np
 from jaxpar.ir.graph import OpGraph
 from jaxpar.search.dynamic import Problem, objective
 from jaxpar.search.propagation import GraphPlan
-from jaxpar.search.tables import Tables, _OpEdges, local_costs, touching_edges
+from jaxpar.search.tables import Tables, local_costs, made_by, touching_edges
 
 _MIN_S = 1.0  # seconds the moves may take at least, whatever time the search has left
 
@@ -55,11 +55,11 @@ def shed_copies(graph: OpGraph, t: Tables, problem: Problem, choice: np.ndarray,
     deadline = time.perf_counter() + max(seconds, _MIN_S)
     groups = {n: list(g) for g in t.tied for n in g}
     touching = touching_edges(t)
-    made_by = _OpEdges.of(graph).made_by  # value -> (op, result index)
+    producer = made_by(graph)  # value -> (op, result index)
     cost, moves = objective(problem, choice), 0
     while peak > budget and time.perf_counter() < deadline:
         priced = []
-        for tried in _moves(graph, t, plan, choice, ties, made_by, groups, touching):
+        for tried in _moves(graph, t, plan, choice, ties, producer, groups, touching):
             p = plan_of(tried)
             held = peak_of(p)
             if held < peak:
@@ -81,13 +81,13 @@ def moved_note(moved: int) -> str:
             "out where the copy held at the step's end broke the budget")
 
 
-def _moves(graph: OpGraph, t: Tables, plan: GraphPlan, choice: np.ndarray, ties, made_by,
+def _moves(graph: OpGraph, t: Tables, plan: GraphPlan, choice: np.ndarray, ties, producer,
            groups: dict[int, list[int]], touching: dict[int, list]):
     """The choices one move away: per carried output held twice at the end (largest first,
     by the bytes its input holds), its input in the made spec, or its producer making it in
     the input's spec."""
     twice = [(v_in, graph.outputs[pos]) for v_in, pos in ties
-             if v_in in t.input_nodes and graph.outputs[pos] in made_by
+             if v_in in t.input_nodes and graph.outputs[pos] in producer
              and plan.specs.get(graph.outputs[pos]) is not plan.specs.get(v_in)]
     twice.sort(key=lambda p: -t.node_mem[t.input_nodes[p[0]]][choice[t.input_nodes[p[0]]]])
     for v_in, v in twice:
@@ -96,7 +96,7 @@ def _moves(graph: OpGraph, t: Tables, plan: GraphPlan, choice: np.ndarray, ties,
         k = next((k for k, s in enumerate(t.cands[node]) if s is made), None)
         if k is not None:
             yield _moved(choice, groups.get(node, [node]), k)
-        op, j = made_by[v]
+        op, j = producer[v]
         op_node = t.op_nodes.get(op.index)
         if op_node is None:
             continue

@@ -146,7 +146,7 @@ def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     ops = graph.ops if region is None else [op for op in graph.ops if op.index in inside]
     for op in ops:
         b.t.op_nodes[op.index] = b.op_node(op)
-    producer = _OpEdges.of(graph).made_by  # value -> (op, result index)
+    producer = made_by(graph)  # value -> (op, result index)
     held = {} if region is None else region.plan.specs
     free = (lambda v: True) if region is None else \
         (lambda v: v in region.inputs or v not in held)  # no spec to hold: free
@@ -700,6 +700,12 @@ class _Builder:
                 groups.setdefault(first, []).append(node)
             t.tied = tuple(tuple(g) for g in groups.values() if len(g) > 1)
         return t
+
+
+def made_by(graph: OpGraph) -> dict[int, tuple]:
+    """value -> (the op that makes it, its result index): the graph's map, worked out once
+    per graph (_OpEdges) and shared by every caller."""
+    return _OpEdges.of(graph).made_by
 
 
 def touching_edges(t: Tables) -> dict[int, list[Edge]]:
