@@ -561,7 +561,9 @@ def test_memory_budget_too_small_is_a_clear_error():
         with pytest.raises(ValueError, match=r"memory_budget=100 bytes per device cannot be met: "
                                              r"no plan holds less than \d+ bytes"):
             jaxpar.shard(dense_relu, memory_budget=100, search_mode=mode).plan(X, W, B)
-    with pytest.raises(ValueError, match=r"memory_budget=100 bytes.*smallest possible peak"):
+    with pytest.raises(ValueError, match=r"memory_budget=100 bytes.*smallest possible peak.*"
+                                         r"\. Cut more dimensions in in_strategy/parameter_plan, "
+                                         r"use a larger mesh, or raise the budget\.$"):
         jaxpar.shard(dense_relu, memory_budget=100,
                      search_mode="dynamic_programming").plan(X, W, B)
 

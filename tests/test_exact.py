@@ -139,7 +139,9 @@ def test_a_budget_no_plan_meets_says_its_parts_for_a_callers_own_words():
     assert err.value.reason.startswith("no strategy assignment fits the 104 bytes per device "
                                        "they leave")
     assert str(err.value) == (f"memory_budget=4200 bytes per device cannot be met"
-                              f"{err.value.placed}: {err.value.reason}")
+                              f"{err.value.placed}: {err.value.reason}. Cut more dimensions in "
+                              "in_strategy/parameter_plan, use a larger mesh, or raise the "
+                              "budget.")
 
 
 SMALL = MeshInfo(("d0", "d1"), (2, 2))  # few specs per tensor: fast tables, same algorithm

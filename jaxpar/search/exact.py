@@ -230,9 +230,12 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
                                     "the smallest possible peak of the rest is", 1).replace(
                     "the smallest peak of those is", "the smallest peak of the rest is", 1)
             timed_out = isinstance(err, NotFound)  # none found in time: that type again
+            fix = "" if timed_out else (  # (none found in time: the caller tries the walk)
+                ("" if bodies else ".") + " Cut more dimensions in in_strategy/parameter_plan, "
+                "use a larger mesh, or raise the budget.")
             raise (NotFound if timed_out else BudgetUnmet)(
                 f"memory_budget={memory_budget:.0f} bytes per device "
-                f"{'was not met' if timed_out else 'cannot be met'}{placed}: {said}{bodies}",
+                f"{'was not met' if timed_out else 'cannot be met'}{placed}: {said}{bodies}{fix}",
                 reason=f"{said}{bodies}", placed=placed) from None
         plan = _to_plan(graph, t, solution.choice, fixed_in, region)
         # Each loop's body was solved for free operands; solved again for the operand specs
