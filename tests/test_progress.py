@@ -73,14 +73,15 @@ def test_planning_shows_each_stage_and_step_of_the_search(terminal):
                  "planning step · building the plan"):
         assert any(want in fr for fr in frames), want
     # The bar counts recursive_programming's steps (the exact searches inside them do not
-    # count): 1 + 2 x (2 axes + 1) + 1 + 1 + 2 x 2 + 1 = 14 on a 2 x 2 mesh (the two axes
-    # solved again from the walk's plan and from the lockstep plan).
+    # count): 1 + 2 x (2 axes + 1) + 1 + 1 + 2 + 1 = 12 on a 2 x 2 mesh (the two axes solved
+    # again once each, from the walk's plan and the lockstep plan at once).
     for k, now in [(0, "pricing the units' cuts"), (1, "axis d0, pass 1 of 2"),
                    (3, "planning the other ops, pass 1 of 2"), (7, "placing the carried state"),
                    (8, "every axis used together, solved exactly"),
-                   (13, "neighbourhood of the largest carried state solved again exactly")]:
-        assert any(now in fr and f" {k}/14 " in fr for fr in frames), now
-    assert not any("building the plan" in fr and "/14" in fr for fr in frames)  # count gone
+                   (9, "axis d1 solved again exactly"), (10, "axis d0 solved again exactly"),
+                   (11, "neighbourhood of the largest carried state solved again exactly")]:
+        assert any(now in fr and f" {k}/12 " in fr for fr in frames), now
+    assert not any("building the plan" in fr and "/12" in fr for fr in frames)  # count gone
     assert _no_refresh_thread()  # the line is gone with the work
     assert progress._current.get() is None
 

@@ -56,20 +56,26 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    blocks differently (a tensor parallel MLP inside data parallel attention), the last axis
    takes the layout the exact objective prefers. Then the first axis so, the others held:
    it was decided before any other was known (an MoE router cut on its experts on the
-   first axis where the exact search cuts d_model). On a mesh of several axes the same two
-   solves also run from the best plan that uses all the axes together (resolve.
-   solve_lockstep: exact over the plans of the flattened mesh, cheap as a 1-D search) unless
-   that scores over _LOCKSTEP_NEAR times the walk's plan, and the better end goes on: the
-   walk's first decision is a two-way cut, which may suit two devices and not eight (on
-   make_mesh(8)'s 2 x 2 x 2, an MoE step's experts took the first axis and its tokens one:
-   1.66x the optimum at level 2 under h100-nvlink, and no axis solved alone could move all
-   three; from the lockstep plan, 1.00x). On a mesh of three or more axes the best plan
-   that uses each run of neighbouring axes over one kind of link together is solved too
-   (resolve.solve_grouped; across two nodes (d0) and (d1, d2), else the leading axes and the
-   last: the plans of a 2 x 4 or a 4 x 2 mesh) and its axes solved again too: a 2-D tensor
+   first axis where the exact search cuts d_model). On a mesh of several axes the best plan
+   that uses all the axes together (resolve.solve_lockstep: exact over the plans of the
+   flattened mesh, cheap as a 1-D search) is a start too unless it scores over
+   _LOCKSTEP_NEAR times the walk's plan: the walk's first decision is a two-way cut, which
+   may suit two devices and not eight (on make_mesh(8)'s 2 x 2 x 2, an MoE step's experts
+   took the first axis and its tokens one: 1.66x the optimum at level 2 under h100-nvlink,
+   and no axis solved alone could move all three; from the lockstep plan, 1.00x). On a mesh
+   of three or more axes so is the best plan that uses each run of neighbouring axes over
+   one kind of link together (resolve.solve_grouped; across two nodes (d0) and (d1, d2),
+   else the leading axes and the last: the plans of a 2 x 4 or a 4 x 2 mesh): a 2-D tensor
    parallel MLP is out of the walk's reach and not a lockstep plan (search_gap's MLP on
    2 x 2 x 2 across two nodes, default objective: 1.056x the optimum, then 1.027x). The
-   starts often meet, and each axis is solved once from one plan (solve_axes' `solved`).
+   axes are solved again from the start that scores least, each op free to use the other
+   axes as any start does (resolve.solve_axis_from_any: the union of each start's
+   candidates, and the neighbours of ops taking different starts' layouts pay the
+   resharding between them): one solve per axis where each start's solved apart cost one
+   each, and no worse than the best of those over the axis solved first. Over search_gap's
+   72 cases against the axes solved from each start apart and the best end kept: 11 plans
+   lower, 2 higher (by 0.07% and 0.02%), the rest the same; the worst 1.036x the optimum
+   then, 1.025x now.
    Then the ops around the largest carried state (those within _HOPS of the ops reading it
    and its update) over every axis, the rest held (resolve.solve_region): a language model's
    embedding table, read by the lookup and the tied output head, is priced path by path by
@@ -123,7 +129,7 @@ from jaxpar.search.regions import LOOPS
 from jaxpar.search.resolve import (
     axis_runs,
     objective,
-    solve_axes,
+    solve_axis_from_any,
     solve_grouped,
     solve_lockstep,
     solve_region,
@@ -144,9 +150,12 @@ _CLOSE = 1.05         # a first decision's runner-up this close is tried as a se
 _EXACT_CLASSES = 64   # up to this many classes an axis's joint choice is solved exactly
 _SWEEPS = 50          # coordinate descent over classes: at most this many sweeps
 _PASSES = ("with joint moves", "with shared reads")  # the two passes over the axes (run)
-_LOCKSTEP_NEAR = 1.05  # the lockstep plan's axes are solved again where it scores at most
-                       # this many times the walk's plan (of 48 benchmark cases on 4 x 2 and
-                       # 2 x 2 x 2, the 18 where it ended the better started at most 1.031x)
+_LOCKSTEP_NEAR = 1.05  # the lockstep (grouped) plan is a start where it scores at most this
+                       # many times the walk's plan (when each start's axes were solved apart,
+                       # of 48 benchmark cases on 4 x 2 and 2 x 2 x 2, the 18 where the
+                       # lockstep start ended the better started at most 1.031x; with every
+                       # start kept, search_gap's 48 cases there: 2 plans lower, 3 higher, and
+                       # recursive_programming 19% slower)
 _HOPS = 3             # the ops this many def-use hops from the largest carried state's
                       # readers and update are solved again exactly (over every axis)
 
@@ -352,7 +361,7 @@ class _Sapp:
         several = len(self.mesh.names) > 1  # the axes are also solved again from lockstep
         grouped = len(self.mesh.names) > 2
         steps = (1 + len(_PASSES) * (len(self.mesh.names) + 1) + 1
-                 + several + grouped + (1 + several + grouped) * len(self._again()) + 1)
+                 + several + grouped + len(self._again()) + 1)
         with progress.stage("", total=steps):
             return self._run()
 
@@ -414,29 +423,34 @@ class _Sapp:
 
     def _solve_again(self, plan: GraphPlan) -> GraphPlan:
         """Parts of the plan solved again exactly, the rest held (step 5 of the module
-        docstring): the last mesh axis (resolve.solve_axis), then the first (decided before
-        any other was known), then the ops around the largest carried state. Each plan
-        found is kept where its exact objective is lower. On a mesh of several axes the axes
-        are also solved again from the best plan that uses them all together
-        (resolve.solve_lockstep), and the better of the two results goes on: the walk
-        decides an axis at a time, so a cut that pays only over several axes (a MoE layer's
-        tokens over all eight devices, its experts two-way) is out of its reach."""
+        docstring): the last mesh axis, then the first (decided before any other was known),
+        then the ops around the largest carried state and the step's tail. Each plan found is
+        kept where its exact objective is lower. On a mesh of several axes the best plans
+        that use the axes together are starts too (_starts): the axes are solved again from
+        the best start, each op also free to use the other axes as any other start does
+        (resolve.solve_axis_from_any): the walk decides an axis at a time, so a cut that pays
+        only over several axes (a MoE layer's tokens over all eight devices, its experts
+        two-way) is out of its reach, and a start's layout may suit some ops only."""
         ties = tuple((v, pos) for v, pos, _ in self.units.carried if v not in self.fixed_in)
-        ends, solved = [], []  # the starts often meet: each axis solved once from a plan
-        for what, start, score in self._starts(plan, ties):
-            ends.append((what, *solve_axes(self.g, self.model, start, self.fixed_in,
-                                            self.fixed_out, ties, self._again(),
-                                            lambda p: self._score(p, self.fixed_out),
-                                            before=score, solved=solved)))
-        what, plan, before, taken = min(ends, key=lambda e: e[2])
-        if len(ends) > 1:
-            _note(self.lines, "from " + " and from ".join(
-                f"{w}, solved again axis by axis: {s:.6g}" for w, _, s, _ in ends) +
-                f"; kept the plan from {what}")
-        for axis, was, now in taken:
-            _note(self.lines, f"axis {axis}: every op's use of it solved again exactly, the "
-                              f"other axes held, scores {now:.6g}, less than {was:.6g}: "
-                              "taken instead")
+        starts = self._starts(plan, ties)
+        what, plan, before = min(starts, key=lambda s: s[2])
+        others = [s for s in starts if s[1] is not plan]
+        if others:
+            _note(self.lines, f"the axes solved again from the plan of {what} ({before:.6g}, "
+                              "the lowest of the starts), each op also free to use the other "
+                              "axes as " + " or as ".join(f"{w}" for w, _, _ in others) +
+                              " does")
+        for axis in self._again():  # (the starts, the best of them too once left behind)
+            progress.step(f"axis {axis} solved again exactly")
+            found = solve_axis_from_any(self.g, self.model,
+                                        [plan, *(s[1] for s in starts if s[1] is not plan)],
+                                        self.fixed_in, self.fixed_out, ties, axis)
+            after = self._score(found, self.fixed_out)
+            if after < before * (1 - 1e-9):
+                _note(self.lines, f"axis {axis}: every op's use of it solved again exactly, "
+                                  f"the other axes held, scores {after:.6g}, less than "
+                                  f"{before:.6g}: taken instead")
+                plan, before = found, after
         plan = self._solve_neighbourhoods(plan, before, ties)
         found, after = solve_tail_rounds(self.g, self.model, plan, self.fixed_in,
                                          self.fixed_out, ties, self.index)
@@ -447,12 +461,10 @@ class _Sapp:
         return found
 
     def _starts(self, plan: GraphPlan, ties: tuple) -> list[tuple[str, GraphPlan, float]]:
-        """The plans whose axes _solve_again solves again, each with its name and score: the
-        walk's, and on a mesh of several axes the best that uses them all together and (three
-        axes or more) the best that uses each of resolve.axis_runs() together, each unless it scores
-        more than _LOCKSTEP_NEAR times the walk's. (Each start's end is compared, not the
-        starts: a grouped plan that scores below the lockstep plan may end above it, as the
-        quick MoE step on 2 x 2 x 2 under tpu-v5e does, 1.04x against 1.00x.)"""
+        """The plans _solve_again solves the axes again from, each with its name and score:
+        the walk's, and on a mesh of several axes the best that uses them all together and
+        (three axes or more) the best that uses each of resolve.axis_runs() together, each
+        unless it scores more than _LOCKSTEP_NEAR times the walk's."""
         walk = self._score(plan, self.fixed_out)
         starts = [("the walk", plan, walk)]
         if len(self.mesh.names) < 2:
@@ -474,11 +486,9 @@ class _Sapp:
         for what, other, score in found:
             if score <= walk * _LOCKSTEP_NEAR:
                 starts.append((what, other, score))
-                continue
-            _note(self.lines, f"{what}, solved exactly: scores {score:.6g}, more than "
-                              f"{_LOCKSTEP_NEAR:g}x the walk's {walk:.6g}: not solved again")
-            for axis in self._again():  # the progress bar counted these solves
-                progress.step(f"axis {axis}: that plan is not solved again")
+            else:
+                _note(self.lines, f"{what}, solved exactly: scores {score:.6g}, more than "
+                                  f"{_LOCKSTEP_NEAR:g}x the walk's {walk:.6g}: no start")
         return starts
 
     def _again(self) -> list[str]:

@@ -154,6 +154,27 @@ def solve_axes(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict
     return plan, before, taken
 
 
+def solve_axis_from_any(graph: OpGraph, model: CostModel, plans: Sequence[GraphPlan],
+                        fixed_in: dict[int, Spec], fixed_out: dict[int, Spec],
+                        ties: tuple[tuple[int, int], ...], axis: str,
+                        time_limit: float = 10.0) -> GraphPlan:
+    """The cheapest plan in which every op uses every axis but `axis` as one of `plans` does
+    (each op as any of them: neighbours taking different plans' layouts pay the resharding
+    between them) and every free input keeps its cut on them in one of the plans; the use of
+    `axis` is free. Each of `plans` is among its candidates, so its optimum is no worse than
+    solve_axis from the best of them, in one search where solving from each costs one
+    each (recursive_programming's starts: the walk's plan, the lockstep and grouped ones).
+
+    Example:
+      >>> better = solve_axis_from_any(graph, model, [walk, flat], {}, {}, ties, "d2")
+    """
+    found, _ = dynamic_programming(graph, model, fixed_in, fixed_out, time_limit=time_limit,
+                                   ties=ties, **_tying(graph),
+                                   allow=_OtherAxesOfAny(plans, axis, model.axis_groups),
+                                   group_tail=False)
+    return found
+
+
 def _recall(solved: list | None, axis: str, plan: GraphPlan, score: float
             ) -> tuple[GraphPlan, float] | None:
     """(the plan found, its score) where `axis` was solved from a plan equal to `plan` (one
@@ -342,6 +363,29 @@ class _OtherAxes:
         now = now.resolved()
         kept = tuple(s for s in specs if self._spec(s) == self._spec(now))
         return kept if now in kept else kept + (now,)
+
+
+class _OtherAxesOfAny:
+    """tables.Allow: the candidates that use every axis but one as any of `plans` does (the
+    union of each plan's _OtherAxes; each loop and cond is also offered its choice in each
+    plan, body plans and all)."""
+
+    def __init__(self, plans: Sequence[GraphPlan], axis: str, groups: dict | None = None):
+        self.parts = [_OtherAxes(p, axis, groups=groups) for p in plans]
+        self.plans = list(plans)
+        self.unions: dict[tuple, tuple[int, ...]] = {}  # each plan's indices -> their union
+
+    def op(self, x: int, cands: list) -> tuple[int, ...]:
+        each = tuple(part.op(x, cands) for part in self.parts)
+        if all(kept is each[0] for kept in each):  # the plans agree here (ops alike: memo)
+            return each[0]
+        hit = self.unions.get(each)
+        if hit is None:
+            hit = self.unions[each] = tuple(sorted(set().union(*each)))
+        return hit
+
+    def specs(self, v: int, specs: tuple[Spec, ...]) -> tuple[Spec, ...]:
+        return tuple(dict.fromkeys(s for part in self.parts for s in part.specs(v, specs)))
 
 
 def solve_region(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict[int, Spec],

@@ -58,7 +58,8 @@ class Allow(Protocol):
         """The specs free input v may take, from `specs` (those its first reader reads)."""
 
     # An Allow may also name the plan it searches around as `plan` (a GraphPlan: resolve's
-    # _OtherAxes); build_tables then offers each loop and cond its choice there.
+    # _OtherAxes), or several as `plans` (resolve's _OtherAxesOfAny); build_tables then
+    # offers each loop and cond its choice there (in each of them).
 
 
 @dataclass(frozen=True)
@@ -139,9 +140,10 @@ def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     held one, so the search could end above the plan it started from (a Linen nn.scan step's
     mesh axis solved again: 13x its objective, the scans' bodies planned for free operands).
     """
-    held = region.plan if region is not None else getattr(allow, "plan", None)
+    helds = [region.plan] if region is not None else getattr(allow, "plans", None) or \
+        [p for p in (getattr(allow, "plan", None),) if p is not None]
     b = _Builder(graph, model, allow, classes, fold, region_seeds or {},
-                 {} if held is None else held.choices)
+                 [p.choices for p in helds])
     inside = range(len(graph.ops)) if region is None else region.ops
     ops = graph.ops if region is None else [op for op in graph.ops if op.index in inside]
     for op in ops:
@@ -251,11 +253,11 @@ class _Builder:
     def __init__(self, graph: OpGraph, model: CostModel, allow: Allow | None = None,
                  classes: Sequence[int] | None = None, fold: bool = True,
                  region_seeds: dict[int, list] | None = None,
-                 held: dict[int, Choice] | None = None):
+                 held: Sequence[dict[int, Choice]] = ()):
         self.graph, self.model, self.t, self.allow = graph, model, Tables(), allow
         self.region_seeds = region_seeds or {}
-        self.held = held or {}  # op -> its choice in the plan searched around (a region's,
-                                # or allow.plan): a loop's or cond's is one of its candidates
+        self.held = held  # op -> its choice in each plan searched around (a region's, or
+                          # allow.plan(s)): a loop's or cond's is one of its candidates
         self.classes, self.fold = classes, fold
         self._kept: dict[tuple, tuple] = {}    # (id(list), indices kept) -> (list, costs)
         self._kept_specs: dict[tuple, tuple] = {}  # an input's allowed specs, one object each
@@ -333,11 +335,12 @@ class _Builder:
             for known, outs in self.region_seeds.get(op.index, ()):  # (copied: cached)
                 found += [f for f in region_candidates(op, info, known, model, outs)
                           if not any(f[0] == g[0] for g in found)]
-            held = self.held.get(op.index)
-            if held is not None and held.regions:
-                mine = held_candidate(held)
-                if not any(covers(f, mine, op, model) for f in found):
-                    found.append(mine)
+            for choices in self.held:
+                held = choices.get(op.index)
+                if held is not None and held.regions:
+                    mine = held_candidate(held)
+                    if not any(covers(f, mine, op, model) for f in found):
+                        found.append(mine)
             self.t.regions[op.index] = {id(s): (plans, trips, cost)
                                         for s, plans, cost, trips in found}
             cands, own = [f[0] for f in found], [f[2] for f in found]
