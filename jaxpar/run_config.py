@@ -692,9 +692,6 @@ def plan_run(run: RunConfig, mode: str | None = None, devices: int | None = None
       >>> planned.plan.layout, planned.plan.cost.total_s
     """
     from jax.sharding import AbstractMesh, AxisType
-    from jax.sharding import PartitionSpec as P
-
-    from jaxpar.auto_parallel import AutoParallel
 
     mode = run.plan_mode(mode)
     sizes, names = run.mesh_axes(devices, mode)
@@ -710,6 +707,24 @@ def plan_run(run: RunConfig, mode: str | None = None, devices: int | None = None
     if megatron:
         _check_model_parallel(run, mp, megatron, dict(zip(problem.paths, problem.shapes,
                                                           strict=True)))
+    try:
+        plan, hw = _planned(run, problem, mode, mesh, hw, megatron, mp, sizes, names)
+    except ValueError as err:  # what the config set (a budget, a strategy file, a shard size)
+        # named with the file it is in
+        if str(err).startswith(f"{run.source}:"):
+            raise
+        raise ValueError(f"{run.source}: {err}") from None
+    return PlannedRun(plan, mode, sizes, names, hw, problem, run.model,
+                      time.perf_counter() - start)
+
+
+def _planned(run: RunConfig, problem, mode: str, mesh, hw: str, megatron, mp: int,
+             sizes: tuple, names: tuple) -> tuple:
+    """plan_run's plan and the hardware its costs are priced under."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.auto_parallel import AutoParallel
+
     net = AutoParallel(problem.step, "semi_auto" if mode == "data_parallel" else mode,
                        mesh=mesh, hardware=hw, donate_argnums=(0, 1), context=run.context,
                        parameter_plan=megatron)
@@ -735,5 +750,4 @@ def plan_run(run: RunConfig, mode: str | None = None, devices: int | None = None
                       "not plan it again: take strategy_ckpt_load_file out to plan anew.",
                       stacklevel=2)
         hw = plan.hardware  # what its costs are priced under, reported as such
-    return PlannedRun(plan, mode, sizes, names, hw, problem, run.model,
-                      time.perf_counter() - start)
+    return plan, hw

@@ -302,6 +302,19 @@ def test_a_loaded_plan_reports_the_hardware_it_is_priced_under(tmp_path):
     assert planned.hardware == planned.plan.hardware == "cpu"
 
 
+@pytest.mark.parametrize("parallel,match", [
+    ({"parallel_mode": 2, "memory_budget": 100}, "memory_budget=100 bytes per device cannot be met"),
+    ({"parallel_mode": 0, "enable_parallel_optimizer": True,
+      "parallel_optimizer_config": {"optimizer_weight_shard_size": 3}},
+     r"optimizer_weight_shard_size'\]=3: no group of axes"),
+])
+def test_what_a_config_sets_that_cannot_be_planned_names_the_file(parallel, match):
+    # Refused while planning, these named no file (the shard size as set_auto_parallel_context's).
+    run = _run(parallel=parallel, train={"batch_size": 16}, mesh=8)
+    with pytest.raises(ValueError, match=r"^run\.yaml: .*" + match):
+        plan_run(run)
+
+
 def test_parallel_optimizer_cuts_optimizer_state_further():
     base = {"model": {"name": "mlp", "sizes": [64, 256, 64]}, "train": {"batch_size": 32},
             "mesh": 8, "parallel": {"parallel_mode": 0}}
