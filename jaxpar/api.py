@@ -1034,7 +1034,7 @@ def array_arguments(fn, args: tuple, leaves: list | None = None, tree=None
                                  f"{jnp.asarray(0).dtype}. Pass an array of a wider dtype "
                                  "(with jax_enable_x64) or a smaller number.") from None
         elif kind == "other":
-            raise TypeError(f"argument {path}={x!r} (a {type(x).__name__}): jaxpar.shard "
+            raise TypeError(f"argument {path}={x!r} (a {type(x).__name__}): jaxpar "
                             "takes arrays, jax.ShapeDtypeStructs and Python scalars. Pass it "
                             "as an array, or bind it into the function (functools.partial) "
                             "when it is a setting rather than data.")

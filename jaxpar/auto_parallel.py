@@ -166,6 +166,8 @@ class AutoParallel:
         self.network, self.parallel_mode, self.context = network, parallel_mode, ctx
         self.mesh = _checked_mesh(mesh if mesh is not None else context_mesh(ctx))
         self.parameter_plan = _checked_parameter_plan(parameter_plan)
+        self._param_files: dict[str, str] = {}  # parameter_plan keys a param strategy file
+                                                # gave -> that file
         self.hardware = hardware if hardware is not None else (ctx.hardware or "cpu")
         self.level = level
         self.mem_coeff = ctx.mem_coeff if mem_coeff is None else mem_coeff
@@ -220,12 +222,13 @@ class AutoParallel:
             _check_network(value)
         elif name == "parallel_mode":
             _check_mode(value, "")
-        elif name == "mesh":
-            value = _checked_mesh(value)
+        elif name == "mesh":  # None: the context's, as the constructor takes it
+            value = _checked_mesh(value if value is not None else context_mesh(self.context))
             if self._opts.hsdp is not None:
                 check_shard_size(self._opts.hsdp[0], MeshInfo.of(value))  # names hsdp's
         elif name == "parameter_plan":
             value = _checked_parameter_plan(value)
+            self._param_files.clear()
         elif name in ("batch_argnums", "donate_argnums"):
             value = _argnums(name, value) or (None if name == "batch_argnums" else ())
         elif name in ("hardware", "level", "mem_coeff", "memory_budget"):
@@ -316,7 +319,9 @@ class AutoParallel:
         """Fix parameters to the strategies a param strategy file holds (same mesh)."""
         if not isinstance(file_path, str):
             raise TypeError(f"load_param_strategy_file(file_path={file_path!r}): must be a str.")
-        self.parameter_plan.update(read_param_strategy_file(file_path, MeshInfo.of(self.mesh)))
+        entries = read_param_strategy_file(file_path, MeshInfo.of(self.mesh))
+        self.parameter_plan.update(entries)
+        self._param_files.update(dict.fromkeys(entries, os.path.abspath(file_path)))
         self._functions.clear()
 
     def enable_gradients_mean(self) -> None:
@@ -405,9 +410,12 @@ class AutoParallel:
         flat_args, leaves = array_arguments(pure, flat_args, leaves, tree)
         key = (tree, signature(leaves), trace_settings(), getattr(pure, "graphdefs", None))
         if key not in self._functions:
-            self._functions[key] = self._build(pure, flat_args, unwrap)
-            self._functions[key].pure = pure  # traced once; it records what its calls change
-            self._save_operator_plans()
+            program = self._build(pure, flat_args, unwrap)
+            program.pure = pure  # traced once; it records what its calls change
+            # saved before it is kept: where the file cannot be written, every call says so
+            # (kept first, the next call ran the program and saved nothing)
+            self._save_operator_plans(program)
+            self._functions[key] = program
         program = self._functions[key]
         program.unwrap = unwrap
         return program, flat_args
@@ -456,8 +464,14 @@ class AutoParallel:
                     "not cut the optimizer state as optimizer parallel asks, and a loaded plan "
                     "is used as it is. Save the plan with it on, or drop one of the two.")
         elif o.hsdp is not None:
-            more = self._optimizer_parallel(sharded.plan(*args), paths, shapes, args, carried)
+            first = sharded.plan(*args)
+            more = self._optimizer_parallel(first, paths, shapes, args, carried)
             if more:
+                if o.hsdp[2] != "level3":  # ZeRO-1/2: the parameters keep their plan (searched
+                    # again with only their state fixed, they were cut to match it: FSDP)
+                    params = set(optimizer_followers(paths, shapes).values())
+                    more = {**{i: first.flat_in_specs[i] for i in params
+                               if paths[i] not in fixed}, **more}
                 fixed = {**fixed, **{paths[i]: s.to_pspec() for i, s in more.items()}}
                 sharded = self._shard(pure, fixed, donate)
         state_leaves = [i for i in range(len(owner)) if owner[i] < n_state or i in carried]
@@ -468,13 +482,14 @@ class AutoParallel:
             program.save_param_file(o.save_param_file, args)
         return program
 
-    def _save_operator_plans(self) -> None:
-        """Every signature's plan made so far into the operator strategy file, if one is set
-        (save_plans: one plan as Plan.save writes it, several in one file)."""
+    def _save_operator_plans(self, new: _Program | None = None) -> None:
+        """Every signature's plan made so far (and `new`'s, a program not kept yet) into the
+        operator strategy file, if one is set (save_plans: one plan as Plan.save writes it,
+        several in one file)."""
         path = self._opts.save_operator_file
         if not path:
             return
-        plans = [p for program in self._functions.values()
+        plans = [p for program in [*self._functions.values(), *([new] if new else [])]
                  if (p := program.plan_for(None)) is not None]
         if plans:
             save_plans(plans, path, self._opts.save_by)
@@ -506,7 +521,22 @@ class AutoParallel:
         """{exact leaf path: strategy} for every leaf fixed before the search; batch: the
         positions of the data arguments."""
         mesh = self.mesh
-        planned = strat.parse_parameter_plan(self.parameter_plan, paths, shapes, mesh)
+        try:
+            planned = strat.parse_parameter_plan(self.parameter_plan, paths, shapes, mesh)
+        except ValueError as err:  # a key from a param strategy file: said so
+            key = next((k for k in self._param_files
+                        if str(err).startswith(f"parameter_plan[{k!r}] matches no parameter")),
+                       None)
+            if key is None:
+                raise
+            saved = list(dict.fromkeys(k.split("/")[0] for k in self._param_files))
+            names = list(dict.fromkeys(p.split("/")[0] for p in paths))
+            raise ValueError(
+                f"load_param_strategy_file({self._param_files[key]!r}): its entry {key!r} "
+                f"matches no parameter of {_name(self.network)}. The file's paths begin with "
+                f"the names of the arguments of the step that saved it "
+                f"({', '.join(map(repr, saved))}); this one's are {', '.join(map(repr, names))}. "
+                "Load it into a step whose arguments are named alike.") from None
         fixed = {paths[i]: s.to_pspec() for i, s in planned.items()}
         owner = leaf_owners(args)
         config = self._dataset_config()

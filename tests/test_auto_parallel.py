@@ -493,6 +493,41 @@ def test_optimizer_parallel_levels_cut_memory_and_train_alike(mlp_problem):
         _close_trees(params, want_params)
 
 
+@pytest.mark.parametrize("mode", ["recursive_programming", "dynamic_programming"])
+def test_optimizer_parallel_level1_keeps_the_searched_parameters_layout(mode):
+    # In the search modes the step was searched again with the moments fixed cut and nothing
+    # holding the parameters: they were cut to match them (FSDP, level3's plan) and the batch
+    # left whole. ZeRO-1 cuts the optimizer state only.
+    k = jax.random.split(jax.random.key(0), 4)
+    params = {"w1": jax.random.normal(k[0], (16, 32)), "b1": jnp.zeros(32),
+              "w2": jax.random.normal(k[1], (32, 8)), "b2": jnp.zeros(8)}
+    tx = optax.adam(1e-2)
+
+    def step(p, s, x, y):
+        def loss(p):
+            return jnp.mean((jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"] - y) ** 2)
+        value, grads = jax.value_and_grad(loss)(p)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, value
+
+    args = (params, tx.init(params), jax.random.normal(k[2], (16, 16)),
+            jax.random.normal(k[3], (16, 8)))
+    specs = {}
+    for level in (None, "level1", "level3"):
+        net = AutoParallel(step, mode)
+        if level:
+            net.hsdp(threshold=0, optimizer_level=level)
+        plan = net.plan(*args)
+        specs[level] = dict(zip(plan.in_paths, plan.flat_in_specs, strict=True))
+    mesh = plan.mesh
+    names = [p for p in specs[None] if p.startswith("p/")]
+    assert all(specs["level1"][p] == specs[None][p] for p in names)
+    assert all(specs["level1"][f"s/0/mu/{p[2:]}"].shards(mesh) == 8 for p in names)
+    assert all(specs["level3"][p].shards(mesh) == 8 for p in names if p != "p/b2")
+    losses, _ = _train(net, args)  # level3's
+    assert np.isfinite(losses).all()
+
+
 def test_optimizer_parallel_level1_leaves_a_gpts_layernorms_replicated():
     # Every block's LayerNorm parameters were taken for optimizer state of the final one
     # (same names and shape below a mirrored path) and cut over every device at level1.
@@ -595,6 +630,8 @@ def test_a_setting_changed_after_a_call_plans_again():
     with pytest.raises(TypeError, match=r"AutoParallel\(mesh=8\): pass a jax.sharding.Mesh"):
         net.mesh = 8
     assert net.parallel_mode == "semi_auto" and net.mesh.size == 2  # refused: unchanged
+    net.mesh = None  # as the constructor takes it: the context's mesh (it was a TypeError)
+    assert net.mesh.size == 8 and net(w, x)[0].sharding.mesh.size == 8
 
 
 def test_a_mesh_hsdps_shard_size_does_not_fit_is_refused_naming_hsdp(mlp_problem):
@@ -865,6 +902,14 @@ def test_param_strategy_file_round_trip(mlp_problem, tmp_path):
     # pathlib at the first call, after the search).
     with pytest.raises(ValueError, match=r"save_param_strategy_file: file_path .*does not exist"):
         AutoParallel(step).save_param_strategy_file(str(tmp_path / "missing" / "params.json"))
+    # Its paths begin with the saving step's argument names: a step naming them otherwise
+    # was told "parameter_plan['params/...'] matches no parameter", a setting never given.
+    renamed = AutoParallel(lambda weights, state, x, y: step(weights, state, x, y))
+    renamed.load_param_strategy_file(path)
+    with pytest.raises(ValueError, match=r"^load_param_strategy_file\('.*params\.json'\): its "
+                       r"entry 'params/.*' matches no parameter of .*\('params', 'opt_state'\); "
+                       r"this one's are 'weights', 'state', 'x', 'y'\."):
+        renamed.plan(*args)
 
 
 def test_unknown_parameter_path_lists_the_closest(problem):
@@ -1200,6 +1245,11 @@ def test_strategy_file_errors_name_the_context_setting_that_gave_the_file(mlp_pr
         AutoParallel(step)(*args)
     jaxpar.reset_auto_parallel_context()
     jaxpar.set_auto_parallel_context(strategy_ckpt_save_file=str(tmp_path / "no" / "s.json"))
-    with pytest.raises(ValueError, match=r"^set_auto_parallel_context\(strategy_ckpt_save_file\) "
-                       r"'.*s\.json': cannot write a file there"):
-        AutoParallel(step)(*args)
+    net = AutoParallel(step)
+    for _ in range(2):  # every call (the first kept its program, and the second saved nothing)
+        with pytest.raises(ValueError, match=r"^set_auto_parallel_context\(strategy_ckpt_save_"
+                           r"file\) '.*s\.json': cannot write a file there"):
+            net(*args)
+    (tmp_path / "no").mkdir()  # the file can be written now: the call runs and saves it
+    net(*args)
+    assert (tmp_path / "no" / "s.json").is_file()
