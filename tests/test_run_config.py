@@ -303,7 +303,8 @@ def test_a_loaded_plan_reports_the_hardware_it_is_priced_under(tmp_path):
 
 
 @pytest.mark.parametrize("parallel,match", [
-    ({"parallel_mode": 2, "memory_budget": 100}, "memory_budget=100 bytes per device cannot be met"),
+    ({"parallel_mode": 2, "memory_budget": 100},
+     "memory_budget=100 bytes per device cannot be met"),
     ({"parallel_mode": 0, "enable_parallel_optimizer": True,
       "parallel_optimizer_config": {"optimizer_weight_shard_size": 3}},
      r"optimizer_weight_shard_size'\]=3: no group of axes"),
