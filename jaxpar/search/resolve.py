@@ -161,9 +161,10 @@ def solve_axis_from_any(graph: OpGraph, model: CostModel, plans: Sequence[GraphP
     """The cheapest plan in which every op uses every axis but `axis` as one of `plans` does
     (each op as any of them: neighbours taking different plans' layouts pay the resharding
     between them) and every free input keeps its cut on them in one of the plans; the use of
-    `axis` is free. Each of `plans` is among its candidates, so its optimum is no worse than
-    solve_axis from the best of them, in one search where solving from each costs one
-    each (recursive_programming's starts: the walk's plan, the lockstep and grouped ones).
+    `axis` is free. Every candidate of solve_axis from any of `plans` is one of its own, so
+    over the tables its optimum is no worse than each of those: one search where solving
+    from each apart takes one each (recursive_programming's starts: the walk's plan, the
+    lockstep and the grouped one).
 
     Example:
       >>> better = solve_axis_from_any(graph, model, [walk, flat], {}, {}, ties, "d2")
