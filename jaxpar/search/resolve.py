@@ -92,21 +92,22 @@ def solve_axis(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict
     Example:
       >>> better = solve_axis(graph, model, gp, {}, {}, ties, "d1")
     """
-    return _solved_axis(graph, model, plan, fixed_in, fixed_out, ties, axis, time_limit,
+    return _solved_axis(graph, model, [plan], fixed_in, fixed_out, ties, axis, time_limit,
                         held)[0]
 
 
-def _solved_axis(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict[int, Spec],
-                 fixed_out: dict[int, Spec], ties: tuple[tuple[int, int], ...], axis: str,
-                 time_limit: float = 10.0, held: frozenset[int] = frozenset()
-                 ) -> tuple[GraphPlan, bool]:
-    """solve_axis, and whether the plan it found is proven optimal over its candidates (not
-    where the search stopped at its time limit)."""
+def _solved_axis(graph: OpGraph, model: CostModel, plans: Sequence[GraphPlan],
+                 fixed_in: dict[int, Spec], fixed_out: dict[int, Spec],
+                 ties: tuple[tuple[int, int], ...], axis: str, time_limit: float = 10.0,
+                 held: frozenset[int] = frozenset()) -> tuple[GraphPlan, bool]:
+    """solve_axis from one plan, or solve_axis_from_any from several (held ops: one plan
+    only), and whether the plan it found is proven optimal over its candidates (not where the
+    search stopped at its time limit)."""
+    allow = _OtherAxes(plans[0], axis, held, model.axis_groups) if len(plans) == 1 else \
+        _OtherAxesOfAny(plans, axis, model.axis_groups)
     found, solution = dynamic_programming(graph, model, fixed_in, fixed_out,
-                                          time_limit=time_limit, ties=ties,
-                                          **_tying(graph),
-                                          allow=_OtherAxes(plan, axis, held, model.axis_groups),
-                                          group_tail=False)
+                                          time_limit=time_limit, ties=ties, **_tying(graph),
+                                          allow=allow, group_tail=False)
     return found, solution.optimal
 
 
@@ -138,8 +139,8 @@ def solve_axes(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict
         known = _recall(solved, axis, plan, before)
         if known is None:
             progress.step(f"axis {axis} solved again exactly")
-            found, optimal = _solved_axis(graph, model, plan, fixed_in, fixed_out, ties, axis,
-                                          held=held)
+            found, optimal = _solved_axis(graph, model, [plan], fixed_in, fixed_out, ties,
+                                          axis, held=held)
             after = score(found)
             if solved is not None:
                 solved.append((axis, before, plan, found, after))
@@ -169,11 +170,7 @@ def solve_axis_from_any(graph: OpGraph, model: CostModel, plans: Sequence[GraphP
     Example:
       >>> better = solve_axis_from_any(graph, model, [walk, flat], {}, {}, ties, "d2")
     """
-    found, _ = dynamic_programming(graph, model, fixed_in, fixed_out, time_limit=time_limit,
-                                   ties=ties, **_tying(graph),
-                                   allow=_OtherAxesOfAny(plans, axis, model.axis_groups),
-                                   group_tail=False)
-    return found
+    return _solved_axis(graph, model, plans, fixed_in, fixed_out, ties, axis, time_limit)[0]
 
 
 def _recall(solved: list | None, axis: str, plan: GraphPlan, score: float
@@ -316,6 +313,7 @@ class _OtherAxes:
     def __init__(self, plan: GraphPlan, axis: str, held: frozenset[int] = frozenset(),
                  groups: dict | None = None):
         self.plan, self.axis, self.held = plan, axis, held
+        self.plans = (plan,)  # tables.Allow: the plans searched around
         self.groups = {} if groups is None else groups
         self.projected: dict[Spec, tuple] = {}
         self.keys: dict[int, tuple] = {}  # id(strategy) -> (strategy, its _key)

@@ -57,9 +57,9 @@ class Allow(Protocol):
     def specs(self, v: int, specs: tuple[Spec, ...]) -> tuple[Spec, ...]:
         """The specs free input v may take, from `specs` (those its first reader reads)."""
 
-    # An Allow may also name the plan it searches around as `plan` (a GraphPlan: resolve's
-    # _OtherAxes), or several as `plans` (resolve's _OtherAxesOfAny); build_tables then
-    # offers each loop and cond its choice there (in each of them).
+    # An Allow may also name the plans it searches around as `plans` (GraphPlans: resolve's
+    # _OtherAxes, one; _OtherAxesOfAny, several); build_tables then offers each loop and cond
+    # its choice in each of them.
 
 
 @dataclass(frozen=True)
@@ -134,14 +134,13 @@ def build_tables(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     (dynamic_programming seeds them from a first solution, so that a loop's body can be
     solved for its neighbours).
 
-    A loop or cond also takes its choice in the plan searched around (the region's, or
-    `allow.plan` where allow has one), body plans and all, unless a candidate covers it: the
-    bodies are otherwise planned anew from operand specs, and none of those plans need be the
-    held one, so the search could end above the plan it started from (a Linen nn.scan step's
+    A loop or cond also takes its choice in the plans searched around (the region's, or
+    `allow.plans` where allow has them), body plans and all, unless a candidate covers it:
+    the bodies are otherwise planned anew from operand specs, and none of those plans need be
+    the held one, so the search could end above the plan it started from (a Linen nn.scan step's
     mesh axis solved again: 13x its objective, the scans' bodies planned for free operands).
     """
-    helds = [region.plan] if region is not None else getattr(allow, "plans", None) or \
-        [p for p in (getattr(allow, "plan", None),) if p is not None]
+    helds = [region.plan] if region is not None else getattr(allow, "plans", ())
     b = _Builder(graph, model, allow, classes, fold, region_seeds or {},
                  [p.choices for p in helds])
     inside = range(len(graph.ops)) if region is None else region.ops
@@ -257,7 +256,7 @@ class _Builder:
         self.graph, self.model, self.t, self.allow = graph, model, Tables(), allow
         self.region_seeds = region_seeds or {}
         self.held = held  # op -> its choice in each plan searched around (a region's, or
-                          # allow.plan(s)): a loop's or cond's is one of its candidates
+                          # allow.plans): a loop's or cond's is one of its candidates
         self.classes, self.fold = classes, fold
         self._kept: dict[tuple, tuple] = {}    # (id(list), indices kept) -> (list, costs)
         self._kept_specs: dict[tuple, tuple] = {}  # an input's allowed specs, one object each
