@@ -16,6 +16,7 @@ from jaxpar.ir.repeat import op_classes
 from jaxpar.models import PROGRAMS
 from jaxpar.models.gpt import GPTConfig, abstract_train_step
 from jaxpar.plan import peak_memory
+from jaxpar.rules.registry import OpInfo
 from jaxpar.search import exact, resolve
 from jaxpar.search.dynamic import Problem, objective
 from jaxpar.search.exact import dynamic_programming
@@ -289,6 +290,56 @@ def test_whole_graph_tables_match_a_region_of_every_op(monkeypatch, fold, key_li
     assert len(whole.edges) > 50 and any(e.port >= 0 for e in whole.edges)
     assert fold == bool(whole.count) and (not fold or max(whole.count) >= 3)
     _same_tables(whole, region)
+
+
+class _Asked:
+    """An Allow passed through, counting its op() calls; without `keyed`, no op_key: the
+    builder then asks op() for every op."""
+
+    def __init__(self, allow, keyed: bool):
+        self.allow, self.calls, self.plans = allow, 0, allow.plans
+        if keyed:
+            self.op_key = allow.op_key
+
+    def op(self, x, cands):
+        self.calls += 1
+        return self.allow.op(x, cands)
+
+    def specs(self, v, specs):
+        return self.allow.specs(v, specs)
+
+
+def test_folded_tables_ask_an_allow_once_per_class_and_key():
+    # Folded, ops of one class with equal op_keys (their choices in the plans searched
+    # around) are allowed alike, so the builder asks the Allow once per class and key: the
+    # tables are those of asking it for every op, an op of a repeated class that chose
+    # otherwise in one plan (its key differs) left a node of its own.
+    graph, model, ties = _small_gpt_tied(3)
+    plan, _ = dynamic_programming(graph, model, {}, {}, ties=ties)
+    other = resolve.solve_lockstep(graph, model, {}, {}, ties)
+    classes = op_classes(graph)
+    members: dict[int, list[int]] = {}
+    for op in graph.ops:
+        if not op.regions:
+            members.setdefault(classes[op.index], []).append(op.index)
+    index = GraphIndex(graph)
+    x = next(xs[1] for xs in members.values() if len(xs) >= 3 and
+             graph.ops[xs[1]].name == "dot_general")
+    cands = model.options(OpInfo.of(graph.ops[x], graph),
+                          index.shares(graph.ops[x].outputs[0]))[0]
+    axis = model.mesh.names[-1]
+    uses = resolve._OtherAxes(plan, axis)._key  # a strategy's use of the other axes
+    moved = next(s for s in cands if uses(s) != uses(plan.choices[x].strategy))
+    plan.choices[x] = dataclasses.replace(plan.choices[x], strategy=moved)
+    made = {}
+    for keyed in (True, False):
+        allow = _Asked(resolve._OtherAxesOfAny([plan, other], axis, model.axis_groups), keyed)
+        made[keyed] = (build_tables(graph, model, {}, {}, ties, allow, classes), allow.calls)
+    (keyed, asked), (plain, every) = made[True], made[False]
+    _same_tables(keyed, plain)
+    assert every == sum(not op.regions for op in graph.ops) and asked < every
+    assert moved in keyed.cands[keyed.op_nodes[x]]  # its own choice offered
+    assert keyed.op_nodes[x] != keyed.op_nodes[members[classes[x]][0]]
 
 
 def test_region_tables_price_its_choices_as_the_whole_graph_does():

@@ -299,6 +299,9 @@ class _Lockstep:
             return found or tuple(range(len(cands)))
         return derived(self.kept, "lockstep", cands, self.groups, kept)
 
+    def op_key(self, x: int) -> None:
+        return None  # (tables.Allow: the same indices for every op of one list)
+
     def specs(self, v: int, specs: tuple[Spec, ...]) -> tuple[Spec, ...]:
         return tuple(s for s in specs if self._spec(s)) or specs
 
@@ -355,6 +358,12 @@ class _OtherAxes:
         self.kept[(id(cands), id(chosen))] = (cands, chosen, kept)
         return kept
 
+    def op_key(self, x: int) -> tuple:
+        """tables.Allow: what op() depends on beside the candidate list: the op's choice in
+        the plan (its strategy's id: the plan holds it) and whether it is held."""
+        choice = self.plan.choices.get(x)
+        return (None if choice is None else id(choice.strategy), x in self.held)
+
     def specs(self, v: int, specs: tuple[Spec, ...]) -> tuple[Spec, ...]:
         now = self.plan.specs.get(v)
         if now is None:
@@ -382,6 +391,9 @@ class _OtherAxesOfAny:
         if hit is None:
             hit = self.unions[each] = tuple(sorted(set().union(*each)))
         return hit
+
+    def op_key(self, x: int) -> tuple:
+        return tuple(part.op_key(x) for part in self.parts)
 
     def specs(self, v: int, specs: tuple[Spec, ...]) -> tuple[Spec, ...]:
         return tuple(dict.fromkeys(s for part in self.parts for s in part.specs(v, specs)))

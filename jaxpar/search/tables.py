@@ -59,7 +59,9 @@ class Allow(Protocol):
 
     # An Allow may also name the plans it searches around as `plans` (GraphPlans: resolve's
     # _OtherAxes, one; _OtherAxesOfAny, several); build_tables then offers each loop and cond
-    # its choice in each of them.
+    # its choice in each of them. And it may have `op_key(x)`: a hashable such that ops given
+    # one candidate list and equal keys are allowed the same indices (folded tables then ask
+    # `op` once per class and key: a 48-layer step's ops ask it 16k times per solve).
 
 
 @dataclass(frozen=True)
@@ -269,6 +271,9 @@ class _Builder:
         self._lines: dict[tuple, tuple] = {}   # spec lists' ids, share -> (lists, per byte,
                                                # fixed): every K between them is a line
         self._options: dict[tuple, tuple] = {}  # (class, share) -> model.options
+        # folded: (class, share, the Allow's op_key) -> node; no Allow: every key one
+        self._op_key = (lambda x: None) if allow is None else getattr(allow, "op_key", None)
+        self._quick: dict[tuple, int] = {}
         self._groups: dict[tuple, int] = {}    # what makes nodes one -> node (its first)
         self._group: dict[int, int] = {}       # node -> its group's first node (grouped ones)
         self._count: list[int] = []            # members per node
@@ -353,6 +358,14 @@ class _Builder:
                 if len(op.outputs) > 1:
                     self._splits.append((op, node))
             return node
+        quick = None
+        if self.fold and self.classes is not None and self._op_key is not None:
+            # folded: ops of one class (one candidate list) with equal keys make one node
+            quick = (self.classes[op.index], share, self._op_key(op.index))
+            first = self._quick.get(quick)
+            if first is not None:
+                self._count[first] += 1
+                return first
         cands, own = self._candidates(op, share)
         if self.allow is not None:
             cands, own = self._subset(cands, own, self.allow.op(op.index, cands))
@@ -360,6 +373,8 @@ class _Builder:
             first = self._groups.get((self.classes[op.index], id(cands)))
             if first is not None:
                 self._count[first] += 1
+                if quick is not None:
+                    self._quick[quick] = first
                 return first
         hit = self._nodes.get(id(cands))
         if hit is None:
@@ -374,6 +389,8 @@ class _Builder:
             mem = np.array([self._results_memory(info, s, js) for s in cands], dtype=float)
         key = None if self.classes is None else (self.classes[op.index], id(cands))
         node = self._add_node(cands, own, hit[1], mem, key)
+        if quick is not None:
+            self._quick[quick] = node
         if not self.fold:
             if len(op.outputs) > 1:
                 self._splits.append((op, node))
