@@ -583,10 +583,14 @@ class ShardedFunction:
                          "on every device; they hold no bytes), whatever out_strategy or the "
                          "plan cut")
         out_specs = placed
-        # Weights, for the layout report: carried state; else a first argument of several
-        # arrays (`apply(params, *batch)`, Flax's order); else all but the first (`f(x, w, b)`).
+        # Weights, for the layout report: the carried state of a step that differentiates (a
+        # training step's parameters and optimizer state); else a first argument of several
+        # arrays (`apply(params, *batch)`, Flax's order); else all but the first (`f(x, w,
+        # b)`). Without derivatives what comes back in an argument's place is an activation
+        # as often as not (`layer(x, w) -> x + tanh(x @ w)`, a scan's carry) or a cache (a
+        # decode step's), and the weights are the arguments beside it.
         first = len(jax.tree_util.tree_leaves(args[0])) if args else 0
-        weights = {graph.inputs[i] for i, _ in ties} if ties else \
+        weights = {graph.inputs[i] for i, _ in ties} if ties and graph.differentiates else \
             set(graph.inputs[:first]) if first > 1 else set(graph.inputs[first:])
         with progress.stage("building the plan"):
             plan = build_plan(graph, gp, model, traced, in_specs, out_specs, o.search_mode,

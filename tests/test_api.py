@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from jaxpar.demo import dense_relu, three_blocks
+from jaxpar.ir import build_graph, trace
 
 AUTO = AxisType.Auto
 
@@ -1717,3 +1718,27 @@ def test_a_forward_of_params_then_batch_is_reported_data_parallel():
     assert plan.flat_in_specs[-1] == jaxpar.Spec((("d0", "d1", "d2"), ()))
     assert plan.layout == "dp8"
     assert jaxpar.shard(dense_relu, in_strategy=((8, 1), None, None)).plan(X, W, B).layout == "dp8"
+
+
+def test_an_activation_returned_in_its_arguments_place_is_not_reported_as_a_weight():
+    """`layer(x, w) -> x + tanh(x @ w)` returns x's shape in x's place, so x is carried (tied
+    in and out) like a step's parameters; the layout report took it for the weight and
+    called data parallel "tp8" and tensor parallel "dp8". Only a program that differentiates
+    (a training step) has its carried state taken for weights."""
+    x, w = jnp.ones((16, 8)), jnp.ones((8, 8))
+
+    def layer(a, w):
+        return a + jnp.tanh(a @ w)
+
+    def sgd(w, a):  # a training step of one weight: w comes back updated
+        return w - 0.1 * jax.grad(lambda w: jnp.sum(jnp.tanh(a @ w)))(w)
+
+    def scanned(a, w):  # the carry of a scan comes back in its argument's place too
+        return jax.lax.scan(lambda c, _: (layer(c, w), None), a, None, length=3)[0]
+    for fn in (layer, scanned):
+        assert jaxpar.shard(fn, in_strategy=((8, 1), (1, 1))).plan(x, w).layout == "dp8"
+    assert jaxpar.shard(layer, in_strategy=((1, 1), (1, 8))).plan(x, w).layout == "tp8"
+    assert build_graph(trace(layer, (x, w)).closed_jaxpr).differentiates is False
+    assert build_graph(trace(sgd, (w, x)).closed_jaxpr).differentiates is True
+    assert jaxpar.shard(sgd, in_strategy=((1, 1), (8, 1))).plan(w, x).layout == "dp8"
+    assert jaxpar.shard(sgd, in_strategy=((1, 8), (1, 1))).plan(w, x).layout == "tp8"

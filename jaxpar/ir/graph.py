@@ -142,6 +142,9 @@ class OpGraph:
     # body too): its ops are inlined as the primal computes, without the derivative rule
     # (lower.jit keeps it).
     custom_derivatives: bool = False
+    # Some op (or a call it was inlined from) was made by JAX's transpose: the program
+    # computes reverse-mode derivatives (jax.grad, jax.vjp), as a training step does.
+    differentiates: bool = False
     # Input values whose buffers a call hands over (donate_argnums), set by whoever compiles
     # the program: the outputs JAX aliases to them are written in their buffers (aliases).
     donated: frozenset[int] = frozenset()
@@ -455,6 +458,8 @@ class _Builder:
 
     def emit(self, jaxpr, env: dict) -> None:
         for eqn in jaxpr.eqns:
+            if not self.graph.differentiates and _transposed(eqn):
+                self.graph.differentiates = True
             ins = tuple(_read(env, v) for v in eqn.invars)
             name = eqn.primitive.name
             body = _inline_body(eqn)
@@ -468,6 +473,8 @@ class _Builder:
             env.update((v, o) for v, o in zip(eqn.outvars, outs, strict=True))
             regions = tuple(build_graph(j) for j in _region_bodies(eqn)) if name in REGION_PARAMS \
                 else ()
+            if any(r.differentiates for r in regions):  # (gradients accumulated in a scan)
+                self.graph.differentiates = True
             self.graph.ops.append(Op(len(self.graph.ops), eqn.primitive, dict(eqn.params), ins,
                                      outs, eqn.ctx, _source(eqn), regions, bool(eqn.effects)))
 
@@ -480,6 +487,14 @@ class _Builder:
         self.emit(inner, sub)
         for outer, inner_out in zip(outvars, inner.outvars, strict=True):
             env[outer] = _read(sub, inner_out)
+
+
+def _transposed(eqn) -> bool:
+    """Whether JAX's transpose (reverse-mode differentiation) made the eqn: its name stack
+    holds that transform (printed as "transpose(jvp(...))")."""
+    stack = getattr(getattr(eqn.source_info, "name_stack", None), "stack", ())
+    return any(type(s).__name__ == "Transform" and getattr(s, "name", None) == "transpose"
+               for s in stack)
 
 
 def _inline_body(eqn):
