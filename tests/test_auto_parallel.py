@@ -847,6 +847,14 @@ def test_hsdp_never_leaves_optimizer_state_less_cut_than_planned():
     specs[1] = Spec(((),))
     assert optimizer_parallel_specs(specs, [(64,)] * 2, [256] * 2, {1: 0}, mesh, "level1", 0,
                                     2) == {1: Spec((("d2",),))}
+    # leaves it is not given: a ValueError naming the argument (was an IndexError inside)
+    with pytest.raises(ValueError, match=r"followers names leaf 5, but there are 2 leaves"):
+        optimizer_parallel_specs(specs, [(64,)] * 2, [256] * 2, {5: 0}, mesh, "level1", 0)
+    with pytest.raises(ValueError, match=r"params names leaf -1"):
+        optimizer_parallel_specs(specs, [(64,)] * 2, [256] * 2, {1: 0}, mesh, "level3", 0,
+                                 params=[-1])
+    with pytest.raises(ValueError, match=r"one entry each; got 2, 1 and 2"):
+        optimizer_parallel_specs(specs, [(64,)], [256] * 2, {1: 0}, mesh, "level1", 0)
 
 
 def test_bad_operator_strategy_files_are_refused(mlp_problem, tmp_path):

@@ -1,6 +1,8 @@
 """shard_batch / parse_dataset_strategy: placements per dataset strategy, MindSpore's errors, and
 the process-local -> global shape arithmetic used with several processes."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,9 +113,23 @@ def test_dataset_strategy_errors(strategy, exc, match, mesh):
 def test_data_parallel_errors(mesh):
     with pytest.raises(ValueError, match="input 0 is a scalar"):
         shard_batch((np.float32(1.0),), mesh, "data_parallel")
-    with pytest.raises(ValueError, match=r"input 0 of shape \(12, 4\) has a batch dim of 12, "
-                                         "which does not divide over the 8 devices"):
-        parse_dataset_strategy("data_parallel", (np.ones((12, 4)),), mesh)
+    with pytest.raises(ValueError, match="input 0 is a scalar"):
+        parse_dataset_strategy("data_parallel", (np.float32(1.0),), mesh)
+
+
+def test_parse_dataset_strategy_gives_the_specs_shard_batch_places_in(mesh):
+    # A batch of 12 on 8 devices: shard_batch (and AutoParallel) cut it 4 ways with a warning,
+    # parse_dataset_strategy, which says what shard_batch does, refused it.
+    for rows in (16, 12):
+        batch = (np.ones((rows, 4)), np.ones(rows))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            placed = [x.sharding.spec for x in shard_batch(batch, mesh, "data_parallel")]
+        with pytest.warns(UserWarning, match="cut 4 ways") if rows == 12 else \
+                warnings.catch_warnings():
+            said = parse_dataset_strategy("data_parallel", batch, mesh)
+        assert list(said) == placed
+    assert said == (P(("d0", "d1")), P(("d0", "d1")))
 
 
 def test_a_partial_last_batch_is_placed_as_autoparallel_places_it(mesh):

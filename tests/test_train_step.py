@@ -87,6 +87,16 @@ def test_microbatch_layouts():
     assert split_microbatches({"a": x}, 3)["a"].shape == (3, 2, 2)
     with pytest.raises(ValueError, match="layout='rows' must be one of"):
         split_microbatches(x, 2, "rows")
+    # k and the leaves are checked before any reshape (which failed deep in JAX, or divided
+    # by zero, naming neither)
+    for k, error, said in ((0, ValueError, "k=0 must be >= 1"), (-2, ValueError, "k=-2 must"),
+                           (2.0, TypeError, "k=2.0 must be an int"),
+                           (4, ValueError, r"tree\['a'\] of shape \(6, 2\) has leading dim 6, "
+                                           "which does not divide by k=4")):
+        with pytest.raises(error, match=said):
+            split_microbatches({"a": x}, k)
+    with pytest.raises(ValueError, match=r"tree\[1\] of shape \(\) is a scalar"):
+        split_microbatches((x, jnp.float32(1.0)), 2)
 
 
 def test_strided_and_contiguous_layouts_give_the_same_update():

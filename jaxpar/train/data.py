@@ -55,7 +55,10 @@ def parse_dataset_strategy(config: str | tuple, batch: Any,
       mesh: the device mesh; default `make_mesh(len(jax.devices()))`.
 
     Returns:
-      A pytree like `batch` with a `PartitionSpec` per leaf.
+      A pytree like `batch` with a `PartitionSpec` per leaf: the specs `shard_batch` puts
+      it on the mesh in. In one process a "data_parallel" batch the device count does not
+      divide is cut over the axes that divide it (batch_spec, with its warning), as
+      shard_batch and AutoParallel cut it; with several processes it is a ValueError.
 
     Example:
       >>> parse_dataset_strategy(((8, 1), (8,)), (x, y), make_mesh(8))
@@ -63,7 +66,8 @@ def parse_dataset_strategy(config: str | tuple, batch: Any,
     """
     mesh = _default_mesh(mesh)
     leaves, treedef = jax.tree_util.tree_flatten(batch)
-    return jax.tree_util.tree_unflatten(treedef, _batch_specs(config, leaves, mesh))
+    return jax.tree_util.tree_unflatten(treedef, _batch_specs(
+        config, leaves, mesh, uneven=jax.process_count() == 1))
 
 
 def shard_batch(batch: Any, mesh: Mesh | None = None,

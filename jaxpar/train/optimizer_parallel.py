@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 from collections.abc import Collection, Sequence
 
 from jaxpar.spec import MeshInfo, Spec
@@ -91,6 +92,7 @@ def optimizer_parallel_specs(specs: Sequence[Spec], shapes: Sequence[tuple[int, 
     """
     check_hsdp_args(shard_size, threshold_kb, level)
     check_shard_size(shard_size, mesh)
+    _check_leaves(specs, shapes, nbytes, followers, params)
     leaves = set(followers) | (set(followers.values()) | set(params) if level == "level3"
                                else set())
     out = {}
@@ -104,6 +106,24 @@ def optimizer_parallel_specs(specs: Sequence[Spec], shapes: Sequence[tuple[int, 
         if spec is not None and spec.shards(mesh) > specs[i].shards(mesh):
             out[i] = spec
     return out
+
+
+def _check_leaves(specs: Sequence[Spec], shapes: Sequence[tuple[int, ...]],
+                  nbytes: Sequence[int], followers: dict[int, int],
+                  params: Collection[int]) -> None:
+    """optimizer_parallel_specs' leaves: one spec, shape and size each, and every index that
+    `followers` and `params` name one of them (a ValueError naming the argument, not an
+    IndexError from inside)."""
+    n = len(specs)
+    if len(shapes) != n or len(nbytes) != n:
+        raise ValueError(f"optimizer_parallel_specs: specs, shapes and nbytes describe the same "
+                         f"leaves, one entry each; got {n}, {len(shapes)} and {len(nbytes)}.")
+    named = [("followers", i) for pair in followers.items() for i in pair] + \
+        [("params", i) for i in params]
+    for where, i in named:
+        if not isinstance(i, numbers.Integral) or isinstance(i, bool) or not 0 <= i < n:
+            raise ValueError(f"optimizer_parallel_specs: {where} names leaf {i!r}, but there "
+                             f"are {n} leaves (indices 0..{n - 1}).")
 
 
 def _cut_further(spec: Spec, shape: tuple[int, ...], mesh: MeshInfo,

@@ -155,6 +155,15 @@ def split_microbatches(tree: Any, k: int, layout: str = "strided") -> Any:
     """
     if layout not in MICROBATCH_LAYOUTS:
         raise ValueError(f"layout={layout!r} must be one of {MICROBATCH_LAYOUTS}.")
+    k = _positive_int(k, "k", "the number of microbatches split_microbatches makes")
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        shape = tuple(jnp.shape(x))
+        if not shape or shape[0] % k:
+            where = f"tree{jax.tree_util.keystr(path)}"
+            problem = ("is a scalar with no batch dim" if not shape else
+                       f"has leading dim {shape[0]}, which does not divide by k={k}")
+            raise ValueError(f"split_microbatches: {where} of shape {shape} {problem}; give "
+                             f"leaves whose leading (batch) dim is a multiple of k.")
     # Why strided: a batch sharded over D devices holds contiguous row blocks per device. Strided
     # (B//k, k) -> swap keeps the B//k axis sharded exactly as the batch was, so each microbatch
     # has B/(k*D) rows on every device and the scan's slicing moves no data. A contiguous
