@@ -18,6 +18,7 @@ import inspect
 import json
 import logging
 import numbers
+import os
 import types
 import warnings
 from dataclasses import dataclass, replace
@@ -258,7 +259,8 @@ def _options(in_strategy, out_strategy, parameter_plan, device, level, mesh, sea
     profile.devices_in_node(info)  # a node count that does not split the mesh
     unknown = profile.unknown_axes(info)
     if unknown:  # a calibrated profile used on a mesh whose axes are named otherwise
-        warnings.warn(f"{caller}(hardware={profile.name!r}): the profile's measured links are "
+        given = str(hardware) if isinstance(hardware, str | os.PathLike) else profile.name
+        warnings.warn(f"{caller}(hardware={given!r}): the profile's measured links are "
                       f"for axes {list(unknown)}, which the mesh {info.names} has none of: "
                       "their figures price nothing, and the mesh's axes without a measured "
                       "link take the profile's intra/inter links. Name the mesh's axes as the "

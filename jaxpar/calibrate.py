@@ -78,6 +78,30 @@ class Settings:
     matmul_dtype: str = ""         # "": float32 on CPU, bfloat16 on GPU/TPU
     copy_bytes: int = 0            # 0: 8 MB on CPU, 1 GB on GPU/TPU
 
+    def __post_init__(self) -> None:
+        # Checked when made: trials=0 measured nothing and gave NaN figures, and sizes given
+        # the wrong way round fitted a latency of 0 and a bandwidth of a few MB/s.
+        for field_, least in (("small_bytes", 1), ("large_bytes", 1), ("trials", 1),
+                              ("matmul_size", 0), ("copy_bytes", 0)):
+            value = getattr(self, field_)
+            if not isinstance(value, int | np.integer) or isinstance(value, bool) or \
+                    value < least:
+                raise ValueError(f"Settings({field_}={value!r}): give an int of at least "
+                                 f"{least}" + (" (0: the platform's default)." if least == 0
+                                               else "."))
+        if self.small_bytes >= self.large_bytes:
+            raise ValueError(f"Settings(small_bytes={self.small_bytes}, large_bytes="
+                             f"{self.large_bytes}): the latency message must be smaller than "
+                             "the bandwidth message (the fit takes the line through both).")
+        t = self.target_s
+        if not isinstance(t, int | float | np.number) or isinstance(t, bool | np.bool_) or \
+                not math.isfinite(t) or t <= 0:
+            raise ValueError(f"Settings(target_s={self.target_s!r}): give the seconds a timed "
+                             "run should last, a finite number > 0, e.g. 0.02.")
+        if self.matmul_dtype not in ("", "float32", "bfloat16", "float16"):
+            raise ValueError(f"Settings(matmul_dtype={self.matmul_dtype!r}): use 'float32', "
+                             "'bfloat16', 'float16', or '' for the platform's default.")
+
 
 QUICK = Settings(large_bytes=2 << 20, target_s=0.008, trials=3)
 _MAX_REPS = 1 << 14
@@ -139,10 +163,18 @@ def calibrate(mesh: Mesh | None = None, *, name: str | None = None, quick: bool 
     if not isinstance(mesh, Mesh):
         raise TypeError(f"calibrate(mesh={mesh!r}): pass a jax.sharding.Mesh, e.g. "
                         "jaxpar.make_mesh((2, 4)), or None for all devices.")
-    if memory_bytes is not None and not _positive(memory_bytes):
+    if memory_bytes is not None and not (_positive(memory_bytes) and memory_bytes >= 1):
         raise ValueError(f"calibrate(memory_bytes={memory_bytes!r}): give the memory per device "
-                         "in bytes (a finite number > 0), or None to read it from the device or "
-                         "the host.")
+                         "in bytes (a finite number of at least 1), or None to read it from the "
+                         "device or the host.")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"calibrate(name={name!r}): give the profile's name as a non-empty "
+                         "string, or None for calibrated-<platform>-<device count>.")
+    if not isinstance(quick, bool):
+        raise TypeError(f"calibrate(quick={quick!r}): pass True or False.")
+    if settings is not None and not isinstance(settings, Settings):
+        raise TypeError(f"calibrate(settings={settings!r}): pass a "
+                        "jaxpar.calibrate.Settings(...), e.g. Settings(trials=3), or None.")
     s = settings or (QUICK if quick else Settings())
     if matmul_dtype is not None:
         if matmul_dtype not in ("float32", "bfloat16", "float16"):

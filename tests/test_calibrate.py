@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxpar
-from jaxpar.calibrate import KINDS, calibrate, fit_link, main
+from jaxpar.calibrate import KINDS, Settings, calibrate, fit_link, main
 from jaxpar.cost.comm import Collective, collective_time
 from jaxpar.cost.hardware import (
     Link,
@@ -73,6 +73,37 @@ def test_peak_flops_in_the_programs_matmul_dtype():
     assert cal.profile.peak_flops > 0 and any("bfloat16 matmuls" in n for n in cal.notes)
     with pytest.raises(ValueError, match="matmul_dtype='int8'"):
         calibrate(one, matmul_dtype="int8")
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    # each measured for seconds and came back as a profile jaxpar then refused (name 5,
+    # 0.5 bytes), with NaN figures (trials=0), or wrong and usable (sizes swapped: latency 0,
+    # 7.9 MB/s); a dict for settings failed with an AttributeError inside
+    ({"name": 5}, ValueError, "calibrate\\(name=5\\): give the profile's name as a non-empty"),
+    ({"name": ""}, ValueError, "calibrate\\(name=''\\)"),
+    ({"memory_bytes": 0.5}, ValueError, "memory_bytes=0.5\\): give the memory per device in "
+                                        "bytes \\(a finite number of at least 1\\)"),
+    ({"quick": "no"}, TypeError, "calibrate\\(quick='no'\\): pass True or False"),
+    ({"settings": {"trials": 3}}, TypeError, "pass a jaxpar.calibrate.Settings"),
+])
+def test_bad_calibrate_arguments_are_refused_before_measuring(kwargs, error, match, monkeypatch):
+    monkeypatch.setattr("jaxpar.calibrate._measure_axis", None)  # never reached
+    with pytest.raises(error, match=match):
+        calibrate(make_mesh((8,), ("d0",)), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"trials": 0}, "Settings\\(trials=0\\): give an int of at least 1"),
+    ({"small_bytes": -1}, "Settings\\(small_bytes=-1\\)"),
+    ({"small_bytes": 1 << 20, "large_bytes": 1 << 10}, "the latency message must be smaller"),
+    ({"target_s": 0.0}, "Settings\\(target_s=0.0\\)"),
+    ({"matmul_size": 2.5}, "Settings\\(matmul_size=2.5\\)"),
+    ({"matmul_dtype": "int8"}, "Settings\\(matmul_dtype='int8'\\)"),
+])
+def test_bad_settings_are_refused_when_made(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Settings(**kwargs)
+    assert Settings(trials=1, matmul_size=0).trials == 1  # the defaults' own values pass
 
 
 def test_calibrated_profile_drives_shard(calibrated):

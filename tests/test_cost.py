@@ -1,6 +1,7 @@
 """Cost model: hardware profiles, collective times, and resharding checked against compiled HLO."""
 
 import dataclasses
+import re
 import warnings
 
 import jax
@@ -19,6 +20,7 @@ from jaxpar.cost.hardware import (
     available_profiles,
     profile_from_dict,
     profile_to_dict,
+    save_profile,
 )
 from jaxpar.mesh import make_mesh
 from jaxpar.rules.registry import OpInfo
@@ -771,7 +773,9 @@ def test_a_profile_made_in_python_is_checked_as_a_yaml_one_is():
            ({"intra": None}, r"intra=None must be a link"),
            ({"intra": dataclasses.replace(cpu.intra, bandwidth=0.0)}, r"intra: bandwidth=0.0"),
            ({"peak_flops": -1.0}, r"peak_flops=-1.0 must be a finite positive number"),
-           ({"compute_time": "bogus"}, r"compute_time='bogus'")]
+           ({"compute_time": "bogus"}, r"compute_time='bogus'"),
+           # a link given as a dict (as YAML reads) without its latency: a KeyError before
+           ({"intra": {"name": "nv", "bandwidth": 1e11}}, r"intra: missing keys \['latency'\]")]
     for change, match in bad:
         profile = dataclasses.replace(cpu, **change)
         with pytest.raises(ValueError, match=r"hardware=HardwareProfile\(name='cpu'\): " + match):
@@ -779,6 +783,11 @@ def test_a_profile_made_in_python_is_checked_as_a_yaml_one_is():
         with pytest.raises(ValueError, match=match):
             jaxpar.shard(lambda x: x, hardware=profile)
     assert load_profile(cpu) == cpu
+    as_dict = {"name": "nv", "bandwidth": 1e11, "latency": 5e-6}  # a link as YAML gives it
+    assert load_profile(dataclasses.replace(cpu, intra=as_dict)).intra == \
+        dataclasses.replace(cpu.intra, **as_dict)
+    with pytest.raises(TypeError, match=r"profile_from_dict makes one of a dict"):
+        load_profile(profile_to_dict(cpu))
 
 
 def test_a_rate_below_one_is_refused_before_its_prices_overflow():
@@ -792,7 +801,7 @@ def test_a_rate_below_one_is_refused_before_its_prices_overflow():
     assert profile_from_dict(good | {"intra": good["intra"] | {"latency": 0.0}})
 
 
-def test_devices_per_node_must_split_the_mesh_and_measured_axes_must_be_on_it():
+def test_devices_per_node_must_split_the_mesh_and_measured_axes_must_be_on_it(tmp_path):
     good = profile_to_dict(load_profile("cpu"))
     three = profile_from_dict(good | {"devices_per_node": 3})
     assert three.devices_in_node(MeshInfo(("a",), (3,))) == 3
@@ -810,6 +819,10 @@ def test_devices_per_node_must_split_the_mesh_and_measured_axes_must_be_on_it():
     mesh = make_mesh((2, 4), ("node", "gpu"))
     with pytest.warns(UserWarning, match=r"measured links are for axes \['nosuch'\]"):
         jaxpar.shard(lambda x: x, hardware=measured, mesh=mesh)
+    saved = save_profile(measured, tmp_path / "measured.yaml")  # named as given, not by its
+    with pytest.warns(UserWarning, match=r"shard\(hardware='" + re.escape(str(saved)) +  # name
+                      r"'\): the profile's measured links are for axes \['nosuch'\]"):
+        jaxpar.shard(lambda x: x, hardware=str(saved), mesh=mesh)
     # AutoParallel checked its settings with shard()'s rules, then made its shard() call:
     # the same warning twice
     with warnings.catch_warnings(record=True) as seen:

@@ -1,6 +1,7 @@
 """Hardware profiles: peak flops, memory and the links behind each mesh axis (YAML, one file each).
 
-Before: a profile name, a YAML path or a dict. After: a frozen `HardwareProfile` whose
+Before: a profile name, a YAML path or a HardwareProfile (`profile_from_dict` makes one of a
+dict, as a YAML file reads). After: a frozen `HardwareProfile` whose
 `axis_links(mesh)` says which `Link` every axis of a mesh communicates over.
 
 Which axes cross nodes. jaxpar's meshes (`make_mesh`, `make_hybrid_mesh`) list devices node by
@@ -174,7 +175,8 @@ def load_profile(profile: str | Path | HardwareProfile | None) -> HardwareProfil
         profile = "cpu"
     if not isinstance(profile, str | Path):
         raise TypeError(f"hardware={profile!r} must be a profile name, a YAML path or a "
-                        f"HardwareProfile; profiles: {available_profiles()}.")
+                        "HardwareProfile (jaxpar.cost.hardware.profile_from_dict makes one of a "
+                        f"dict); profiles: {available_profiles()}.")
     path = _profile_path(profile)
     if not path.is_file():
         raise ValueError(f"hardware={str(profile)!r}: no such profile or file. Known profiles: "
@@ -195,7 +197,7 @@ def _checked(profile: HardwareProfile) -> HardwareProfile:
     where = f"hardware=HardwareProfile(name={_show(profile.name)})"
     try:
         data = profile_to_dict(profile)
-    except (TypeError, AttributeError, ValueError) as err:
+    except (TypeError, AttributeError, ValueError, KeyError) as err:
         raise ValueError(f"{where}: malformed hardware profile ({err}).") from None
     return profile_from_dict(data, where)
 
@@ -352,8 +354,8 @@ def profile_to_dict(profile: HardwareProfile) -> dict:
         if data[key] == empty:
             del data[key]
     for link in [data["intra"], data.get("inter"), *data.get("axes", {}).values()]:
-        if link is not None and not link["collectives"]:
-            del link["collectives"]
+        if isinstance(link, dict) and "collectives" in link and not link["collectives"]:
+            del link["collectives"]  # (a link given as a dict, not a Link: read as YAML's)
     return data
 
 
