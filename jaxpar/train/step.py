@@ -156,14 +156,10 @@ def split_microbatches(tree: Any, k: int, layout: str = "strided") -> Any:
     if layout not in MICROBATCH_LAYOUTS:
         raise ValueError(f"layout={layout!r} must be one of {MICROBATCH_LAYOUTS}.")
     k = _positive_int(k, "k", "the number of microbatches split_microbatches makes")
-    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        shape = tuple(jnp.shape(x))
-        if not shape or shape[0] % k:
-            where = f"tree{jax.tree_util.keystr(path)}"
-            problem = ("is a scalar with no batch dim" if not shape else
-                       f"has leading dim {shape[0]}, which does not divide by k={k}")
-            raise ValueError(f"split_microbatches: {where} of shape {shape} {problem}; give "
-                             f"leaves whose leading (batch) dim is a multiple of k.")
+    bad = _undivided(tree, k)
+    if bad is not None:
+        raise ValueError(f"split_microbatches: tree{bad}; give leaves whose leading (batch) "
+                         "dim is a multiple of k.")
     # Why strided: a batch sharded over D devices holds contiguous row blocks per device. Strided
     # (B//k, k) -> swap keeps the B//k axis sharded exactly as the batch was, so each microbatch
     # has B/(k*D) rows on every device and the scan's slicing moves no data. A contiguous
@@ -240,15 +236,23 @@ def _as_f32_loss(out, has_aux: bool):
 
 def _check_divisible(batch: tuple, batched: frozenset[int], k: int) -> None:
     for i in sorted(batched):
-        for path, x in jax.tree_util.tree_flatten_with_path(batch[i])[0]:
-            shape = tuple(jnp.shape(x))
-            if not shape or shape[0] % k:
-                where = f"batch[{i}]{jax.tree_util.keystr(path)}"
-                problem = ("is a scalar with no batch dim" if not shape else
-                           f"has leading dim {shape[0]}, which does not divide by k={k}")
-                raise ValueError(f"grad_accumulation_step={k}: {where} of shape {shape} "
-                                 f"{problem}; use a batch size that is a multiple of {k}, or "
-                                 "leave this argument out of batch_argnums.")
+        bad = _undivided(batch[i], k)
+        if bad is not None:
+            raise ValueError(f"grad_accumulation_step={k}: batch[{i}]{bad}; use a batch size "
+                             f"that is a multiple of {k}, or leave this argument out of "
+                             "batch_argnums.")
+
+
+def _undivided(tree: Any, k: int) -> str | None:
+    """The first leaf of `tree` whose leading dim k does not divide (or that has none), said
+    as "<its path> of shape <shape> <why>"; None when every leaf splits into k."""
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        shape = tuple(jnp.shape(x))
+        if not shape or shape[0] % k:
+            problem = ("is a scalar with no batch dim" if not shape else
+                       f"has leading dim {shape[0]}, which does not divide by k={k}")
+            return f"{jax.tree_util.keystr(path)} of shape {shape} {problem}"
+    return None
 
 
 def _batched_positions(argnums: tuple[int, ...] | None, n: int) -> frozenset[int]:
