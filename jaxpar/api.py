@@ -434,19 +434,30 @@ class ShardedFunction:
             return self._compiled(array_arguments(self.fn, args)[0]).plan
 
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
-        """The lowered program (call `.compile()` on it)."""
+        """The lowered program (call `.compile()` on it). As jax.jit(f).lower(...)'s, it
+        takes the function's arguments, positionally, in their structure (pytrees) and
+        returns its outputs in theirs; its arguments' leaves are laid out as the plan says
+        and donated as donate_argnums says."""
         self._check_concrete("lower")
         args = array_arguments(self.fn, positional_arguments(self.fn, args, kwargs))[0]
         with _on_own_mesh(self.mesh):
             c = self._compiled(args)
+            leaves, tree = jax.tree_util.tree_flatten(args)
             if not c.agreed and jax.process_count() > 1:  # its program runs on every process
-                leaves, tree = jax.tree_util.tree_flatten(args)
                 c = self._agreed(c, args, leaves, tree)
             flat = [jax.ShapeDtypeStruct(x.shape, x.dtype,
                                          sharding=NamedSharding(self.mesh, s.to_pspec()))
-                    for x, s in zip(jax.tree_util.tree_leaves(args), c.plan.flat_in_specs,
-                                    strict=True)]
-            return c.jitted.lower(*flat)
+                    for x, s in zip(leaves, c.plan.flat_in_specs, strict=True)]
+            jitted, out_tree = c.jitted, c.plan.out_tree
+
+            def program(*given):  # the flat program, called in the function's structure
+                return jax.tree_util.tree_unflatten(
+                    out_tree, jitted(*jax.tree_util.tree_leaves(given)))
+            donate = tuple(sorted(self._donated(len(args))))
+            outs = jax.tree_util.tree_unflatten(out_tree, [
+                NamedSharding(self.mesh, s.to_pspec()) for s in c.plan.flat_out_specs])
+            return jax.jit(program, out_shardings=outs, donate_argnums=donate).lower(
+                *jax.tree_util.tree_unflatten(tree, flat))
 
     def with_plan(self, plan: Plan) -> ShardedFunction:
         """This function pinned to a saved plan (checked against the program and mesh)."""
@@ -1065,12 +1076,15 @@ def trace_settings() -> tuple:
 
 def signature(leaves: list) -> tuple:
     """What a plan depends on in the argument leaves: shapes, dtypes and weak typing (a weak
-    float32 scalar times a bfloat16 array stays bfloat16; a float32 one promotes it)."""
+    float32 scalar times a bfloat16 array stays bfloat16; a float32 one promotes it). A numpy
+    array's dtype as JAX holds it (float64 is float32 without jax_enable_x64: the same
+    program as float32's, planned once, as jax.jit caches it)."""
     out = []
     for x in leaves:
         aval = getattr(x, "aval", None)  # jax arrays and tracers: one lookup
         out.append((aval.shape, aval.dtype, aval.weak_type) if aval is not None else
-                   (tuple(x.shape), x.dtype, getattr(x, "weak_type", False)))
+                   (tuple(x.shape), jax.dtypes.canonicalize_dtype(x.dtype),
+                    getattr(x, "weak_type", False)))
     return tuple(out)
 
 

@@ -318,6 +318,9 @@ def test_donation_and_cache():
     assert len(f._cache) == 1
     f(jnp.ones((32, 4)))
     assert len(f._cache) == 2  # a new shape plans again
+    # a numpy float64 array is float32 to JAX (x64 off): the same program, not a new plan
+    f(np.ones((16, 4), np.float64))
+    assert len(f._cache) == 2
 
 
 def test_a_negative_donation_counts_from_the_end():
@@ -1569,6 +1572,31 @@ def test_processes_agree_on_a_plan_called_inside_jit_too(monkeypatch):
         y = jax.jit(f)(X, W, B)
     np.testing.assert_allclose(y, jax.jit(dense_relu)(X, W, B), rtol=1e-5)
     assert f.plan(X, W, B).flat_in_specs == theirs.flat_in_specs
+
+
+def test_a_lowered_program_is_called_as_the_function_is():
+    """f.lower(...).compile() took the flat leaves and returned a flat tuple (in sorted-key
+    order for a dict), where jax.jit(f).lower(...).compile() takes the function's arguments
+    and returns its outputs' structure; called with the arguments, it failed inside JAX."""
+    def f(p, x):
+        return {"y": jnp.tanh(x @ p["w"]), "n": x.sum()}
+
+    p, x = {"w": W}, X
+    sf = jaxpar.shard(f, in_strategy=(None, (8, 1)))
+    compiled = sf.lower(p, x).compile()
+    want = jax.jit(f)(p, x)
+    got = compiled(p, x)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5)
+    assert got["y"].sharding.spec == sf.plan(p, x).out_specs["y"]
+    assert sf.plan(p, x).verify(compiled).ok
+    # donate_argnums holds for the lowered program too
+    double = jaxpar.shard(lambda p, x: {"x": x * 2}, in_strategy=(None, (8, 1)),
+                          donate_argnums=1)
+    placed = jax.device_put(x, NamedSharding(double.mesh, P(("d0", "d1", "d2"))))
+    np.testing.assert_allclose(double.lower(p, x).compile()(p, placed)["x"], X * 2)
+    assert placed.is_deleted()
 
 
 def test_lower_takes_process_0s_plan(monkeypatch):
