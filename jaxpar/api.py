@@ -1083,7 +1083,8 @@ def signature(leaves: list) -> tuple:
     for x in leaves:
         aval = getattr(x, "aval", None)  # jax arrays and tracers: one lookup
         out.append((aval.shape, aval.dtype, aval.weak_type) if aval is not None else
-                   (tuple(x.shape), jax.dtypes.canonicalize_dtype(x.dtype),
+                   (tuple(x.shape),
+                    jax.dtypes.canonicalize_dtype(x.dtype, allow_extended_dtype=True),
                     getattr(x, "weak_type", False)))
     return tuple(out)
 

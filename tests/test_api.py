@@ -154,6 +154,28 @@ def test_a_bare_partition_spec_constraint_reads_the_plans_mesh():
                        r".*make_mesh\(shape, names\)"):
         jaxpar.shard(other, mesh=mesh)(X)
 
+    # Under the user's jax.set_mesh over other axis names, a bare PartitionSpec in a
+    # constraint or a shard_map without mesh= failed with JAX's words, naming only jaxpar's
+    # axes; jax.sharding.reshard (Explicit axes only) with JAX's too
+    def mapped(x):
+        return jax.shard_map(lambda a: jax.lax.psum(a, "dp"), in_specs=(P("dp"),),
+                             out_specs=P())(x)
+
+    def resharded(x):
+        return jax.sharding.reshard(x * 2, P("d0"))
+    theirs = jax.make_mesh((8,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
+    for fn in (other, mapped):
+        with jax.set_mesh(theirs), pytest.raises(
+                ValueError, match=rf"{fn.__name__}: a bare PartitionSpec .* whose axes are "
+                r"\('d0', 'd1', 'd2'\), whatever mesh a jax.set_mesh around the call holds"):
+            jaxpar.shard(fn)(X)
+        with jax.set_mesh(theirs):  # given that mesh, it runs as jax.jit does
+            np.testing.assert_allclose(jaxpar.shard(fn, mesh=theirs)(X), jax.jit(fn)(X),
+                                       rtol=1e-6)
+    with pytest.raises(ValueError, match=r"resharded: jax.sharding.reshard .* takes a mesh with "
+                       r"Explicit axes.*use jax.lax.with_sharding_constraint"):
+        jaxpar.shard(resharded)(X)
+
 
 def test_a_constraint_is_kept_where_gathering_looks_cheaper():
     """A replicated candidate was offered beside the user's constraint and chosen here, though

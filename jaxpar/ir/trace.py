@@ -11,6 +11,7 @@ import functools
 import hashlib
 import inspect
 import re
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,21 +111,13 @@ def trace(fn, args: tuple, mesh=None) -> Traced:
                     not jax.sharding.get_abstract_mesh().empty:
                 raise
             own = getattr(mesh, "abstract_mesh", mesh)
-            try:
-                with jax.sharding.use_abstract_mesh(own):
-                    closed, out_shape = _jaxpr(fn, shapes)
-            except ValueError as missing:
-                if "is not found in mesh" not in str(missing):
-                    raise
-                raise ValueError(
-                    f"{getattr(fn, '__name__', 'fn')}: a with_sharding_constraint given a bare "
-                    "PartitionSpec reads the mesh in context, and jaxpar traces the function "
-                    f"on the plan's mesh, whose axes are {tuple(own.axis_names)}: {missing} "
-                    "Name those axes in the PartitionSpec, or give jaxpar.shard(mesh=...) a "
-                    "mesh with the axis names it uses (jaxpar.make_mesh(shape, names)).") \
-                    from None
+            with jax.sharding.use_abstract_mesh(own):  # (axes it lacks: _mesh_mismatch)
+                closed, out_shape = _jaxpr(fn, shapes)
     except Exception as err:  # noqa: BLE001 - re-raised unless a capture explains it
         _refuse_explicit(fn, (), err)
+        worded = _mesh_mismatch(fn, err, mesh)
+        if worded is not None:
+            raise worded from None
         raise
     _refuse_explicit(fn, closed.consts)
     in_tree = jax.tree_util.tree_structure(args)
@@ -136,6 +129,36 @@ def trace(fn, args: tuple, mesh=None) -> Traced:
 # JAX's words (0.10.2) where fn passes with_sharding_constraint a bare PartitionSpec with no
 # mesh set. (reshard and out_sharding= take Explicit axes only, which the plan's mesh lacks.)
 _NO_MESH = "requires a non-empty mesh in context"
+
+
+def _mesh_mismatch(fn, err: Exception, mesh) -> ValueError | None:
+    """JAX's refusal of a mesh axis or axis type in fn, in jaxpar's words: fn is traced on
+    the plan's mesh (Auto axes), whatever mesh a jax.set_mesh around the call holds, so a bare
+    PartitionSpec (with_sharding_constraint, a shard_map without mesh=) naming that mesh's
+    axes names none of the plan's, and jax.sharding.reshard (Explicit axes only) has none to
+    take. None where `err` is none of those."""
+    text = str(err)
+    if not isinstance(err, ValueError) or mesh is None:
+        return None
+    name = getattr(fn, "__name__", "fn")
+    axes = tuple(getattr(getattr(mesh, "abstract_mesh", mesh), "axis_names", ()))
+    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    explicit = (f"jax.sharding.reshard (or an out_sharding= argument) takes a mesh with "
+                f"Explicit axes, and the plan's axes {axes} are Auto: use "
+                "jax.lax.with_sharding_constraint there, which lays a value out on Auto axes, "
+                "or leave the layout to jaxpar's plan.")
+    if any(frame.name == "reshard" for frame in traceback.extract_tb(err.__traceback__)) or \
+            "of type Auto" in text or "not under a mesh context" in text:
+        return ValueError(f"{name}: {explicit} (JAX: {first})")
+    if "is not found in mesh" in text or "must refer to an axis marked as manual" in text:
+        return ValueError(
+            f"{name}: a bare PartitionSpec in the function (with_sharding_constraint, or a "
+            f"shard_map given no mesh=) names mesh axes the plan's mesh lacks: jaxpar traces "
+            f"and runs the function on its own mesh, whose axes are {axes}, whatever mesh a "
+            f"jax.set_mesh around the call holds (JAX: {first}). Name the plan's axes in it, "
+            "or give jaxpar.shard(mesh=...) the mesh the function names (jaxpar.make_mesh("
+            "shape, names); under jax.set_mesh(m): mesh=m).")
+    return None
 
 
 def _jaxpr(fn, shapes: tuple):
