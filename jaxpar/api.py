@@ -671,9 +671,10 @@ class ShardedFunction:
             return gp, notes, []
         if mode == "recursive_programming":
             from jaxpar.search.recursive import recursive_programming
+            notes: list[str] = []
             gp, decisions = recursive_programming(graph, model, fixed_in, fixed_out,
-                                                  self.opts.memory_budget, ties, index)
-            return gp, [], decisions
+                                                  self.opts.memory_budget, ties, index, notes)
+            return gp, notes, decisions
         gp, notes = sharding_propagation(graph, model, fixed_in, fixed_out, ties, index, kept,
                                          self.opts.memory_budget)
         return gp, notes, []

@@ -351,7 +351,7 @@ def check_mem_coeff(value: Any, where: str = "set_auto_parallel_context") -> flo
         raise TypeError(f"{where}(mem_coeff={value!r}): {rule}{_yaml_hint(value)}")
     if not is_finite(value) or value < 0:
         raise ValueError(f"{where}(mem_coeff={value!r}): {rule}")
-    return float(value)
+    return float(value) + 0.0  # -0.0 as 0 (the plan's objective said "mem_coeff -0")
 
 
 def check_memory_budget(value: Any, where: str = "set_auto_parallel_context"

@@ -857,6 +857,22 @@ def test_hsdp_never_leaves_optimizer_state_less_cut_than_planned():
         optimizer_parallel_specs(specs, [(64,)], [256] * 2, {1: 0}, mesh, "level1", 0)
 
 
+def test_a_budget_semi_autos_fixed_parameters_cannot_meet_says_why(mlp_problem):
+    """Under AutoParallel's sharding_propagation the parameters are fixed as semi_auto lays
+    them out (replicated), so its least peak is far above what the other modes reach; the
+    error told the user to cut in_strategy (no AutoParallel argument) and no more."""
+    step, args, _, _ = mlp_problem
+    net = jaxpar.AutoParallel(step, "sharding_propagation", memory_budget=150_000)
+    with pytest.raises(ValueError, match=r"cannot be met: no plan holds less than \d+ .*The "
+                       r"inputs whose layout is fixed hold \d+ bytes per device as laid out.*"
+                       r"replicated unless parameter_plan or hsdp cuts them \(recursive_"
+                       r"programming and dynamic_programming lay them out themselves\)"):
+        net.plan(*args)
+    free = jaxpar.AutoParallel(step, "recursive_programming", memory_budget=150_000)
+    assert free.plan(*args).cost.peak_memory_bytes <= 150_000
+    assert jaxpar.shard(step, mem_coeff=-0.0).plan(*args).objective == "level 0, mem_coeff 0"
+
+
 def test_bad_operator_strategy_files_are_refused(mlp_problem, tmp_path):
     step, args, _, _ = mlp_problem
     net = AutoParallel(step)

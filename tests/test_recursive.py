@@ -881,6 +881,10 @@ def test_under_a_budget_the_mem_coeffs_between_the_last_two_are_tried():
     assert 0.4 in fits and min(fits, key=fits.get) < 0.4  # x4's plan scores more
     kept = min(fits, key=fits.get)
     assert any(f"kept the plan with mem_coeff={kept:g}" in line for line in plan.decisions)
+    # and the plan's notes say it, as sharding_propagation's do (it was in the log alone)
+    assert any(note.startswith(f"recursive_programming: memory_budget={budget:.0f} bytes per "
+                               "device: its plan with mem_coeff=0.1 peaked at") and
+               f"kept the plan of mem_coeff={kept:g} (peak " in note for note in plan.notes)
 
 
 def test_a_budget_no_plan_of_the_walk_meets_is_planned_by_the_exact_search():
@@ -898,6 +902,8 @@ def test_a_budget_no_plan_of_the_walk_meets_is_planned_by_the_exact_search():
     assert any("no plan of the walk fits; its leanest plan peaks at" in line
                and "The exact search under the budget (dynamic_programming" in line
                for line in plan.decisions)
+    assert any(note.startswith("recursive_programming: memory_budget=") and
+               "The exact search under the budget" in note for note in plan.notes)
     with warnings.catch_warnings():  # XLA's temporaries may hold more than a budget this tight
         warnings.simplefilter("ignore", UserWarning)
         got = f(*args)

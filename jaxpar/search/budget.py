@@ -136,8 +136,16 @@ def beyond_reach(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
         return
     floor = least_peak(graph, model, fixed_in, fixed_out, tuple(ties))
     if floor > budget * (1 + 1e-9):
+        held = sum(graph.values[v].nbytes / s.shards(model.mesh) for v, s in fixed_in.items())
+        fixed = "" if not fixed_in else (
+            f" The inputs whose layout is fixed hold {held:.0f} bytes per device as laid out: "
+            "the strategies given, and under AutoParallel's sharding_propagation (semi_auto) "
+            "the parameters as its strategies lay them out, replicated unless parameter_plan "
+            "or hsdp cuts them (recursive_programming and dynamic_programming lay them out "
+            "themselves).")
         raise ValueError(
             f"memory_budget={budget:.0f} bytes per device cannot be met: no plan holds less "
             f"than {floor:.0f} bytes per device at its fullest point (every value cut as far "
-            f"as its op's strategies allow); {mode}'s plan peaks at {peak:.0f}. Cut more "
-            "dimensions in in_strategy/parameter_plan, use a larger mesh, or raise the budget.")
+            f"as its op's strategies allow); {mode}'s plan peaks at {peak:.0f}.{fixed} Cut "
+            "more dimensions in in_strategy/parameter_plan, use a larger mesh, or raise the "
+            "budget.")

@@ -163,7 +163,8 @@ _HOPS = 3             # the ops this many def-use hops from the largest carried 
 def recursive_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
                           fixed_out: dict[int, Spec], memory_budget: float | None = None,
                           ties: Sequence[tuple[int, int]] = (),
-                          index: GraphIndex | None = None) -> tuple[GraphPlan, list[str]]:
+                          index: GraphIndex | None = None, notes: list[str] | None = None
+                          ) -> tuple[GraphPlan, list[str]]:
     """Plan `graph` the SAPP way (see the module docstring).
 
     Args:
@@ -175,6 +176,9 @@ def recursive_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, 
         parameters and optimizer state): the output comes back in the input's spec; the
         plan prices that (see the module docstring) and gives the input its spec.
       index: the graph's GraphIndex, when the caller has one.
+      notes: a list to which what a memory budget made it do is added, for the plan's notes
+        (the plan kept from searching again with larger mem_coeffs, or the exact search
+        under the budget); None: the decision log alone says it.
 
     Returns:
       (GraphPlan, decision log lines); each line also goes to the "jaxpar.search.recursive"
@@ -186,12 +190,12 @@ def recursive_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, 
     """
     with paused_gc():
         return _search(graph, model, fixed_in, fixed_out, memory_budget, tuple(ties),
-                       GraphIndex.of(graph, index))
+                       GraphIndex.of(graph, index), [] if notes is None else notes)
 
 
 def _search(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
             fixed_out: dict[int, Spec], memory_budget: float | None,
-            ties: tuple[tuple[int, int], ...], index: GraphIndex
+            ties: tuple[tuple[int, int], ...], index: GraphIndex, notes: list[str]
             ) -> tuple[GraphPlan, list[str]]:
     _check_fixed(graph, model.mesh, fixed_in, memory_budget)
     classes = op_classes(graph)
@@ -207,7 +211,17 @@ def _search(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
     for line in lines:
         log.debug(line)
     if kept is None:
-        return _exact_within(graph, model, fixed_in, fixed_out, memory_budget, ties, runs)
+        gp, said = _exact_within(graph, model, fixed_in, fixed_out, memory_budget, ties, runs)
+        notes.extend(f"recursive_programming: {line}" for line in said)
+        return gp, said
+    if kept is not runs[0]:
+        fit = sum(r.peak <= memory_budget for r in runs)
+        notes.append(f"recursive_programming: memory_budget={memory_budget:.0f} bytes per "
+                     f"device: its plan with mem_coeff={model.mem_coeff:g} peaked at "
+                     f"{runs[0].peak:.0f} bytes, so it searched again with larger mem_coeffs "
+                     f"({len(runs) - 1} more plans); kept the plan of mem_coeff="
+                     f"{kept.mem_coeff:g} (peak {kept.peak:.0f} bytes), the lowest objective "
+                     f"of the {fit} that fit")
     return kept.plan, lines + kept.lines
 
 
