@@ -147,8 +147,9 @@ def _mesh_mismatch(fn, err: Exception, mesh) -> ValueError | None:
                 f"Explicit axes, and the plan's axes {axes} are Auto: use "
                 "jax.lax.with_sharding_constraint there, which lays a value out on Auto axes, "
                 "or leave the layout to jaxpar's plan.")
-    if any(frame.name == "reshard" for frame in traceback.extract_tb(err.__traceback__)) or \
-            "of type Auto" in text or "not under a mesh context" in text:
+    resharding = any(frame.name == "reshard" and "/jax/" in frame.filename.replace("\\", "/")
+                     for frame in traceback.extract_tb(err.__traceback__))  # JAX's own
+    if resharding or "of type Auto" in text or "not under a mesh context" in text:
         return ValueError(f"{name}: {explicit} (JAX: {first})")
     if "is not found in mesh" in text or "must refer to an axis marked as manual" in text:
         return ValueError(
