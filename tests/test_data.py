@@ -117,6 +117,14 @@ def test_data_parallel_errors(mesh):
         parse_dataset_strategy("data_parallel", (np.float32(1.0),), mesh)
 
 
+def test_several_processes_refuse_a_batch_the_devices_do_not_divide(mesh, monkeypatch):
+    # each process holds an equal slice of the global batch: 12 rows cannot split over 8
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"input 0 of shape \(12, 4\) has a batch dim of 12, "
+                                         "which does not divide over the 8 devices"):
+        parse_dataset_strategy("data_parallel", (np.ones((12, 4)),), mesh)
+
+
 def test_parse_dataset_strategy_gives_the_specs_shard_batch_places_in(mesh):
     # A batch of 12 on 8 devices: shard_batch (and AutoParallel) cut it 4 ways with a warning,
     # parse_dataset_strategy, which says what shard_batch does, refused it.
