@@ -66,6 +66,12 @@ from jaxpar.plan import check_writable
 KINDS = COLLECTIVE_KINDS
 
 
+def _positive(x) -> bool:
+    """A finite number above 0 (not a bool)."""
+    return isinstance(x, int | float | np.number) and not isinstance(x, bool | np.bool_) \
+        and bool(np.isfinite(x)) and x > 0
+
+
 @dataclass(frozen=True)
 class Settings:
     """What one calibration measures; sizes are bytes per device."""
@@ -93,9 +99,7 @@ class Settings:
             raise ValueError(f"Settings(small_bytes={self.small_bytes}, large_bytes="
                              f"{self.large_bytes}): the latency message must be smaller than "
                              "the bandwidth message (the fit takes the line through both).")
-        t = self.target_s
-        if not isinstance(t, int | float | np.number) or isinstance(t, bool | np.bool_) or \
-                not math.isfinite(t) or t <= 0:
+        if not _positive(self.target_s):
             raise ValueError(f"Settings(target_s={self.target_s!r}): give the seconds a timed "
                              "run should last, a finite number > 0, e.g. 0.02.")
         if self.matmul_dtype not in ("", "float32", "bfloat16", "float16"):
@@ -505,12 +509,6 @@ def main(argv: list[str] | None = None) -> int:
         hint = _as_hardware(args.out)
         print(f"wrote {args.out}: use it with jaxpar.shard(..., hardware={hint!r})")
     return 0
-
-
-def _positive(x) -> bool:
-    """A finite number above 0 (not a bool)."""
-    return isinstance(x, int | float | np.number) and not isinstance(x, bool | np.bool_) \
-        and bool(np.isfinite(x)) and x > 0
 
 
 def _as_hardware(out: Path) -> str:
