@@ -44,8 +44,9 @@ propagation.py). After: a GraphPlan and notes for the Plan.
    ms estimated from the compiled program; a GPT step of 2 layers with no strategy: 2.04 ->
    1.78 ms modelled).
 5. Then each mesh axis solved again exactly, last to first, the other axes held as the plan
-   kept so far uses them and the pinned ops whole (resolve.solve_axes, as recursive_programming
-   does for two of its axes). Propagation and the op-by-op polish move one op or one chain at a
+   kept so far uses them and the pinned ops whole (resolve.solve_axes; recursive_programming
+   solves two of its axes so, from the union of its starts: resolve.solve_axis_from_any).
+   Propagation and the op-by-op polish move one op or one chain at a
    time; the exact solve of one axis moves every op's use of it together, and finds the layouts
    that take several ops changing at once (modelled, before -> after):
 
