@@ -1118,6 +1118,35 @@ def test_a_plan_file_cutting_a_per_shard_op_as_its_rule_does_not_is_refused(tmp_
         g.with_plan(jaxpar.Plan.load(path))(x)
     np.testing.assert_array_equal(g.with_plan(g.plan(x))(x), jax.jit(f)(x))  # as planned: runs
 
+def test_a_plan_file_whose_partial_sums_its_specs_do_not_make_is_refused(tmp_path):
+    # An op's "partial" (which results are sums still to reduce, over which axes) follows from
+    # its specs; explain() shows the specs alone, so a file edited there loaded and ran with
+    # no note, its peak counted from the edit (a relu said to be partial over d0) and a bf16
+    # matmul's widening read from it.
+    import json
+
+    f = jaxpar.shard(dense_relu, in_strategy=((4, 2), None, None))
+    data = f.plan(X, W, B).to_json()
+    choices = data["graph"]["choices"]
+    dot = next(c for c in choices.values() if any(c["strategy"]["partial"]))  # x's d2 cut
+    relu = choices[str(max(map(int, choices)))]  # the last op: the relu, on the sum
+    path = tmp_path / "plan.json"
+    for choice, partial, match in (
+            (dot, [[]], r"leaves its results partial over \[-\], where .* partial over "
+                        r"\[d2\]"),
+            (relu, [["d0"]], r"leaves its results partial over \[d0\], where .* partial over "
+                             r"\[-\]")):
+        edited = json.loads(json.dumps(data))
+        key = next(k for k, c in data["graph"]["choices"].items() if c is choice)
+        edited["graph"]["choices"][key]["strategy"]["partial"] = partial
+        path.write_text(json.dumps(edited))
+        with pytest.raises(ValueError, match=match):
+            f.with_plan(jaxpar.Plan.load(path))(X, W, B)
+    path.write_text(json.dumps(data))  # as saved: runs
+    np.testing.assert_allclose(f.with_plan(jaxpar.Plan.load(path))(X, W, B),
+                               jax.jit(dense_relu)(X, W, B), rtol=1e-5)
+
+
 @pytest.mark.parametrize("mode", [0, "", False, [], "dynamic-programming"])
 def test_a_search_mode_that_is_not_a_mode_is_refused(mode):
     with pytest.raises(ValueError, match=r"shard\(search_mode=.*supports"):
