@@ -67,7 +67,8 @@ from jaxpar.cost.comm import Collective, collective_time
 from jaxpar.cost.hardware import COLLECTIVE_KINDS, HardwareProfile, Link, load_profile
 from jaxpar.spec import MeshInfo
 
-__all__ = ["KINDS", "CollectiveOp", "collective_ops", "collective_stats", "estimate_time",
+__all__ = ["KINDS", "CollectiveOp", "collective_axes", "collective_ops", "collective_stats",
+           "estimate_time",
            "flops", "library_gemm_flops", "memory_stats", "shape_bytes", "stats_by_kind"]
 
 KINDS = COLLECTIVE_KINDS  # the kinds jaxpar predicts and counts
@@ -564,8 +565,7 @@ def _comm_times(ops: list[CollectiveOp], mesh: MeshInfo,
 def _op_time(op: CollectiveOp, mesh: MeshInfo, links: dict[str, Link]) -> float:
     """Seconds for every execution of `op`: its slowest device group (see `estimate_time`)."""
     if op.kind == "collective-permute":
-        moved = {a for s, t in op.pairs for a in _axes_of((s, t), mesh)}
-        axes = tuple(a for a in mesh.names if a in moved) if op.pairs else mesh.names
+        axes = collective_axes(op, mesh)
         spans = {(axes, mesh.group_size(axes))}
     else:
         groups = op.groups or (tuple(range(mesh.size)),)
@@ -584,6 +584,25 @@ def _group_time(op: CollectiveOp, axes: tuple[str, ...], n: int, mesh: MeshInfo,
                    "ring" if any(links[a].topology == "ring" for a in axes) else "switch")
     return collective_time(replace(c, axes=("group",)), MeshInfo(("group",), (n,)),
                            {"group": slowest})
+
+
+def collective_axes(op: CollectiveOp, mesh: MeshInfo) -> tuple[str, ...]:
+    """The mesh axes a compiled collective spans, in mesh order: those along which the devices
+    of one of its groups differ (a collective-permute: those of a source and its target), the
+    links it runs on (estimate_time's); every axis where the HLO lists no groups.
+
+    Example:
+      >>> [(op.kind, collective_axes(op, MeshInfo.of(mesh))) for op in collective_ops(c)]
+      [('collective-permute', ('d0', 'd1'))]
+    """
+    if op.kind == "collective-permute":
+        spans = [(s, t) for s, t in op.pairs]
+    else:
+        spans = list(op.groups or ())
+    if not spans:
+        return mesh.names
+    found = {a for devices in spans for a in _axes_of(tuple(devices), mesh)}
+    return tuple(a for a in mesh.names if a in found)
 
 
 def _axes_of(devices: tuple[int, ...], mesh: MeshInfo) -> tuple[str, ...]:
