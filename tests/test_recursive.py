@@ -450,8 +450,9 @@ def test_on_three_axes_a_start_uses_two_runs_of_axes_each_together(monkeypatch):
     # 2 x 2 x 2 devices across two nodes, default objective: the optimum is a 2-D tensor
     # parallel layout (weights cut over d0+d1 and over d2), which the walk, deciding an axis
     # at a time, does not reach, nor the lockstep plan (every dim over all axes or none):
-    # 1.056x the exact search's objective. Started also from the best plan of the nodes x
-    # GPUs mesh the axes make (solve_grouped: d0, and d1+d2 inside a node): 1.027x.
+    # 1.027x the exact search's objective (1.056x before a permute's links were those XLA's
+    # pairing crosses: comm.permuted_axes). Started also from the best plan of the nodes x
+    # GPUs mesh the axes make (solve_grouped: d0, and d1+d2 inside a node): 1.006x.
     from jaxpar.models.mlp import init_mlp, make_train_step
     sizes = [1024, 4096] * 4 + [1024]
     tx = optax.adam(1e-3)
@@ -463,10 +464,10 @@ def test_on_three_axes_a_start_uses_two_runs_of_axes_each_together(monkeypatch):
     exact = _tied_cost(graph, model, best, ties)
     gp, lines = recursive_programming(graph, model, {}, {}, ties=ties)
     assert any("axes d0 and d1+d2 each used together scores" in line for line in lines)
-    assert _tied_cost(graph, model, gp, ties) < 1.03 * exact
+    assert _tied_cost(graph, model, gp, ties) < 1.01 * exact
     _without_the_grouped_start(monkeypatch)
     walk, _ = recursive_programming(graph, model, {}, {}, ties=ties)
-    assert _tied_cost(graph, model, walk, ties) > 1.05 * exact
+    assert _tied_cost(graph, model, walk, ties) > 1.02 * exact
 
 
 def _without_the_grouped_start(monkeypatch):

@@ -67,7 +67,7 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    one kind of link together (resolve.solve_grouped; across two nodes (d0) and (d1, d2),
    else the leading axes and the last: the plans of a 2 x 4 or a 4 x 2 mesh): a 2-D tensor
    parallel MLP is out of the walk's reach and not a lockstep plan (search_gap's MLP on
-   2 x 2 x 2 across two nodes, default objective: 1.056x the optimum, then 1.027x). The
+   2 x 2 x 2 across two nodes, default objective: 1.027x the optimum, then 1.006x). The
    axes are solved again from the start that scores least, each op free to use the other
    axes as any start does (resolve.solve_axis_from_any: the union of each start's
    candidates, and the neighbours of ops taking different starts' layouts pay the
