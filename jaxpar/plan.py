@@ -385,26 +385,19 @@ def _amount(x, finite: bool = True) -> bool:
     return _number(x, finite) and x >= 0
 
 
-def _a_candidate(op, graph, s: OpStrategy, mesh: MeshInfo) -> bool:
-    """Whether strategy `s` is one the op's rule offers (by its specs and partial axes)."""
-    key = (s.ins, s.outs, _partial_sets(s))
-    return any((c.ins, c.outs, _partial_sets(c)) == key
-               for c in candidates(OpInfo.of(op, graph), mesh))
-
-
 def _partial_sets(s: OpStrategy) -> tuple[frozenset[str], ...]:
     """The axes each result of `s` is left partial over, whatever their order."""
     return tuple(frozenset(p) for p in s.partial)
 
 
 def _offered_partials(op, graph, s: OpStrategy, mesh: MeshInfo
-                      ) -> set[tuple[frozenset[str], ...]] | None:
+                      ) -> set[tuple[frozenset[str], ...]]:
     """The partial axes the op's rule gives the strategies it offers with `s`'s operand and
-    result specs; None where it offers none with them (a layout edited by hand, priced again
-    as it is: as_run)."""
-    found = {_partial_sets(c) for c in candidates(OpInfo.of(op, graph), mesh)
-             if c.ins == s.ins and c.outs == s.outs}
-    return found or None
+    result specs: `s` is one of them where its own are among these; none where the rule
+    offers no strategy with those specs (a layout edited by hand, priced again as it is:
+    as_run)."""
+    return {_partial_sets(c) for c in candidates(OpInfo.of(op, graph), mesh)
+            if c.ins == s.ins and c.outs == s.outs}
 
 
 def _partial_text(partial) -> str:
@@ -456,24 +449,24 @@ def _check_graph_plan(graph, gp: GraphPlan, check, problems: list[str], where: s
                 # keeps them one (checked on every program and mode of the suite's models).
                 problems.append(f"{what} makes result {j} as {spec}, where {where}.specs[{v}] "
                                 f"holds it as {held}")
-        if is_local(op.primitive) and not _a_candidate(op, graph, s, mesh):
+        local = is_local(op.primitive)
+        offered = _offered_partials(op, graph, s, mesh) if local or not op.regions else set()
+        if local and _partial_sets(s) not in offered:
             # Bound per shard (registry.LOCAL): each device computes on its own block, so a
             # strategy the op's rule does not offer (top_k cut along its sorted dim) gives wrong
             # numbers; every other op is partitioned by XLA, which keeps any layout correct.
             problems.append(f"{what} takes {', '.join(map(str, s.ins))} to "
                             f"{', '.join(map(str, s.outs))}, which its rule does not offer: "
                             "the op runs per shard and would compute another result")
-        elif not op.regions:
-            offered = _offered_partials(op, graph, s, mesh)
-            if offered is not None and _partial_sets(s) not in offered:
-                # Which results are partial sums, and over which axes, follows from the specs
-                # (a matmul's contracted dim cut): the lowering and the cost read it, and
-                # explain() shows the specs alone, so an edit to it alone went unseen.
-                problems.append(f"{what} leaves its results partial over "
-                                f"{_partial_text(s.partial)}, where with operands "
-                                f"{', '.join(map(str, s.ins))} and results "
-                                f"{', '.join(map(str, s.outs))} it leaves them partial over "
-                                + " or ".join(sorted(_partial_text(p) for p in offered)))
+        elif offered and _partial_sets(s) not in offered:
+            # Which results are partial sums, and over which axes, follows from the specs (a
+            # matmul's contracted dim cut): the lowering and the cost read it, and explain()
+            # shows the specs alone, so an edit to it alone went unseen.
+            problems.append(f"{what} leaves its results partial over "
+                            f"{_partial_text(s.partial)}, where with operands "
+                            f"{', '.join(map(str, s.ins))} and results "
+                            f"{', '.join(map(str, s.outs))} it leaves them partial over "
+                            + " or ".join(sorted(_partial_text(p) for p in offered)))
         if op.regions and len(choice.regions) == len(op.regions):
             for r, (body, plan) in enumerate(zip(op.regions, choice.regions, strict=True)):
                 _check_graph_plan(body, plan, check, problems, f"{what} body {r}", mesh)
