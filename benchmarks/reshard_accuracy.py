@@ -93,16 +93,19 @@ def _add(into: dict[str, float], kind: str, axes: tuple[str, ...], nbytes: float
     into[key] = into.get(key, 0.0) + nbytes
 
 
-def agrees(row: dict, nbytes: float) -> bool:
-    p, m = sum(row["predicted"].values()), sum(row["measured"].values())
+def _close(p: float, m: float, nbytes: float) -> bool:
+    """Predicted and measured bytes within 10%, plus 0.1% of the array."""
     return abs(p - m) <= 0.1 * max(p, m) + 1e-3 * nbytes
 
 
+def agrees(row: dict, nbytes: float) -> bool:
+    return _close(sum(row["predicted"].values()), sum(row["measured"].values()), nbytes)
+
+
 def same_links(row: dict, nbytes: float) -> bool:
-    """Whether every kind's bytes over every set of mesh axes agree (agrees()' tolerance)."""
+    """Whether every kind's bytes over every set of mesh axes agree (as agrees() does)."""
     p, m = row["links"]["predicted"], row["links"]["measured"]
-    return all(abs(p.get(k, 0.0) - m.get(k, 0.0)) <= 0.1 * max(p.get(k, 0.0), m.get(k, 0.0))
-               + 1e-3 * nbytes for k in set(p) | set(m))
+    return all(_close(p.get(k, 0.0), m.get(k, 0.0), nbytes) for k in set(p) | set(m))
 
 
 def summary(result: dict) -> dict:

@@ -595,10 +595,7 @@ def collective_axes(op: CollectiveOp, mesh: MeshInfo) -> tuple[str, ...]:
       >>> [(op.kind, collective_axes(op, MeshInfo.of(mesh))) for op in collective_ops(c)]
       [('collective-permute', ('d0', 'd1'))]
     """
-    if op.kind == "collective-permute":
-        spans = [(s, t) for s, t in op.pairs]
-    else:
-        spans = list(op.groups or ())
+    spans = op.pairs if op.kind == "collective-permute" else op.groups
     if not spans:
         return mesh.names
     found = {a for devices in spans for a in _axes_of(tuple(devices), mesh)}
