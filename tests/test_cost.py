@@ -1,6 +1,7 @@
 """Cost model: hardware profiles, collective times, and resharding checked against compiled HLO."""
 
 import dataclasses
+import math
 import re
 import warnings
 
@@ -908,3 +909,69 @@ def test_an_all_to_all_runs_over_the_axes_that_cut_the_source_dimension_last(src
     assert [(c.kind, info.order(c.axes)) for c in predicted] == axes
     assert sorted((op.kind, collective_axes(op, info)) for op in ops) == sorted(axes)
     assert sorted(op.bytes * op.count for op in ops) == sorted(c.bytes for c in predicted)
+
+
+SPLAT_PAIRS = [  # (src, dst) of a (64, 64) f32 zeros array on 2 x 2 x 2; reshard()'s path
+    (((), ("d0", "d2", "d1")), (("d0",), ("d2",))),      # all-gather
+    ((("d0", "d1"), ()), (("d1", "d2", "d0"), ())),      # collective-permute
+    ((("d2", "d1", "d0"), ()), (("d1",), ())),           # permute, all-gather
+    (((), ("d2",)), (("d0", "d1", "d2"), ())),           # all-to-all
+    ((("d2",), ("d1", "d0")), ((), ("d2", "d0", "d1"))),  # all-to-all, permute
+    ((("d2", "d0"), ("d1",)), ((), ("d2", "d0"))),       # all-gather, all-to-all
+    ((("d1", "d0"), ("d2",)), ((), ("d2", "d0"))),       # all-gather, all-to-all, permute
+]
+
+
+@pytest.mark.parametrize("src, dst", SPLAT_PAIRS, ids=str)
+def test_a_splat_is_resharded_as_compiled(src, dst):
+    # XLA makes a broadcast literal (jnp.zeros) in whatever layout a reader needs: its
+    # gathers and permutes move nothing, an all-to-all and what follows it move as any
+    # array's do (comm.of_splat). Priced as any array, a GPT step's zeros for its embedding
+    # gradient (scatter-add) put 3 MB of all-gathers in the plan that the program never ran.
+    from jaxpar.analysis import collective_ops
+
+    mesh = make_mesh(8)
+    info = MeshInfo.of(mesh)
+    src, dst = Spec(src), Spec(dst)
+    a, b = NamedSharding(mesh, src.to_pspec()), NamedSharding(mesh, dst.to_pspec())
+
+    def f(v):
+        z = jax.lax.with_sharding_constraint(jnp.zeros((64, 64), jnp.float32), a)
+        return jnp.cos(jax.lax.with_sharding_constraint(z, b) + v)
+    x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    ops = collective_ops(jax.jit(f, in_shardings=b, out_shardings=b).lower(x).compile())
+    model = CostModel(info, load_profile("h100-nvlink"))
+    any_array = model.reshard(src, dst, (64, 64), jnp.float32).collectives
+    splat = model.reshard(src, dst, (64, 64), jnp.float32, splat=True).collectives
+    assert sorted((op.kind, op.bytes * op.count) for op in ops) == \
+        sorted((c.kind, c.bytes) for c in splat)
+    if any_array[0].kind != "all-to-all":  # what comes before one moves nothing
+        assert sum(c.bytes for c in splat) < sum(c.bytes for c in any_array)
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (8,)])
+def test_a_zeros_array_read_in_another_layout_moves_nothing_in_plan_or_program(shape):
+    # The user's constraint cuts the zeros eight ways; the add reads them whole, for free
+    # (OpGraph.splats sees through the constraint). Priced as any array, the plan either
+    # predicted an all-gather the program does not run or gathered the result instead. Cut
+    # into pieces of one element (f32[8] over 8 devices), XLA gathers them, and so does the
+    # plan.
+    import jaxpar
+
+    mesh = make_mesh(8)
+    cut = NamedSharding(mesh, P(("d0", "d1", "d2")))
+
+    def f(x):
+        return jnp.tanh(x) + jax.lax.with_sharding_constraint(jnp.zeros(shape), cut)
+    x = jnp.arange(math.prod(shape), dtype=jnp.float32).reshape(shape) / 1000
+    g = jaxpar.shard(f, in_strategy=(P(),), out_strategy=(P(),), mesh=mesh,
+                     search_mode="sharding_propagation")
+    plan = g.plan(x)
+    compiled = g.lower(x).compile()
+    moved = collective_stats(compiled)
+    assert bool(moved) == (shape == (8,))
+    assert {k: v["bytes"] for k, v in plan.collectives.items()} == \
+        {k: v["bytes"] for k, v in moved.items()}
+    check = plan.verify(compiled)
+    assert check.ok, str(check)
+    np.testing.assert_allclose(g(x), jax.jit(f)(x), rtol=1e-6)

@@ -7,7 +7,7 @@ import pytest
 
 import jaxpar
 from jaxpar.analysis import collective_ops
-from jaxpar.cost.comm import reshard
+from jaxpar.cost.comm import of_splat, reshard
 from jaxpar.cost.hardware import Link, load_profile, profile_from_dict
 from jaxpar.ir.graph import build_graph
 from jaxpar.ir.trace import trace
@@ -106,8 +106,9 @@ def weight_axes(graph, gp, params: set[int]) -> list[set[str]]:
 
 def predicted_traffic(graph, gp, mesh: MeshInfo) -> dict[tuple[str, tuple[str, ...]], float]:
     """Predicted collective bytes by (where, axes): "tail" for the gradient reductions and
-    optimizer after the last matmul, "activations" for everything before."""
-    tail, out = graph.tail_values(), {}
+    optimizer after the last matmul, "activations" for everything before. A splat (zeros)
+    moves what comm.of_splat says."""
+    tail, out, splats = graph.tail_values(), {}, graph.splats(mesh.size)
 
     def add(where, c):
         out[(where, c.axes)] = out.get((where, c.axes), 0.0) + c.bytes
@@ -118,7 +119,8 @@ def predicted_traffic(graph, gp, mesh: MeshInfo) -> dict[tuple[str, tuple[str, .
             add(where, c)
         for v, need in zip(op.inputs, choice.strategy.ins, strict=True):
             if isinstance(v, int):
-                for c in reshard(gp.specs[v], need, graph.values[v].nbytes, mesh):
+                moves = reshard(gp.specs[v], need, graph.values[v].nbytes, mesh)
+                for c in of_splat(moves) if v in splats else moves:
                     add("tail" if v in tail else "activations", c)
     return out
 

@@ -278,6 +278,22 @@ def _summed(src: Spec, dst: Spec, scatter: Axes, reduce: Axes, new: list, local:
     return out
 
 
+def of_splat(moves: list[Collective]) -> list[Collective]:
+    """What XLA moves of reshard()'s `moves` when the array is a splat (a literal scalar
+    broadcast: jnp.zeros, jnp.full; OpGraph.splats). The SPMD partitioner makes a constant's
+    pieces wherever they are needed, so its gathers and permutes move nothing; once an
+    all-to-all has moved them the pieces are data, and that all-to-all and what follows it
+    move as any array's do. Compiled (jax 0.10.2, XLA:CPU), a zeros array resharded moved this
+    in 491 of 510 sampled spec pairs (200 rank-2 and 200 rank-3 on 2 x 2 x 2, 110 rank-2 on
+    4 x 2); in the 17 rank-3 pairs whose path reshard() names wrongly for any array, it moved
+    that array's compiled collectives from its first all-to-all on, and in two pairs an
+    all-to-all and a permute moved as one all-to-all of their bytes together."""
+    for i, c in enumerate(moves):
+        if c.kind == "all-to-all":
+            return moves[i:]
+    return []
+
+
 def splits_on_idle(src: Spec, dst: Spec, mesh: MeshInfo) -> bool:
     """Whether XLA reduces a matmul's product, partial over src.partial, into dst by cutting
     it further over idle axes (_split_on_idle): dst scatters one partial axis, adds no axis

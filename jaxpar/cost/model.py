@@ -38,6 +38,7 @@ from jaxpar.cost.comm import (
     Collective,
     collective_line,
     collective_time,
+    of_splat,
     reshard,
     splits_on_idle,
 )
@@ -203,17 +204,19 @@ class CostModel:
                       comm_bytes=sum(c.bytes for c in cs), collectives=tuple(cs))
 
     def reshard(self, src: Spec, dst: Spec, shape, dtype, share: float = 1.0,
-                matmul: bool = True) -> OpCost:
+                matmul: bool = True, splat: bool = False) -> OpCost:
         """Moving a value from `src` to `dst`. share: the fraction of a latency its reductions
         pay (OpGraph.latency_share: below 1 in a step's tail, where XLA combines them);
-        matmul: whether a partial `src` is a matmul's product (comm.reshard)."""
+        matmul: whether a partial `src` is a matmul's product (comm.reshard); splat: whether
+        the value is a literal scalar broadcast (OpGraph.splats; comm.of_splat)."""
         if src.placed_as(dst):
             return _FREE
-        key = (src, dst, shape if type(shape) is tuple else tuple(shape), dtype, share, matmul)
+        key = (src, dst, shape if type(shape) is tuple else tuple(shape), dtype, share, matmul,
+               splat)
         hit = self._reshard_cache.get(key)
         if hit is None:  # the search prices the same edges many times
             size = float(math.prod(shape)) * self._itemsize(dtype)
-            hit = self._reshard_cache[key] = self._moving(src, dst, size, share, matmul)
+            hit = self._reshard_cache[key] = self._moving(src, dst, size, share, matmul, splat)
         return hit
 
     def reshard_bytes(self, src: Spec, dst: Spec, nbytes: float) -> OpCost:
@@ -222,46 +225,58 @@ class CostModel:
         return self._moving(src, dst, nbytes, 1.0)
 
     def _moving(self, src: Spec, dst: Spec, nbytes: float, share: float,
-                matmul: bool = True) -> OpCost:
+                matmul: bool = True, splat: bool = False) -> OpCost:
         """reshard() of an array of `nbytes`: one_byte's collectives, scaled (none for an
         empty array: XLA moves nothing)."""
         if nbytes == 0:
             return _FREE
+        moves = self.one_byte(src, dst, matmul, splat)
+        if not moves:
+            return _FREE
         return self.collectives_cost(
-            [Collective(c.kind, c.axes, c.bytes * nbytes, c.count)
-             for c in self.one_byte(src, dst, matmul)], share)
+            [Collective(c.kind, c.axes, c.bytes * nbytes, c.count) for c in moves], share)
 
-    def reshard_line(self, src: Spec, dst: Spec, share: float = 1.0) -> tuple[float, float]:
+    def reshard_line(self, src: Spec, dst: Spec, share: float = 1.0, splat: bool = False
+                     ) -> tuple[float, float]:
         """(per_byte, fixed): the score of reshard(src, dst, ...) for an array of n bytes is
         per_byte * n + fixed (bandwidth terms grow with the bytes, latencies do not), so the
         searches price a spec pair once for arrays of every size. Worked out from the pair's
         collectives for one byte and each collective's own line (comm.collective_line); its
         communication seconds are shared by every variant() of the model, whatever its level
-        (a resharding's score is its communication time, weighed by the level)."""
-        key = (src, dst, share)
+        (a resharding's score is its communication time, weighed by the level). splat: as
+        reshard()'s."""
+        key = (src, dst, share, True) if splat else (src, dst, share)
         hit = self._lines.get(key)
         if hit is None:
             comm = self._comm_lines.get(key)
             if comm is None:
                 comm = self._comm_lines[key] = (0.0, 0.0) if src.placed_as(dst) else \
-                    self._comm_line(src, dst, share)
+                    self._comm_line(src, dst, share, splat)
             weight = _LEVEL_COMM_WEIGHT[self.level]
             hit = self._lines[key] = (weight * comm[0], weight * comm[1])
         return hit
 
-    def one_byte(self, src: Spec, dst: Spec, matmul: bool = True) -> list[Collective]:
+    def one_byte(self, src: Spec, dst: Spec, matmul: bool = True, splat: bool = False
+                 ) -> list[Collective]:
         """reshard()'s collectives for an array of one byte: what moves depends on the specs
-        only (worked out once per pair), how much on the size."""
+        only (worked out once per pair), how much on the size. splat: as reshard()'s."""
+        if splat:
+            key = (src, dst, "splat")
+            hit = self._per_byte.get(key)
+            if hit is None:
+                hit = self._per_byte[key] = of_splat(self.one_byte(src, dst, matmul))
+            return hit
         key = (src, dst) if matmul or not src.partial else (src, dst, False)
         hit = self._per_byte.get(key)
         if hit is None:
             hit = self._per_byte[key] = reshard(src, dst, 1.0, self.mesh, matmul)
         return hit
 
-    def _comm_line(self, src: Spec, dst: Spec, share: float) -> tuple[float, float]:
+    def _comm_line(self, src: Spec, dst: Spec, share: float, splat: bool = False
+                   ) -> tuple[float, float]:
         """(seconds per byte, seconds) of reshard(src, dst) over the mesh's links."""
         slope = fixed = 0.0
-        for c in self.one_byte(src, dst):
+        for c in self.one_byte(src, dst, splat=splat):
             latency = share if c.kind in COMBINED_KINDS else 1.0
             key = (c.kind, c.axes, latency)
             line = self._collective_lines.get(key)
@@ -272,16 +287,18 @@ class CostModel:
             fixed += line[1] * c.count
         return slope, fixed
 
-    def reshard_lines(self, srcs: tuple[Spec, ...], dsts: tuple[Spec, ...], share: float = 1.0
-                      ) -> tuple[np.ndarray, np.ndarray]:
+    def reshard_lines(self, srcs: tuple[Spec, ...], dsts: tuple[Spec, ...], share: float = 1.0,
+                      splat: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """reshard_line of every pair: (per_byte, fixed) matrices, one row per src and one
         column per dst. Remembered by the two tuples: the exact search's tables, built again
         and again (a loop body for each set of operand specs, each mesh axis solved again),
-        ask for the same spec lists each time. Do not write into the matrices."""
-        key = (srcs, dsts, share)
+        ask for the same spec lists each time. Do not write into the matrices. splat: as
+        reshard()'s."""
+        key = (srcs, dsts, share, True) if splat else (srcs, dsts, share)
         hit = self._line_lists.get(key)
         if hit is None:
-            pairs = np.array([[self.reshard_line(a, b, share) for b in dsts] for a in srcs],
+            pairs = np.array([[self.reshard_line(a, b, share, splat) for b in dsts]
+                              for a in srcs],
                              dtype=float).reshape(len(srcs), len(dsts), 2)
             hit = self._line_lists[key] = (pairs[..., 0], pairs[..., 1])
         return hit

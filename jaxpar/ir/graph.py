@@ -151,6 +151,8 @@ class OpGraph:
     _tail: frozenset[int] | None = field(default=None, repr=False, compare=False)
     _tail_ops: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
     _sunk: frozenset[int] | None = field(default=None, repr=False, compare=False)
+    _splats: dict[int, frozenset[int]] = field(default_factory=dict, repr=False,
+                                               compare=False)
 
     def producers(self) -> dict[int, Op]:
         return {v: op for op in self.ops for v in op.outputs}
@@ -215,6 +217,28 @@ class OpGraph:
             if isinstance(v, int) and v in made and last.get(v_in, -1) <= made[v]:
                 out.setdefault(v, v_in)
         return out
+
+    def splats(self, devices: int) -> frozenset[int]:
+        """Values made by broadcasting a literal scalar (jnp.zeros, jnp.ones, jnp.full of a
+        Python number), or such a value under the user's with_sharding_constraint (a layout
+        of the same constant), of at least two elements per device of `devices`: XLA makes
+        such a constant in whatever layout a reader needs, so resharding one moves nothing
+        before an all-to-all (comm.of_splat). A piece of one element it makes a constant of
+        its own and gathers as any array's (XLA:CPU, jax 0.10.2: f32[8] cut over 8 devices
+        gathered 32 bytes, f32[16] nothing; f32[4] over 4, f32[2, 4] over 8 gathered too).
+        A JAX step makes one for every gradient it accumulates by scatter-add (an
+        embedding lookup's)."""
+        hit = self._splats.get(devices)
+        if hit is None:
+            found: set[int] = set()
+            for op in self.ops:
+                if (op.name == "broadcast_in_dim" and isinstance(op.inputs[0], Lit) and
+                        op.inputs[0].shape == ()) or \
+                        (op.name == "sharding_constraint" and op.inputs[0] in found):
+                    found.add(op.outputs[0])
+            hit = self._splats[devices] = frozenset(
+                v for v in found if math.prod(self.values[v].shape) >= 2 * devices)
+        return hit
 
     def sunk(self) -> frozenset[int]:
         """Values XLA never allocates: a broadcast of a literal scalar read by loops alone, as

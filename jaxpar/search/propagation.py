@@ -221,8 +221,10 @@ class _Graph:
         self.g, self.model, self.classes, self.index = graph, model, classes, index
         self.producer, self.readers, self.shares = index.producer, index.readers, index.shares
         self.nbytes = index.nbytes
+        self.splats = graph.splats(model.mesh.size)
         self.value_kind: dict[int, int] = {}
-        self.kinds: dict = {}
+        self.kinds: dict = {}  # (shape, dtype, latency share, splat) -> kind
+        self.kind_splat: list[bool] = []  # kind -> whether its values are splats
         self.prices: dict = {}
         self.options_of: dict = {}
         self.op_options: dict[int, _Options] = {}
@@ -273,18 +275,24 @@ class _Graph:
         key = (self.kind(v), src, dst)
         hit = self.prices.get(key)
         if hit is None:  # the pair's line (CostModel.reshard_line) at the value's bytes
-            per_byte, fixed = self.model.reshard_line(src, dst, self.shares(v))
+            per_byte, fixed = self.model.reshard_line(src, dst, self.shares(v),
+                                                      self.kind_splat[key[0]])
             hit = self.prices[key] = per_byte * self.nbytes(v) + fixed
         return hit
 
     def kind(self, v: int) -> int:
-        """What pricing a resharding of value v depends on (shape, dtype, latency share), as
-        a number: values of one kind cost alike."""
+        """What pricing a resharding of value v depends on (shape, dtype, latency share,
+        whether it is a splat: OpGraph.splats), as a number: values of one kind cost
+        alike."""
         k = self.value_kind.get(v)
         if k is None:
             info = self.g.values[v]
-            k = self.value_kind[v] = self.kinds.setdefault(
-                (info.shape, info.dtype, self.shares(v)), len(self.kinds))
+            key = (info.shape, info.dtype, self.shares(v), v in self.splats)
+            k = self.kinds.get(key)
+            if k is None:
+                k = self.kinds[key] = len(self.kinds)
+                self.kind_splat.append(key[3])
+            self.value_kind[v] = k
         return k
 
     def kinds_of(self, op: Op) -> tuple:
@@ -694,7 +702,7 @@ def graph_cost(graph: OpGraph, plan: GraphPlan, model: CostModel,
     sliced: shared, the ops' costs as sliced_reductions gives them for this plan and
     `fixed_out`, where the caller has them already (None: worked out here).
     """
-    share = latency_shares(graph)
+    share, splats = latency_shares(graph), graph.splats(model.mesh.size)
     parts, hoisted = [], []
     done: set = set()  # shared: (value, its resharding's collectives) already priced
     # what the loop computes once: its constants (for the outputs' resharding, priced first)
@@ -703,7 +711,7 @@ def graph_cost(graph: OpGraph, plan: GraphPlan, model: CostModel,
     constants = set(invariant) if trips != 1 else set()
 
     def reshard(v: int, have: Spec, need: Spec, shape, dtype, fixed: set[int]) -> None:
-        cost = model.reshard(have, need, shape, dtype, share(v))
+        cost = model.reshard(have, need, shape, dtype, share(v), splat=v in splats)
         if shared and cost.collectives:
             key = (v, cost.collectives)
             if key in done:

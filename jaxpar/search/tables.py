@@ -262,14 +262,15 @@ class _Builder:
         self.classes, self.fold = classes, fold
         self._kept: dict[tuple, tuple] = {}    # (id(list), indices kept) -> (list, costs)
         self._kept_specs: dict[tuple, tuple] = {}  # an input's allowed specs, one object each
-        self.share = latency_shares(graph)
+        self.share, self.splats = latency_shares(graph), graph.splats(model.mesh.size)
         self._op_share = _OpEdges.of(graph).op_share  # per op: its results' largest share
         self._nodes: dict[int, tuple] = {}     # id(candidate list) -> (list, cost, mem)
         self._ports: dict[tuple, tuple] = {}   # (id(list), side, i) -> (list, classes)
         self._classes: dict[tuple, tuple] = {}  # distinct specs -> the one tuple of them
-        self._matrices: dict[tuple, np.ndarray] = {}  # (spec lists' ids, share), bytes -> K
-        self._lines: dict[tuple, tuple] = {}   # spec lists' ids, share -> (lists, per byte,
-                                               # fixed): every K between them is a line
+        self._matrices: dict[tuple, np.ndarray] = {}  # (spec lists' ids, share, splat),
+                                                      # bytes -> K
+        self._lines: dict[tuple, tuple] = {}   # spec lists' ids, share, splat -> (lists, per
+                                               # byte, fixed): every K between them is a line
         self._options: dict[tuple, tuple] = {}  # (class, share) -> model.options
         # folded: (class, share, the Allow's op_key) -> node; no Allow: every key one
         self._op_key = (lambda x: None) if allow is None else getattr(allow, "op_key", None)
@@ -548,15 +549,16 @@ class _Builder:
 
     def _matrix(self, v: int, src: tuple, dst: tuple) -> np.ndarray:
         """K[p, q]: the score of resharding value v from src's p-th spec to dst's q-th: a
-        line in v's bytes (CostModel.reshard_lines), priced once per spec lists and share."""
-        share, size = self.share(v), self.graph.values[v].nbytes
-        lists = (id(src), id(dst), share)
+        line in v's bytes (CostModel.reshard_lines), priced once per spec lists, share and
+        whether v is a splat (OpGraph.splats)."""
+        share, size, splat = self.share(v), self.graph.values[v].nbytes, v in self.splats
+        lists = (id(src), id(dst), share, splat)
         hit = self._matrices.get((lists, size))
         if hit is None:
             lines = self._lines.get(lists)
             if lines is None:
-                lines = self._lines[lists] = (src, dst) + self.model.reshard_lines(src, dst,
-                                                                                   share)
+                lines = self._lines[lists] = (src, dst) + self.model.reshard_lines(
+                    src, dst, share, splat)
             hit = self._matrices[(lists, size)] = lines[2] * size + lines[3]
         return hit
 
@@ -680,7 +682,8 @@ class _Builder:
         for (u, src_side, j, w, dst_side, i, v, port), at in zip(self._links, self._at,
                                                                  strict=True):
             u, w = (t.input_nodes[x[1]] if isinstance(x, tuple) else x for x in (u, w))
-            key = (u, src_side, j, w, dst_side, i, self.graph.values[v].nbytes, self.share(v))
+            key = (u, src_side, j, w, dst_side, i, self.graph.values[v].nbytes, self.share(v),
+                   v in self.splats)
             hit = merged.get(key)
             if hit is None:
                 merged[key] = [(u, src_side, j, w, dst_side, i, v, port), 1, at]
