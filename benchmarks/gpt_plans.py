@@ -10,6 +10,9 @@ flops`, as the planner prices compute).
 Hand-written layouts (params and both Adam moments share one spec per leaf; Adam's step count
 and the loss are replicated):
 - data_parallel: tokens and targets split 8 ways on the batch; everything else replicated.
+  A batch 8 does not divide is split over the leading mesh axes whose sizes it divides (batch
+  4: d0 and d1, 4 ways, each piece on two devices) and whole on the rest; so in fsdp and on
+  Megatron's dp.
 - fsdp: batch as above; every parameter and moment split over all 8 devices on its largest
   dimension that 8 divides (replicated when none does).
 - megatron_tp2_dp4: mesh (dp=4, tp=2); batch on dp. Megatron-LM's layout: wqkv and w1
@@ -98,13 +101,25 @@ def _leaf(path: str) -> str:
     return path.rsplit("/", 1)[-1]
 
 
+def _batch(shape: tuple[int, ...], axes: tuple[str, ...], sizes: tuple[int, ...]):
+    """tokens' or targets' spec: the batch split over the leading `axes` (of `sizes`) whose
+    sizes it divides, together (none: whole)."""
+    used, n = [], 1
+    for axis, size in zip(axes, sizes, strict=True):
+        if shape[0] % (n * size):
+            break
+        used.append(axis)
+        n *= size
+    return P(tuple(used) if used else None, None)
+
+
 def data_parallel(path: str, shape: tuple[int, ...]):
-    return P(ALL8, None) if _leaf(path) in ("tokens", "targets") else P()
+    return _batch(shape, ALL8, (2, 2, 2)) if _leaf(path) in ("tokens", "targets") else P()
 
 
 def fsdp(path: str, shape: tuple[int, ...]):
     if _leaf(path) in ("tokens", "targets"):
-        return P(ALL8, None)
+        return _batch(shape, ALL8, (2, 2, 2))
     dims = [d for d in range(len(shape)) if shape[d] % 8 == 0]
     if not dims:
         return P()
@@ -113,11 +128,12 @@ def fsdp(path: str, shape: tuple[int, ...]):
 
 
 _MEGATRON = {"wqkv": (None, "tp"), "bqkv": ("tp",), "w1": (None, "tp"), "b1": ("tp",),
-             "wo": ("tp", None), "w2": ("tp", None), "wte": ("tp", None),
-             "tokens": ("dp", None), "targets": ("dp", None)}
+             "wo": ("tp", None), "w2": ("tp", None), "wte": ("tp", None)}
 
 
 def megatron(path: str, shape: tuple[int, ...]):
+    if _leaf(path) in ("tokens", "targets"):
+        return _batch(shape, ("dp",), (4,))
     return P(*_MEGATRON.get(_leaf(path), ()))
 
 

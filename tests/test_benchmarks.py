@@ -268,3 +268,21 @@ def test_reshard_accuracy_seed_draws_another_sample(tmp_path):
         assert result["seed"] == seed and result["summary"]["pairs"] == 4
         return [(r["src"], r["dst"]) for r in result["rows"]]
     assert pairs(0, "a") == pairs(0, "b") != pairs(1, "c")
+
+
+def test_gpt_plans_layouts_split_a_small_batch_as_far_as_it_divides(tmp_path):
+    # A batch of 4 on 8 devices failed every data parallel and FSDP baseline (IndivisibleError
+    # in the harness): the batch now takes the leading axes whose sizes it divides.
+    from jax.sharding import PartitionSpec as P
+
+    assert gpt_plans.data_parallel("tokens", (16, 8)) == P(("d0", "d1", "d2"), None)
+    assert gpt_plans.data_parallel("tokens", (4, 8)) == P(("d0", "d1"), None)
+    assert gpt_plans.fsdp("targets", (2, 8)) == P(("d0",), None)
+    assert gpt_plans.data_parallel("tokens", (3, 8)) == P(None, None)
+    assert gpt_plans.megatron("tokens", (8, 8)) == P(("dp",), None)
+    assert gpt_plans.megatron("tokens", (2, 8)) == P(None, None)
+    cfg = gpt_plans.Config(layers=1, **(TINY | {"batch": 4}))
+    result = gpt_plans.run(cfg, [], list(gpt_plans.BASELINES), ["jit"], tmp_path)
+    assert [r["status"] for r in result["rows"]] == ["ok"] * 3, result["rows"]
+    dp = result["rows"][0]
+    assert set(dp["measured"]) == {"all-reduce"}  # the gradients, as at a batch 8 divides
