@@ -1017,3 +1017,33 @@ def test_pieces_renumbered_then_gathered_run_on_the_axes_xla_uses(shape):
         assert sorted((op.kind, collective_axes(op, info), op.bytes * op.count) for op in ops) \
             == sorted((c.kind, info.order(c.axes), c.bytes)
                       for c in reshard(src, dst, 1024.0, info)), (str(src), str(dst))
+
+
+@pytest.mark.parametrize("src, dst, expected", [
+    ((("d0",), ("d1", "d2")), (("d0", "d1"), ()),
+     [("all-gather", ("d0",)), ("all-to-all", ("d1", "d2")),
+      ("collective-permute", ("d0", "d1", "d2"))]),
+    ((("d0", "d1"), ("d2",)), ((), ("d0", "d2")),
+     [("all-gather", ("d2",)), ("all-to-all", ("d0", "d1")),
+      ("collective-permute", ("d1", "d2"))]),
+])
+def test_a_dimension_emptied_into_another_moves_whole_as_compiled(src, dst, expected):
+    # dst leaves one dimension whole and cuts another as many ways as src cut it: XLA
+    # gathers the other's own axes, moves every piece with one all-to-all and renumbers them
+    # (comm._gathered_then_moved); one axis of each had been predicted, the bytes as now.
+    from jaxpar.analysis import collective_axes, collective_ops
+
+    mesh = make_mesh(8)
+    info = MeshInfo.of(mesh)
+    src, dst = Spec(src), Spec(dst)
+    a, b = NamedSharding(mesh, src.to_pspec()), NamedSharding(mesh, dst.to_pspec())
+
+    def f(v):
+        return jnp.cos(jax.lax.with_sharding_constraint(
+            jax.lax.with_sharding_constraint(jnp.sin(v), a), b))
+    x = jax.ShapeDtypeStruct((16, 16), jnp.float32)
+    ops = collective_ops(jax.jit(f, in_shardings=a, out_shardings=b).lower(x).compile())
+    predicted = reshard(src, dst, 1024.0, info)
+    assert [(c.kind, info.order(c.axes)) for c in predicted] == expected
+    assert sorted((op.kind, collective_axes(op, info), op.bytes * op.count) for op in ops) == \
+        sorted((c.kind, info.order(c.axes), c.bytes) for c in predicted)
