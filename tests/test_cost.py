@@ -840,6 +840,37 @@ def test_measured_collectives_and_a_null_inter_still_load():
     assert p.inter is None and p.intra.figures("all-to-all") == (5e8, 0.0)
 
 
+def _rank2_specs(info: MeshInfo) -> list[Spec]:
+    """Every spec of a rank-2 array on the mesh: each axis on one dim or none, in any order."""
+    import itertools
+
+    names = info.names
+    return sorted({Spec(tuple(tuple(a for a in order if where[names.index(a)] == d)
+                              for d in range(2)))
+                   for where in itertools.product((-1, 0, 1), repeat=len(names))
+                   for order in itertools.permutations(names)}, key=str)
+
+
+def _compiled_moves(mesh, info: MeshInfo, src: Spec, dst: Spec) -> list[tuple]:
+    """(kind, mesh axes, bytes) of each collective XLA compiles a (16, 16) f32 array's
+    resharding from src to dst to, sorted."""
+    from jaxpar.analysis import collective_axes, collective_ops
+
+    a, b = NamedSharding(mesh, src.to_pspec()), NamedSharding(mesh, dst.to_pspec())
+
+    def f(v):
+        return jnp.cos(jax.lax.with_sharding_constraint(
+            jax.lax.with_sharding_constraint(jnp.sin(v), a), b))
+    x = jax.ShapeDtypeStruct((16, 16), jnp.float32)
+    ops = collective_ops(jax.jit(f, in_shardings=a, out_shardings=b).lower(x).compile())
+    return sorted((op.kind, collective_axes(op, info), op.bytes * op.count) for op in ops)
+
+
+def _predicted_moves(info: MeshInfo, src: Spec, dst: Spec) -> list[tuple]:
+    """reshard()'s collectives for the same array, as _compiled_moves gives XLA's."""
+    return sorted((c.kind, info.order(c.axes), c.bytes) for c in reshard(src, dst, 1024.0, info))
+
+
 @pytest.mark.parametrize("shape", [(2, 2, 2), (4, 2)])
 def test_a_permute_is_priced_on_the_axes_xla_pairs_its_devices_across(shape):
     # A collective-permute moving src's pieces to dst's (each of dst's within one of src's)
@@ -848,67 +879,50 @@ def test_a_permute_is_priced_on_the_axes_xla_pairs_its_devices_across(shape):
     # device (a, b, c)'s piece from (b, c, a), across all three axes. On a mesh across nodes
     # the links it crosses decide its time (a GPT step's sharding_propagation plan on two TPU
     # slices was modelled at 1.87 ms and estimated from its compiled program at 4.51).
-    import itertools
     import random
-
-    from jaxpar.analysis import collective_axes, collective_ops
 
     mesh = make_mesh(shape)
     info = MeshInfo.of(mesh)
-    names = info.names
-    specs = {Spec(tuple(tuple(a for a in order if where[names.index(a)] == d)
-                        for d in range(2)))
-             for where in itertools.product((-1, 0, 1), repeat=len(names))
-             for order in itertools.permutations(names)}
-    permutes = sorted(((a, b) for a in specs for b in specs if a != b
-                       and [c.kind for c in reshard(a, b, 4096.0, info)]
-                       == ["collective-permute"]), key=str)
+    specs = _rank2_specs(info)
+    permutes = [(a, b) for a in specs for b in specs if a != b
+                and [c.kind for c in reshard(a, b, 4096.0, info)] == ["collective-permute"]]
     sample = random.Random(0).sample(permutes, 10)
     if shape == (2, 2, 2):
         sample.append((Spec(((), ("d0",))), Spec(((), ("d1", "d2")))))
         (c,) = reshard(*sample[-1], 4096.0, info)
         assert c.axes == ("d0", "d1", "d2")
-    x = jax.ShapeDtypeStruct((16, 16), jnp.float32)
     for src, dst in sample:
-        a, b = NamedSharding(mesh, src.to_pspec()), NamedSharding(mesh, dst.to_pspec())
-
-        def f(v, a=a, b=b):
-            return jnp.cos(jax.lax.with_sharding_constraint(
-                jax.lax.with_sharding_constraint(jnp.sin(v), a), b))
-        ops = collective_ops(jax.jit(f, in_shardings=a, out_shardings=b).lower(x).compile())
-        (predicted,) = reshard(src, dst, 1024.0, info)
-        assert [(op.kind, collective_axes(op, info)) for op in ops] == [
-            ("collective-permute", info.order(predicted.axes))], (str(src), str(dst))
+        moves = _compiled_moves(mesh, info, src, dst)
+        assert [m[0] for m in moves] == ["collective-permute"], (str(src), str(dst))
+        assert moves == _predicted_moves(info, src, dst), (str(src), str(dst))
 
 
 @pytest.mark.parametrize("src, dst, axes", [
+    # An all-to-all was priced over the axes landing in dst ([-, d0] -> [d1, -]: over d1,
+    # then a permute within d1); XLA groups the devices by src's minor pieces and renumbers
+    # from there (comm._on_source_axes), the bytes as predicted.
     ((((), ("d0",))), (("d1",), ()), [("all-to-all", ("d0",)),
                                      ("collective-permute", ("d0", "d1"))]),
     ((((), ("d0", "d1"))), (("d0",), ("d1",)), [("all-to-all", ("d1",)),
                                                ("collective-permute", ("d0", "d1"))]),
     ((((), ("d0",))), (("d0", "d1", "d2"), ()), [("all-to-all", ("d0",)),
                                                 ("collective-permute", ("d0", "d1", "d2"))]),
+    # dst leaves one dimension whole and cuts another as many ways as src cut it: XLA
+    # gathers the other's own axes, moves every piece with one all-to-all and renumbers them
+    # (comm._gathered_then_moved); one axis of each had been predicted, the bytes as now.
+    ((("d0",), ("d1", "d2")), (("d0", "d1"), ()),
+     [("all-gather", ("d0",)), ("all-to-all", ("d1", "d2")),
+      ("collective-permute", ("d0", "d1", "d2"))]),
+    ((("d0", "d1"), ("d2",)), ((), ("d0", "d2")),
+     [("all-gather", ("d2",)), ("all-to-all", ("d0", "d1")),
+      ("collective-permute", ("d1", "d2"))]),
 ])
-def test_an_all_to_all_runs_over_the_axes_that_cut_the_source_dimension_last(src, dst, axes):
-    # It was priced over the axes landing in dst ([-, d0] -> [d1, -]: over d1, then a
-    # permute within d1); XLA groups the devices by src's minor pieces and renumbers from
-    # there (comm._on_source_axes), the bytes as predicted.
-    from jaxpar.analysis import collective_axes, collective_ops
-
+def test_all_to_all_paths_run_on_the_axes_xla_uses(src, dst, axes):
     mesh = make_mesh(8)
     info = MeshInfo.of(mesh)
     src, dst = Spec(src), Spec(dst)
-    a, b = NamedSharding(mesh, src.to_pspec()), NamedSharding(mesh, dst.to_pspec())
-
-    def f(v):
-        return jnp.cos(jax.lax.with_sharding_constraint(
-            jax.lax.with_sharding_constraint(jnp.sin(v), a), b))
-    x = jax.ShapeDtypeStruct((16, 16), jnp.float32)
-    ops = collective_ops(jax.jit(f, in_shardings=a, out_shardings=b).lower(x).compile())
-    predicted = reshard(src, dst, 1024.0, info)
-    assert [(c.kind, info.order(c.axes)) for c in predicted] == axes
-    assert sorted((op.kind, collective_axes(op, info)) for op in ops) == sorted(axes)
-    assert sorted(op.bytes * op.count for op in ops) == sorted(c.bytes for c in predicted)
+    assert [(c.kind, info.order(c.axes)) for c in reshard(src, dst, 1024.0, info)] == axes
+    assert _compiled_moves(mesh, info, src, dst) == _predicted_moves(info, src, dst)
 
 
 SPLAT_PAIRS = [  # (src, dst) of a (64, 64) f32 zeros array on 2 x 2 x 2; reshard()'s path
@@ -983,67 +997,22 @@ def test_pieces_renumbered_then_gathered_run_on_the_axes_xla_uses(shape):
     # dst leaves free in mesh order (comm._regathered), then gathers those: [-, d1+d2] ->
     # [-, d0] on 2 x 2 x 2 is a permute across all three axes into [-, d0+d1] and d1
     # gathered, where a permute over d1 and d2 gathered had been predicted.
-    import itertools
     import random
-
-    from jaxpar.analysis import collective_axes, collective_ops
 
     mesh = make_mesh(shape)
     info = MeshInfo.of(mesh)
-    names = info.names
-    specs = {Spec(tuple(tuple(a for a in order if where[names.index(a)] == d)
-                        for d in range(2)))
-             for where in itertools.product((-1, 0, 1), repeat=len(names))
-             for order in itertools.permutations(names)}
+    specs = _rank2_specs(info)
 
     def kinds(a, b):
         return [c.kind for c in reshard(a, b, 4096.0, info)]
-    pairs = sorted(((a, b) for a in specs for b in specs if a != b
-                    and kinds(a, b)[:1] == ["collective-permute"]
-                    and set(kinds(a, b)[1:]) == {"all-gather"}), key=str)
+    pairs = [(a, b) for a in specs for b in specs if a != b
+             and kinds(a, b)[:1] == ["collective-permute"]
+             and set(kinds(a, b)[1:]) == {"all-gather"}]
     sample = random.Random(0).sample(pairs, min(8, len(pairs)))
     if shape == (2, 2, 2):
         sample.append((Spec(((), ("d1", "d2"))), Spec(((), ("d0",)))))
         assert [(c.kind, c.axes) for c in reshard(*sample[-1], 4096.0, info)] == [
             ("collective-permute", ("d0", "d1", "d2")), ("all-gather", ("d1",))]
-    x = jax.ShapeDtypeStruct((16, 16), jnp.float32)
     for src, dst in sample:
-        a, b = NamedSharding(mesh, src.to_pspec()), NamedSharding(mesh, dst.to_pspec())
-
-        def f(v, a=a, b=b):
-            return jnp.cos(jax.lax.with_sharding_constraint(
-                jax.lax.with_sharding_constraint(jnp.sin(v), a), b))
-        ops = collective_ops(jax.jit(f, in_shardings=a, out_shardings=b).lower(x).compile())
-        assert sorted((op.kind, collective_axes(op, info), op.bytes * op.count) for op in ops) \
-            == sorted((c.kind, info.order(c.axes), c.bytes)
-                      for c in reshard(src, dst, 1024.0, info)), (str(src), str(dst))
-
-
-@pytest.mark.parametrize("src, dst, expected", [
-    ((("d0",), ("d1", "d2")), (("d0", "d1"), ()),
-     [("all-gather", ("d0",)), ("all-to-all", ("d1", "d2")),
-      ("collective-permute", ("d0", "d1", "d2"))]),
-    ((("d0", "d1"), ("d2",)), ((), ("d0", "d2")),
-     [("all-gather", ("d2",)), ("all-to-all", ("d0", "d1")),
-      ("collective-permute", ("d1", "d2"))]),
-])
-def test_a_dimension_emptied_into_another_moves_whole_as_compiled(src, dst, expected):
-    # dst leaves one dimension whole and cuts another as many ways as src cut it: XLA
-    # gathers the other's own axes, moves every piece with one all-to-all and renumbers them
-    # (comm._gathered_then_moved); one axis of each had been predicted, the bytes as now.
-    from jaxpar.analysis import collective_axes, collective_ops
-
-    mesh = make_mesh(8)
-    info = MeshInfo.of(mesh)
-    src, dst = Spec(src), Spec(dst)
-    a, b = NamedSharding(mesh, src.to_pspec()), NamedSharding(mesh, dst.to_pspec())
-
-    def f(v):
-        return jnp.cos(jax.lax.with_sharding_constraint(
-            jax.lax.with_sharding_constraint(jnp.sin(v), a), b))
-    x = jax.ShapeDtypeStruct((16, 16), jnp.float32)
-    ops = collective_ops(jax.jit(f, in_shardings=a, out_shardings=b).lower(x).compile())
-    predicted = reshard(src, dst, 1024.0, info)
-    assert [(c.kind, info.order(c.axes)) for c in predicted] == expected
-    assert sorted((op.kind, collective_axes(op, info), op.bytes * op.count) for op in ops) == \
-        sorted((c.kind, info.order(c.axes), c.bytes) for c in predicted)
+        assert _compiled_moves(mesh, info, src, dst) == _predicted_moves(info, src, dst), \
+            (str(src), str(dst))

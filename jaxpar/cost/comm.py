@@ -717,16 +717,22 @@ def _relabelled(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo
         if dims == list(src.dims) or any(dst.dims[d] != axes[:len(dst.dims[d])]
                                          for d, axes in enumerate(dims)):
             continue
-        local = nbytes / src.shards(mesh)
         moved = tuple(a for a in mesh.names if rename[a] != a and a in src.axes())
-        out = [Collective("collective-permute", moved, local)]
-        for d in reversed(range(len(dims))):
-            gone = dims[d][len(dst.dims[d]):]
-            if gone:
-                local *= mesh.group_size(gone)
-                out.append(Collective("all-gather", gone, local))
-        return out
+        return _permuted_then_gathered(moved, dims, dst, nbytes / src.shards(mesh), mesh)
     return None
+
+
+def _permuted_then_gathered(axes: Axes, dims: list[tuple[str, ...]], dst: Spec, local: float,
+                            mesh: MeshInfo) -> list[Collective]:
+    """One collective-permute over `axes` of the local pieces (`local` bytes) into a layout
+    of `dims`, then each dimension's axes past dst's gathered, the last dimension first."""
+    out = [Collective("collective-permute", axes, local)]
+    for d in reversed(range(len(dims))):
+        gone = dims[d][len(dst.dims[d]):]
+        if gone:
+            local *= mesh.group_size(gone)
+            out.append(Collective("all-gather", gone, local))
+    return out
 
 
 def _regathered(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo
@@ -755,14 +761,8 @@ def _regathered(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo
     between = Spec(tuple(dims))
     if between == src or between.dims == dst.dims:
         return None
-    local = nbytes / src.shards(mesh)
-    out = [Collective("collective-permute", permuted_axes(src, between, mesh), local)]
-    for d in reversed(range(len(dims))):
-        gone = dims[d][len(dst.dims[d]):]
-        if gone:
-            local *= mesh.group_size(gone)
-            out.append(Collective("all-gather", gone, local))
-    return out
+    return _permuted_then_gathered(permuted_axes(src, between, mesh), dims, dst,
+                                   nbytes / src.shards(mesh), mesh)
 
 
 def _gathered_then_moved(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo
