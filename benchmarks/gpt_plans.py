@@ -11,8 +11,8 @@ Hand-written layouts (params and both Adam moments share one spec per leaf; Adam
 and the loss are replicated):
 - data_parallel: tokens and targets split 8 ways on the batch; everything else replicated.
   A batch 8 does not divide is split over the leading mesh axes whose sizes it divides (batch
-  4: d0 and d1, 4 ways, each piece on two devices) and whole on the rest; so in fsdp and on
-  Megatron's dp.
+  4: d0 and d1, 4 ways, each piece on two devices) and whole on the rest; likewise in fsdp,
+  and over Megatron's dp axis (whole where 4 does not divide it).
 - fsdp: batch as above; every parameter and moment split over all 8 devices on its largest
   dimension that 8 divides (replicated when none does).
 - megatron_tp2_dp4: mesh (dp=4, tp=2); batch on dp. Megatron-LM's layout: wqkv and w1

@@ -261,7 +261,7 @@ class CostModel:
         """reshard()'s collectives for an array of one byte: what moves depends on the specs
         only (worked out once per pair), how much on the size. splat: as reshard()'s."""
         if splat:
-            key = (src, dst, "splat")
+            key = (src, dst, "splat", matmul or not src.partial)
             hit = self._per_byte.get(key)
             if hit is None:
                 hit = self._per_byte[key] = of_splat(self.one_byte(src, dst, matmul))
