@@ -2,11 +2,10 @@
 GPT step planned on 2 "nodes" x 4 "gpus" under h100-2node-ib keeps tensor-parallel traffic on
 the inner (NVLink) axis while the outer (InfiniBand) axis carries only gradient sync."""
 
-import numpy as np
 import pytest
 
 import jaxpar
-from jaxpar.analysis import collective_ops
+from jaxpar.analysis import collective_axes, collective_ops
 from jaxpar.cost.comm import of_splat, reshard
 from jaxpar.cost.hardware import Link, load_profile, profile_from_dict
 from jaxpar.ir.graph import build_graph
@@ -129,18 +128,9 @@ def compiled_traffic(compiled, mesh: MeshInfo) -> dict[tuple[str, str], float]:
     """Measured collective bytes by (kind, axis) from the compiled HLO's device groups."""
     out = {}
     for op in collective_ops(compiled):
-        groups = list(op.pairs) if op.kind == "collective-permute" else op.groups
-        for axis in _spanned(groups or [tuple(range(mesh.size))], mesh):
+        for axis in collective_axes(op, mesh):
             out[(op.kind, axis)] = out.get((op.kind, axis), 0.0) + op.bytes * op.count
     return out
-
-
-def _spanned(groups, mesh: MeshInfo) -> set[str]:
-    spanned = set()
-    for g in groups:
-        coords = np.unravel_index(np.asarray(g), mesh.sizes)
-        spanned |= {a for a, c in zip(mesh.names, coords, strict=True) if len(set(c)) > 1}
-    return spanned
 
 
 def test_dynamic_programming_keeps_tensor_parallelism_inside_the_node(step):

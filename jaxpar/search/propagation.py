@@ -224,7 +224,6 @@ class _Graph:
         self.splats = graph.splats(model.mesh.size)
         self.value_kind: dict[int, int] = {}
         self.kinds: dict = {}  # (shape, dtype, latency share, splat) -> kind
-        self.kind_splat: list[bool] = []  # kind -> whether its values are splats
         self.prices: dict = {}
         self.options_of: dict = {}
         self.op_options: dict[int, _Options] = {}
@@ -276,7 +275,7 @@ class _Graph:
         hit = self.prices.get(key)
         if hit is None:  # the pair's line (CostModel.reshard_line) at the value's bytes
             per_byte, fixed = self.model.reshard_line(src, dst, self.shares(v),
-                                                      self.kind_splat[key[0]])
+                                                      v in self.splats)
             hit = self.prices[key] = per_byte * self.nbytes(v) + fixed
         return hit
 
@@ -287,12 +286,8 @@ class _Graph:
         k = self.value_kind.get(v)
         if k is None:
             info = self.g.values[v]
-            key = (info.shape, info.dtype, self.shares(v), v in self.splats)
-            k = self.kinds.get(key)
-            if k is None:
-                k = self.kinds[key] = len(self.kinds)
-                self.kind_splat.append(key[3])
-            self.value_kind[v] = k
+            k = self.value_kind[v] = self.kinds.setdefault(
+                (info.shape, info.dtype, self.shares(v), v in self.splats), len(self.kinds))
         return k
 
     def kinds_of(self, op: Op) -> tuple:
