@@ -853,7 +853,7 @@ def _rank2_specs(info: MeshInfo) -> list[Spec]:
 
 def _compiled_moves(mesh, info: MeshInfo, src: Spec, dst: Spec) -> list[tuple]:
     """(kind, mesh axes, bytes) of each collective XLA compiles a (16, 16) f32 array's
-    resharding from src to dst to, sorted."""
+    resharding from src to dst to (rank 3: (8, 8, 4), as many bytes), sorted."""
     from jaxpar.analysis import collective_axes, collective_ops
 
     a, b = NamedSharding(mesh, src.to_pspec()), NamedSharding(mesh, dst.to_pspec())
@@ -861,7 +861,7 @@ def _compiled_moves(mesh, info: MeshInfo, src: Spec, dst: Spec) -> list[tuple]:
     def f(v):
         return jnp.cos(jax.lax.with_sharding_constraint(
             jax.lax.with_sharding_constraint(jnp.sin(v), a), b))
-    x = jax.ShapeDtypeStruct((16, 16), jnp.float32)
+    x = jax.ShapeDtypeStruct((16, 16) if len(src.dims) == 2 else (8, 8, 4), jnp.float32)
     ops = collective_ops(jax.jit(f, in_shardings=a, out_shardings=b).lower(x).compile())
     return sorted((op.kind, collective_axes(op, info), op.bytes * op.count) for op in ops)
 
@@ -907,6 +907,28 @@ def test_a_permute_is_priced_on_the_axes_xla_pairs_its_devices_across(shape):
                                                ("collective-permute", ("d0", "d1"))]),
     ((((), ("d0",))), (("d0", "d1", "d2"), ()), [("all-to-all", ("d0",)),
                                                 ("collective-permute", ("d0", "d1", "d2"))]),
+    # Axes moving both ways, or a free axis sliced in beside the moved ones: XLA's
+    # all-to-all moves only as many pieces as the dimension loses, its minor ones, and the
+    # permute does the rest (the all-to-all had been priced over every axis moving).
+    ((("d0", "d1"), ("d2",)), (("d2",), ("d0", "d1")), [("all-to-all", ("d1",)),
+                                                       ("collective-permute", ("d0", "d2"))]),
+    ((("d1",), ("d2", "d0")), (("d2", "d0"), ("d1",)), [("all-to-all", ("d0",)),
+                                                       ("collective-permute", ("d1", "d2"))]),
+    ((("d0", "d1"), ()), (("d2",), ("d0", "d1")), [("all-to-all", ("d1",)),
+                                                  ("collective-permute", ("d0", "d2"))]),
+    # One dimension losing pieces, two gaining: the all-to-all moves them into one that src
+    # cuts already, else the last; src's free axes slice the others (a permute across d2
+    # alone, and across d0 and d1, had been predicted).
+    ((("d0",), ("d2",), ()), (("d2", "d0"), (), ("d1",)),
+     [("all-to-all", ("d2",)), ("collective-permute", ("d0", "d2"))]),
+    (((), ("d2", "d1"), ()), (("d2",), ("d0",), ("d1",)),
+     [("all-to-all", ("d1",)), ("collective-permute", ("d0", "d2"))]),
+    # One dimension gaining, two losing: XLA's all-to-all takes the new pieces from the
+    # last that loses as many, and gathers the other first (comm._emptied_then_moved; d2
+    # gathered and an all-to-all over d0 had been predicted, the bytes as now).
+    ((("d0",), ("d1",), ("d2",)), ((), ("d0", "d1"), ()),
+     [("all-gather", ("d0",)), ("all-to-all", ("d2",)),
+      ("collective-permute", ("d0", "d1", "d2"))]),
     # dst leaves one dimension whole and cuts another as many ways as src cut it: XLA
     # gathers the other's own axes, moves every piece with one all-to-all and renumbers them
     # (comm._gathered_then_moved); one axis of each had been predicted, the bytes as now.
@@ -919,6 +941,23 @@ def test_a_permute_is_priced_on_the_axes_xla_pairs_its_devices_across(shape):
 ])
 def test_all_to_all_paths_run_on_the_axes_xla_uses(src, dst, axes):
     mesh = make_mesh(8)
+    info = MeshInfo.of(mesh)
+    src, dst = Spec(src), Spec(dst)
+    assert [(c.kind, info.order(c.axes)) for c in reshard(src, dst, 1024.0, info)] == axes
+    assert _compiled_moves(mesh, info, src, dst) == _predicted_moves(info, src, dst)
+
+
+@pytest.mark.parametrize("src, dst, axes", [
+    # On 4 x 2 no whole minor axis of src's dimension cuts 2 ways, as many as it loses: XLA's
+    # all-to-all runs over the fewest that cut more (d0, 4 ways), and the permute after it
+    # crosses both axes (priced over both, then within both, before).
+    ((("d0",), ("d1",)), (("d1",), ("d0",)), [("all-to-all", ("d0",)),
+                                             ("collective-permute", ("d0", "d1"))]),
+    (((), ("d0", "d1")), (("d0",), ("d1",)), [("all-to-all", ("d0", "d1")),
+                                             ("collective-permute", ("d0", "d1"))]),
+])
+def test_all_to_all_covers_the_pieces_lost_on_4x2(src, dst, axes):
+    mesh = make_mesh((4, 2))
     info = MeshInfo.of(mesh)
     src, dst = Spec(src), Spec(dst)
     assert [(c.kind, info.order(c.axes)) for c in reshard(src, dst, 1024.0, info)] == axes

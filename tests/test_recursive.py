@@ -502,19 +502,21 @@ def _region_solve_ratios(monkeypatch, step, args, hardware: str, state: str):
 
 def test_the_region_around_an_expert_weight_is_solved_again_exactly(monkeypatch):
     # The quick benchmark's MoE step on 4 x 2 H100s across two nodes, level 2: with each
-    # axis solved again the plan scores 1.078x the exact search's objective; the ops around
+    # axis solved again the plan scores 1.071x the exact search's objective; the ops around
     # the largest carried state (the expert weight w1), solved again over both axes with the
-    # rest held, bring it to 1.025x. (With the tail's reductions priced a share of a latency
-    # each, as the region's solve prices them, it reached the optimum: 1.075x, then 1.000x.
-    # Paying one latency per device group, as the plan is compared, the region's optimum is
-    # that of another objective.)
+    # rest held, bring it to 1.053x (1.078x and 1.025x before all-to-alls on 4 x 2 were
+    # priced on the axes XLA runs them over; from every start, as recursive_programming
+    # runs, it scores as the exact search both times). (With the tail's reductions priced a
+    # share of a latency each, as the region's solve prices them, it reached the optimum:
+    # 1.075x, then 1.000x. Paying one latency per device group, as the plan is compared, the
+    # region's optimum is that of another objective.)
     from jaxpar.models import moe
     step, args = moe.abstract_train_step(
         moe.MoEConfig(d_model=1024, d_ff=4096, experts=8, group_size=256), 16)
     with_region, without = _region_solve_ratios(monkeypatch, step, args, "h100-2node-ib",
                                                 "params/w1")
-    assert with_region <= 1.03
-    assert without > 1.06
+    assert with_region <= 1.06
+    assert without > with_region * 1.01
 
 
 def test_a_tied_embedding_is_looked_up_where_its_rows_lie():
