@@ -264,8 +264,7 @@ def _on_source_axes(src: Spec, dst: Spec, out: list[Collective], mesh: MeshInfo
     as it is for other shapes, or where several dimensions lose pieces."""
     if [c.kind for c in out] != ["all-to-all", "collective-permute"]:
         return out
-    pieces = [(mesh.group_size(a), mesh.group_size(b)) for a, b in zip(src.dims, dst.dims,
-                                                                        strict=True)]
+    pieces = _pieces(src, dst, mesh)
     losing = [d for d, (a, b) in enumerate(pieces) if a > b]
     gaining = [d for d, (a, b) in enumerate(pieces) if b > a]
     if len(losing) != 1 or not gaining:
@@ -287,6 +286,23 @@ def _on_source_axes(src: Spec, dst: Spec, out: list[Collective], mesh: MeshInfo
                        out[1].count)]
 
 
+def _pieces(src: Spec, dst: Spec, mesh: MeshInfo) -> list[tuple[int, int]]:
+    """Per dimension, how many pieces src and dst cut it into."""
+    return [(mesh.group_size(a), mesh.group_size(b)) for a, b in zip(src.dims, dst.dims,
+                                                                      strict=True)]
+
+
+def _minor(axes: tuple[str, ...], group: int, mesh: MeshInfo) -> list[str]:
+    """The fewest of a dimension's last (minor) axes that cut it at least `group` ways (all of
+    them where they cut fewer)."""
+    moved: list[str] = []
+    for a in reversed(axes):
+        if mesh.group_size(tuple(moved)) >= group:
+            break
+        moved.insert(0, a)
+    return moved
+
+
 def _moved_minor(src: Spec, i: int, j: int, group: int, pieces: list[tuple[int, int]],
                  gaining: list[int], mesh: MeshInfo, cover: bool = False) -> Spec | None:
     """src with the minor axes of its dimension i that cut `group` ways moved last into
@@ -295,11 +311,7 @@ def _moved_minor(src: Spec, i: int, j: int, group: int, pieces: list[tuple[int, 
     ask; None where whole axes cannot do that. cover: the fewest minor axes that cut at
     least `group` ways moved, nothing sliced (on 4 x 2, [d0, d1] -> [d1, d0] moves d0: XLA's
     all-to-all is over d0, and its permute, the pieces no longer one to one, crosses both)."""
-    moved: list[str] = []
-    for a in reversed(src.dims[i]):  # the dimension's minor pieces
-        if mesh.group_size(tuple(moved)) >= group:
-            break
-        moved.insert(0, a)
+    moved = _minor(src.dims[i], group, mesh)
     if cover:
         if mesh.group_size(tuple(moved)) < group:
             return None
@@ -848,8 +860,7 @@ def _emptied_then_moved(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo
     had been assumed (the same bytes). None for other pairs."""
     if src.partial:
         return None
-    pieces = [(mesh.group_size(a), mesh.group_size(b)) for a, b in zip(src.dims, dst.dims,
-                                                                        strict=True)]
+    pieces = _pieces(src, dst, mesh)
     gaining = [d for d, (a, b) in enumerate(pieces) if b > a]
     losing = [d for d, (a, b) in enumerate(pieces) if a > b]
     if len(gaining) != 1 or len(losing) < 2 or pieces[gaining[0]][1] % pieces[gaining[0]][0]:
@@ -861,11 +872,7 @@ def _emptied_then_moved(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo
         return None
     q = max(sources, key=lambda d: (pieces[d][1] > 1, d))
     emptied = [d for d in losing if d != q]
-    moved: list[str] = []
-    for a in reversed(src.dims[q]):  # q's minor pieces
-        if mesh.group_size(tuple(moved)) >= need:
-            break
-        moved.insert(0, a)
+    moved = _minor(src.dims[q], need, mesh)
     if any(pieces[d][1] > 1 for d in emptied) or mesh.group_size(tuple(moved)) != need:
         return None
     local, out = nbytes / src.shards(mesh), []
