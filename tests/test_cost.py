@@ -940,9 +940,13 @@ def test_a_permute_is_priced_on_the_axes_xla_pairs_its_devices_across(shape):
       ("collective-permute", ("d1", "d2"))]),
 ])
 def test_all_to_all_paths_run_on_the_axes_xla_uses(src, dst, axes):
-    mesh = make_mesh(8)
+    _runs_on(make_mesh(8), Spec(src), Spec(dst), axes)
+
+
+def _runs_on(mesh, src: Spec, dst: Spec, axes: list[tuple]) -> None:
+    """reshard() names `axes` ((kind, mesh axes) per collective) and XLA compiles those
+    collectives, bytes included."""
     info = MeshInfo.of(mesh)
-    src, dst = Spec(src), Spec(dst)
     assert [(c.kind, info.order(c.axes)) for c in reshard(src, dst, 1024.0, info)] == axes
     assert _compiled_moves(mesh, info, src, dst) == _predicted_moves(info, src, dst)
 
@@ -957,11 +961,7 @@ def test_all_to_all_paths_run_on_the_axes_xla_uses(src, dst, axes):
                                              ("collective-permute", ("d0", "d1"))]),
 ])
 def test_all_to_all_covers_the_pieces_lost_on_4x2(src, dst, axes):
-    mesh = make_mesh((4, 2))
-    info = MeshInfo.of(mesh)
-    src, dst = Spec(src), Spec(dst)
-    assert [(c.kind, info.order(c.axes)) for c in reshard(src, dst, 1024.0, info)] == axes
-    assert _compiled_moves(mesh, info, src, dst) == _predicted_moves(info, src, dst)
+    _runs_on(make_mesh((4, 2)), Spec(src), Spec(dst), axes)
 
 
 SPLAT_PAIRS = [  # (src, dst) of a (64, 64) f32 zeros array on 2 x 2 x 2; reshard()'s path
