@@ -964,6 +964,21 @@ def test_all_to_all_covers_the_pieces_lost_on_4x2(src, dst, axes):
     _runs_on(make_mesh((4, 2)), Spec(src), Spec(dst), axes)
 
 
+@pytest.mark.parametrize("shape, src, dst, axes", [
+    # The last dimension's axes moved whole into the one before, dst's new axes cutting the
+    # last: XLA moves the whole piece with one all-to-all and slices after (the slice had
+    # been taken first, then half the piece moved by an all-to-all and a permute).
+    ((2, 2, 2), ((), ("d0", "d1")), (("d0", "d1"), ("d2",)), [("all-to-all", ("d0", "d1"))]),
+    ((4, 2), ((), ("d0",)), (("d0",), ("d1",)), [("all-to-all", ("d0",))]),
+    ((4, 2), ((), (), ("d0",)), ((), ("d0",), ("d1",)), [("all-to-all", ("d0",))]),
+    # ... but from the middle dimension, the slice first (as any other move).
+    ((4, 2), ((), ("d0",), ()), (("d0",), ("d1",), ()),
+     [("all-to-all", ("d0",)), ("collective-permute", ("d0", "d1"))]),
+])
+def test_a_dimension_moved_whole_moves_before_it_is_sliced(shape, src, dst, axes):
+    _runs_on(make_mesh(shape), Spec(src), Spec(dst), axes)
+
+
 SPLAT_PAIRS = [  # (src, dst) of a (64, 64) f32 zeros array on 2 x 2 x 2; reshard()'s path
     (((), ("d0", "d2", "d1")), (("d0",), ("d2",))),      # all-gather
     ((("d0", "d1"), ()), (("d1", "d2", "d0"), ())),      # collective-permute

@@ -137,6 +137,9 @@ def _path(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo, matmul: bool
     relabelled = _relabelled(src, dst, nbytes, mesh)
     if relabelled is not None:
         return relabelled
+    whole = _moved_then_sliced(src, dst, local)
+    if whole is not None:
+        return whole
     renamed = _renamed(src, dst, nbytes, mesh)
     if renamed is not None:
         if [c.kind for c in renamed] == ["collective-permute", "all-to-all"]:
@@ -847,6 +850,36 @@ def _gathered_then_moved(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo
     if not moved.placed_as(dst):
         out.append(Collective("collective-permute", permuted_axes(moved, dst, mesh), local))
     return out
+
+
+def _moved_then_sliced(src: Spec, dst: Spec, local: float) -> list[Collective] | None:
+    """XLA's path when the last dimension's axes move, all of them and in order, into the one
+    before it, which src leaves whole, and dst's new axes cut only the last: one all-to-all
+    over the moved axes at src's piece size, then the slice (free). From [-, d0+d1] to
+    [d0+d1, d2] on 2 x 2 x 2 (and [-, d0] to [d0, d1] on 4 x 2): an all-to-all over d0 and d1
+    of the whole piece, where d2 sliced first, then an all-to-all over d1 and a permute of
+    half the piece each, had been assumed (the same bytes). Every such pair of rank 2 on
+    2 x 2 x 2 and 4 x 2 compiled so, and on 4 x 2 [-, -, d0] to [-, d0, d1]; not
+    [-, d0, -] to [d0, d1, -], nor [-, -, d0] to [d0, -, d1] (an all-to-all and a permute of
+    the sliced piece, as the general path has them). None for other pairs."""
+    if src.partial:
+        return None
+    rank = len(src.dims)
+    into = [(d, src.dim_of(dst.dims[d][0])) for d in range(rank)
+            if dst.dims[d] and not src.dims[d] and src.dim_of(dst.dims[d][0]) is not None]
+    into = [(j, i) for j, i in into if dst.dims[j] == src.dims[i]]
+    if len(into) != 1 or into[0] != (rank - 2, rank - 1):
+        return None
+    j, i = into[0]
+    for d in range(rank):
+        if d == j:
+            continue
+        kept = src.dims[d] if d != i else ()
+        extra = dst.dims[d][len(kept):]
+        if dst.dims[d][:len(kept)] != kept or (extra and (d != i or d < j)) or \
+                any(src.dim_of(a) is not None for a in extra):
+            return None
+    return [Collective("all-to-all", src.dims[i], local)]
 
 
 def _emptied_then_moved(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo
