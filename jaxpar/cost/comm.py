@@ -79,24 +79,25 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo,
 
     When every piece of dst lies within one piece of src (src cuts each dimension into pieces
     dst cuts further) but not where the device holding it needs it, one collective-permute moves
-    the pieces; when dst is src with some axes renamed to others of their size and then
-    gathers alone, one permute renumbers the pieces and the gathers follow (_relabelled). Where
-    XLA finds no direct path it falls back, and so does the model: the whole array gathered at
-    once (_rematerialized) or a dimension at a time (_merged), or the pieces renumbered and
-    gathered in groups (_swapped, _dropped_for), or the whole local piece moved before it is
-    sliced (_moved_down_whole). A matmul's product beside idle axes is split over them
-    (_split_on_idle), and one whose partial axes land on a dimension it leaves whole beside
+    the pieces; when dst is src with some axes renamed to others of their size and then gathers
+    alone, one permute renumbers the pieces and the gathers follow (_relabelled). Where XLA
+    finds no direct path it falls back, and so does the model: the whole array gathered at once
+    (_rematerialized) or a dimension at a time (_merged), or the pieces renumbered and gathered
+    in groups (_swapped, _dropped_for), or the whole local piece moved before it is sliced
+    (_moved_down_whole, _moved_then_sliced). A matmul's product beside idle axes is split over
+    them (_split_on_idle), and one whose partial axes land on a dimension it leaves whole beside
     new axes is reduced whole (_whole_then_sliced). Otherwise, in order: slices first (free,
     they shrink the pieces); partial sums reduced (a reduce-scatter onto the first dimension
     `dst` cuts with partial axes, an all-reduce before it, at full size, of those `dst` cuts on
     each later dimension, or one reduce-scatter onto them all and a permute where `dst` also
-    slices axes `src` does not use; and an all-reduce of those `dst` does not cut); axes
-    moving between dimensions (an all-to-all per pair of dimensions, _all_to_alls); one
+    slices axes `src` does not use; and an all-reduce of those `dst` does not cut); axes moving
+    between dimensions (an all-to-all per pair of dimensions, _all_to_alls); one
     collective-permute when a dimension keeps an axis but the axes outside it change, or when
-    the moved axes land out of dst's order (the pieces are renumbered); then one all-gather
-    per dimension that loses axes, last dimension first.
+    the moved axes land out of dst's order (the pieces are renumbered); then one all-gather per
+    dimension that loses axes, last dimension first.
     Axes of size 1 cut nothing and are left out first (specs that differ only in them move
-    nothing). Two shapes of path run on the axes XLA takes for them (_on_xla_axes).
+    nothing). Some shapes of path run on the axes XLA takes for them (_on_source_axes,
+    _on_xla_axes).
     """
     src, dst = _cutting(src, mesh), _cutting(dst.resolved(), mesh)
     if src.placed_as(dst):
@@ -254,8 +255,8 @@ def _on_source_axes(src: Spec, dst: Spec, out: list[Collective], mesh: MeshInfo
     the axes permuted_axes finds from that layout to dst's. From [-, d0] to [d1, -] on
     2 x 2 x 2: an all-to-all over d0 and a permute across d0 and d1, where one over d1 and
     one within d1 had been assumed; from [d0+d1, d2] to [d2, d0+d1], one over d1 and a
-    permute across d0 and d2, where one over all three had been. Of the 702 such pairs of
-    rank 2 on 2 x 2 x 2, 696 compiled so (96, then 654 before); so do those _renamed gives as
+    permute across d0 and d2, where one over all three had been. All 696 such pairs of
+    rank 2 on 2 x 2 x 2 compiled so (96, then 654 of 702 before); so do those _renamed gives as
     a permute then an all-to-all (XLA moves first: `out` in that order). Where whole minor
     axes cannot make the pieces lost, the all-to-all's own group (4 x 2: [d0, -] to
     [d1, d0]), else the fewest minor axes that cut more (_moved_minor's cover: 6 of the 7
@@ -876,7 +877,7 @@ def _moved_then_sliced(src: Spec, dst: Spec, local: float) -> list[Collective] |
             continue
         kept = src.dims[d] if d != i else ()
         extra = dst.dims[d][len(kept):]
-        if dst.dims[d][:len(kept)] != kept or (extra and (d != i or d < j)) or \
+        if dst.dims[d][:len(kept)] != kept or (extra and d != i) or \
                 any(src.dim_of(a) is not None for a in extra):
             return None
     return [Collective("all-to-all", src.dims[i], local)]
