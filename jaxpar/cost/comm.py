@@ -274,14 +274,14 @@ def _on_source_axes(src: Spec, dst: Spec, out: list[Collective], mesh: MeshInfo
     if len(losing) != 1 or not gaining:
         return out
     i = losing[0]
-    groups = dict.fromkeys((pieces[i][0] // pieces[i][1], mesh.group_size(out[0].axes)))
+    lost = pieces[i][0] // pieces[i][1]
+    groups = dict.fromkeys((lost, mesh.group_size(out[0].axes)))
     # into a dimension src cuts already, else the last that gains
     into = sorted(gaining, key=lambda d: (pieces[d][0] == 1, -d))
     tries = (_moved_minor(src, i, j, g, pieces, gaining, mesh) for j in into for g in groups)
     between = next((b for b in tries if b is not None), None)
     if between is None:  # no whole minor axes cut as many ways as it loses: those cutting more
-        between = _moved_minor(src, i, into[0], pieces[i][0] // pieces[i][1], pieces, gaining,
-                               mesh, cover=True)
+        between = _moved_minor(src, i, into[0], lost, pieces, gaining, mesh, cover=True)
         if between is None:
             return out
     moved = tuple(a for a in src.dims[i] if a not in between.dims[i])
@@ -848,9 +848,7 @@ def _gathered_then_moved(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo
            Collective("all-to-all", src.dims[q], local)]
     moved = Spec(tuple(src.dims[q] if d == p else () if d == q else src.dims[d]
                        for d in range(rank)))
-    if not moved.placed_as(dst):
-        out.append(Collective("collective-permute", permuted_axes(moved, dst, mesh), local))
-    return out
+    return out + _renumbered_into(moved, dst, local, mesh)
 
 
 def _moved_then_sliced(src: Spec, dst: Spec, local: float) -> list[Collective] | None:
@@ -917,9 +915,16 @@ def _emptied_then_moved(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo
     between = Spec(tuple(
         () if d in emptied else tuple(a for a in axes if a not in moved) if d == q else
         (*axes, *moved) if d == p else axes for d, axes in enumerate(src.dims)))
-    if not between.placed_as(dst):
-        out.append(Collective("collective-permute", permuted_axes(between, dst, mesh), local))
-    return out
+    return out + _renumbered_into(between, dst, local, mesh)
+
+
+def _renumbered_into(between: Spec, dst: Spec, local: float, mesh: MeshInfo
+                     ) -> list[Collective]:
+    """The permute (on permuted_axes' axes, of `local` bytes) that renumbers pieces laid out
+    as `between` into dst's places; none where they are there already."""
+    if between.placed_as(dst):
+        return []
+    return [Collective("collective-permute", permuted_axes(between, dst, mesh), local)]
 
 
 def _renamings(mesh: MeshInfo) -> list[dict[str, str]]:
