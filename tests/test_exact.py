@@ -488,6 +488,42 @@ def test_tail_reductions_over_several_groups_are_searched_again(monkeypatch):
     assert all(chosen[op] == t.cands[node][kept[node]] for op, node in t.op_nodes.items())
 
 
+def test_the_tails_rarest_device_group_is_dropped_where_that_pays(monkeypatch):
+    # A top-2 MoE step on make_mesh(8) across two nodes at level 2: the first optimum's tail
+    # all-reduces over d1 (five gradients) and over d1+d2 (two) and reduce-scatters over d0
+    # (one), each priced a share of one latency. Each kind kept to its most used group breaks
+    # the two all-reduce groups up; the groups less the one making fewest reductions (the
+    # reduce-scatter) keep both, and the plan pays two latencies where it paid three.
+    from jaxpar.models import moe
+
+    step, args = moe.abstract_train_step(
+        moe.MoEConfig(d_model=256, d_ff=1024, experts=8, group_size=64), 16)
+    ends = []
+    real_tail, real_score = exact._one_latency_per_group, exact.grouped_objective
+
+    def tail(graph, model, t, problem, solution, left, held=None):
+        end = real_tail(graph, model, t, problem, solution, left, held)
+        ends.append((exact._tail_groups(graph, t, solution.choice, model),
+                     exact._tail_groups(graph, t, end.choice, model), end,
+                     *(real_score(graph, model, t, problem, s.choice, held)
+                       for s in (solution, end))))
+        return end
+
+    monkeypatch.setattr(exact, "_one_latency_per_group", tail)
+    plan = jaxpar.shard(step, mesh=jaxpar.make_mesh(8), search_mode="dynamic_programming",
+                        hardware="h100-2node-ib", level=2, mem_coeff=0.0).plan(*args)
+    (first, kept, end, before, after), = ends
+    rarest = min(first, key=lambda g: (first[g], g))
+    assert first[rarest] == 1 and len(first) == 3
+    assert set(kept) == set(first) - {rarest}
+    # out of the other solves' reach: two groups of one kind, in one round
+    assert len({kind for kind, _, _ in kept}) == 1 and {r for _, _, r in kept} == {1}
+    assert after < 0.95 * before
+    assert end.tail_groups == tuple(sorted((kind, axes) for kind, axes, _ in kept))
+    assert any("step-tail reductions are all-reduces over d1 and all-reduces over d1+d2 only"
+               in note for note in plan.notes)
+
+
 def test_a_first_solve_stopped_at_its_limit_leaves_the_tails_solve_again_unproven(monkeypatch):
     # The tail's solve again is exact over the plans that reduce over one device group per
     # kind only: taken after a first solve that stopped at its time limit, the plan is not
