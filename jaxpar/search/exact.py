@@ -61,13 +61,15 @@ reduced after the gradient it reads was, is a second round). A plan whose tail r
 more groups than kinds is searched again with each kind kept to one group (its first round's
 most used), where it reduces in several rounds also with its first round's groups, in one
 round both, and with its groups less the one making fewest reductions (again from each plan
-so found that scores lower, while these solves have taken less time than the first);
-whichever plan is cheapest with one latency per group (and one per reduction of a later
-round) is kept. Each search again is exact over its own plans only: where the first stopped
-at its time limit, the plan is unproven whichever is kept, its gap to the first's bound.
-Under a memory budget the tail is searched again so too (its nodes tied to others held
-alike: _tied_alike), unless the first search stopped at its limit: the time left then goes to
-fitting the plan (_refit).
+so found that scores lower, while these solves have taken less time than the first; not
+under a memory budget, nor in the search without it that a budgeted one runs first: their time
+goes to fitting the plan, and benchmarks/memory_budget.py's GPT at 0.3 of its optimum's peak
+ended 16% costlier with them); whichever plan is cheapest with one latency per group (and one
+per reduction of a later round) is kept. Each search again is exact over its own plans only:
+where the first stopped at its time limit, the plan is unproven whichever is kept, its gap to
+the first's bound. Under a memory budget the tail is searched again so too (its nodes tied to
+others held alike: _tied_alike), unless the first search stopped at its limit: the time left
+then goes to fitting the plan (_refit).
 """
 
 from __future__ import annotations
@@ -127,7 +129,8 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
                         time_limit: float = 30.0, ties: tuple[tuple[int, int], ...] = (),
                         tie_repeats: bool | None = None, allow: Allow | None = None,
                         group_tail: bool = True, region: Region | None = None,
-                        tie_rounds: int = ROUNDS) -> tuple[GraphPlan, Solution]:
+                        tie_rounds: int = ROUNDS, tail_drops: bool = True
+                        ) -> tuple[GraphPlan, Solution]:
     """The cheapest plan of `graph` under `model` (see the module docstring).
 
     Args:
@@ -149,6 +152,10 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
         group_tail: price the tail's reductions one latency per device group as XLA
             combines them (see below); False keeps the tables' price, a share of one latency
             each (graph_cost's: what recursive_programming compares plans with).
+        tail_drops: with group_tail, also search again with the tail's rarest device groups
+            dropped (_one_latency_per_group); never under a memory budget, whose time goes
+            to fitting the plan, nor in the search without it that a budgeted one runs first
+            (_unbudgeted_fits), whose time is the budget's too.
         region: search only its ops and free inputs, the rest of its plan held
             (tables.Region; no memory budget then): the optimum over the plans that differ
             from its plan there only, returned whole.
@@ -196,7 +203,8 @@ def dynamic_programming(graph: OpGraph, model: CostModel, fixed_in: dict[int, Sp
             # optimum's objective, not 13.1x.
             if group_tail and left() > 0 and (budget is None or found.optimal):
                 found = _one_latency_per_group(graph, model, t, problem, found, left,
-                                               None if region is None else region.plan)
+                                               None if region is None else region.plan,
+                                               tail_drops and budget is None)
             return found
 
         classes = repeats(graph) if tie_repeats is None else \
@@ -282,7 +290,7 @@ def _unbudgeted_fits(graph, model, fixed_in, fixed_out, memory_budget, time_limi
     with progress.stage("without the budget (its optimum, where that fits)"):
         plan, solution = dynamic_programming(graph, model, fixed_in, fixed_out, None,
                                              time_limit, ties, tie_repeats, allow, group_tail,
-                                             tie_rounds=tie_rounds)
+                                             tie_rounds=tie_rounds, tail_drops=False)
     fits = search_peak(graph, plan, model.mesh, fixed_out, ties) <= memory_budget
     return (plan, solution) if solution.optimal and fits else None
 
@@ -449,7 +457,7 @@ def _wanted(graph: OpGraph, plan: GraphPlan, op: Op, ends: dict[int, list[Spec]]
 
 def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem: Problem,
                            solution: Solution, left: Callable[[], float],
-                           held: GraphPlan | None = None) -> Solution:
+                           held: GraphPlan | None = None, drops: bool = True) -> Solution:
     """The reductions of a step's tail (gradients) pay a share of one latency each in the
     tables, as if XLA combined them all into one collective; it combines only those of one
     kind over one device group that do not wait for one another (tail_groups' rounds). When
@@ -466,7 +474,7 @@ def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem:
     in one round (Solution.tail_groups, which the plan's note names), not over every plan: no
     solve minimises the objective with whole latencies, and a looser memory budget can end
     with a costlier plan. held: the plan a region's tables were built around (its other ops'
-    reductions count as that plan makes them)."""
+    reductions count as that plan makes them). drops: whether to drop the rarest groups."""
     waits: dict[int, dict] = {}  # node -> the latest round of each group its ops wait for
     groups = _tail_groups(graph, t, solution.choice, model, waits, held)
     kinds = {kind for kind, _, _ in groups}
@@ -525,7 +533,7 @@ def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem:
     # at level 2: a reduce-scatter over both axes for the embedding's gradient alone, beside
     # three groups that each kind keeping one breaks up; 0.786 -> 0.756 ms of objective).
     made, before = groups, seconds
-    while len(made) > 1 and left() > 0 and seconds - before < solution.seconds:
+    while drops and len(made) > 1 and left() > 0 and seconds - before < solution.seconds:
         fewer = set(made) - {min(made, key=lambda g: (made[g], -g[2], g))}
         if fewer in variants or not again(fewer):
             break
