@@ -62,14 +62,13 @@ more groups than kinds is searched again with each kind kept to one group (its f
 most used), where it reduces in several rounds also with its first round's groups, in one
 round both, and with its groups less the one making fewest reductions (again from each plan
 so found that scores lower, while these solves have taken less time than the first; not
-under a memory budget, nor in the search without it that a budgeted one runs first: their time
-goes to fitting the plan, and benchmarks/memory_budget.py's GPT at 0.3 of its optimum's peak
-ended 16% costlier with them); whichever plan is cheapest with one latency per group (and one
-per reduction of a later round) is kept. Each search again is exact over its own plans only:
-where the first stopped at its time limit, the plan is unproven whichever is kept, its gap to
-the first's bound. Under a memory budget the tail is searched again so too (its nodes tied to
-others held alike: _tied_alike), unless the first search stopped at its limit: the time left
-then goes to fitting the plan (_refit).
+under a memory budget, nor in the search without it that a budgeted one runs first: their
+time goes to fitting the plan); whichever plan is cheapest with one latency per group (and
+one per reduction of a later round) is kept. Each search again is exact over its own plans
+only: where the first stopped at its time limit, the plan is unproven whichever is kept, its
+gap to the first's bound. Under a memory budget the tail is searched again so too (its nodes
+tied to others held alike: _tied_alike), unless the first search stopped at its limit: the
+time left then goes to fitting the plan (_refit).
 """
 
 from __future__ import annotations
