@@ -61,14 +61,14 @@ reduced after the gradient it reads was, is a second round). A plan whose tail r
 more groups than kinds is searched again with each kind kept to one group (its first round's
 most used), where it reduces in several rounds also with its first round's groups, in one
 round both, and with its groups less the one making fewest reductions (again from each plan
-so found that scores lower, while these solves have taken less time than the first; not
-under a memory budget, nor in the search without it that a budgeted one runs first: their
-time goes to fitting the plan); whichever plan is cheapest with one latency per group (and
-one per reduction of a later round) is kept. Each search again is exact over its own plans
-only: where the first stopped at its time limit, the plan is unproven whichever is kept, its
-gap to the first's bound. Under a memory budget the tail is searched again so too (its nodes
-tied to others held alike: _tied_alike), unless the first search stopped at its limit: the
-time left then goes to fitting the plan (_refit).
+so found that scores lower, _DROPS times at most; not under a memory budget, nor in the
+search without it that a budgeted one runs first: their time goes to fitting the plan);
+whichever plan is cheapest with one latency per group (and one per reduction of a later
+round) is kept. Each search again is exact over its own plans only: where the first stopped
+at its time limit, the plan is unproven whichever is kept, its gap to the first's bound. Under
+a memory budget the tail is searched again so too (its nodes tied to others held alike:
+_tied_alike), unless the first search stopped at its limit: the time left then goes to
+fitting the plan (_refit).
 """
 
 from __future__ import annotations
@@ -118,6 +118,7 @@ from jaxpar.spec import Spec
 _LOOP_PASSES = 4  # at most this many solves again with loop bodies planned for their neighbours
 _TIE_SHARE = 0.25  # tie_repeats ties only where op classes are at most this share of the ops
 _AGAIN_TIMES, _AGAIN_MIN_S = 3.0, 1.0  # the tail's solve again: 3x the first solve, 1 s at least
+_DROPS = 2  # at most this many solves again with the tail's rarest device group dropped
 _REFITS = 3       # under a budget: solves again, the budget lowered by what the plan held over it
 _LOOSE_SHARE = 0.5  # under a budget: at most this share of time_limit for the search without
                     # it first (_unbudgeted_fits)
@@ -464,7 +465,8 @@ def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem:
     kept to its first round's most used group; where it reduces in more than one round, also
     with the first round's groups kept as they are; and with the plan's groups less the one
     making fewest reductions, then that plan's less its own fewest, while each scores lower
-    and these solves have taken less time than the first.
+    (_DROPS solves at most: a count, not a time, so that the plan does not depend on the
+    machine's pace).
     In every solve again a node reduces over a kept group only in its first round (one whose
     operands waited for a reduction of a group, a global norm's sum of squares reading a
     reduced gradient, may not reduce over that group). The plan whose objective is lowest
@@ -527,12 +529,14 @@ def _one_latency_per_group(graph: OpGraph, model: CostModel, t: Tables, problem:
     for keep in variants:
         again(keep)
     # Then the first plan's groups less the one making fewest reductions, and so on from each
-    # plan that scores lower, while these solves have taken less time than the first: a group
-    # of few reductions pays a whole latency (search_gap's deep GPT on 4 x 2 across two nodes
-    # at level 2: a reduce-scatter over both axes for the embedding's gradient alone, beside
-    # three groups that each kind keeping one breaks up; 0.786 -> 0.756 ms of objective).
-    made, before = groups, seconds
-    while drops and len(made) > 1 and left() > 0 and seconds - before < solution.seconds:
+    # plan that scores lower, _DROPS times at most: a group of few reductions pays a whole
+    # latency (search_gap's deep GPT on 4 x 2 across two nodes at level 2: a reduce-scatter
+    # over both axes for the embedding's gradient alone, beside three groups that each kind
+    # keeping one breaks up; 0.786 -> 0.756 ms of objective).
+    made = groups
+    for _ in range(_DROPS if drops else 0):
+        if len(made) < 2 or left() <= 0:
+            break
         fewer = set(made) - {min(made, key=lambda g: (made[g], -g[2], g))}
         if fewer in variants or not again(fewer):
             break

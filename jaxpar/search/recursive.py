@@ -89,9 +89,10 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    again so, 1.00x). Each kept where that objective drops.
    Last, where the reductions of two of the plan's tail ops or more wait for others' results
    (a global norm's sums of squares cut, so summed after the gradients' all-reduce, which XLA
-   cannot combine with them), the tail is solved again with each kind's reductions kept to
-   one device group and round (resolve.solve_tail_rounds): optax.clip_by_global_norm in a
-   2-layer GPT Adam step (d 128) on 8 devices compiled to eight all-reduces, then to one.
+   cannot combine with them), or where a device group pays its latency for one reduction,
+   the tail is solved again with each kind's reductions kept to fewer device groups and
+   rounds (resolve.solve_tail_rounds): optax.clip_by_global_norm in a 2-layer GPT Adam step
+   (d 128) on 8 devices compiled to eight all-reduces, then to one.
 6. A plan over the memory budget is searched again with mem_coeff four times larger (more model
    parallel, less memory) a few times. Once one fits, mem_coeffs between the last two are
    tried (bisected twice) and the fitting plan of least objective is kept: four times the
@@ -470,8 +471,8 @@ class _Sapp:
                                          self.fixed_out, ties, self.index)
         if found is not plan:
             _note(self.lines, f"the step's tail solved again exactly, its reductions kept to "
-                              f"one device group and round (one waited for another): scores "
-                              f"{after:.6g}, taken instead")
+                              f"fewer device groups and rounds (one waited for another, or a "
+                              f"group made one): scores {after:.6g}, taken instead")
         return found
 
     def _starts(self, plan: GraphPlan, ties: tuple) -> list[tuple[str, GraphPlan, float]]:
