@@ -81,11 +81,12 @@ propagation.py). After: a GraphPlan and notes for the Plan.
    the three axes of propagation's plan it skips there).
 7. Last, where the reductions of two of the plan's tail ops or more wait for others' results
    (a global norm's sums of squares, cut, wait for the gradients' all-reduce, and XLA cannot
-   combine them), the tail is solved again with each kind's reductions kept to one device
-   group and round (resolve.solve_tail_rounds, as recursive_programming does last): the
-   searches price each tail reduction at a share of one latency, and one op at a time no
-   move removes the later collectives. optax.clip_by_global_norm before Adam in a 2-layer GPT
-   step (d 128) on 8 devices: eight all-reduces compiled, then one.
+   combine them), or where a device group pays its latency for one reduction, the tail is
+   solved again with each kind's reductions kept to fewer device groups and rounds
+   (resolve.solve_tail_rounds, as recursive_programming does last): the searches price each
+   tail reduction at a share of one latency, and one op at a time no move removes the later
+   collectives. optax.clip_by_global_norm before Adam in a 2-layer GPT step (d 128) on 8
+   devices: eight all-reduces compiled, then one.
 8. A memory budget bounds nothing above (the objective weighs memory): a plan over it is
    searched again, steps 1 to 7, with larger mem_coeffs, and the fitting plan of least
    objective is kept (budget.within_budget, as recursive_programming does), or the plan one
