@@ -316,18 +316,15 @@ def _moved_minor(src: Spec, i: int, j: int, group: int, pieces: list[tuple[int, 
     least `group` ways moved, nothing sliced (on 4 x 2, [d0, d1] -> [d1, d0] moves d0: XLA's
     all-to-all is over d0, and its permute, the pieces no longer one to one, crosses both)."""
     moved = _minor(src.dims[i], group, mesh)
-    if cover:
-        if mesh.group_size(tuple(moved)) < group:
-            return None
-        dims = list(src.dims)
-        dims[i] = tuple(a for a in src.dims[i] if a not in moved)
-        dims[j] = (*src.dims[j], *moved)
-        return Spec(tuple(dims))
-    if mesh.group_size(tuple(moved)) != group:
+    size = mesh.group_size(tuple(moved))
+    if size < group or (size > group and not cover):
         return None
-    free = [a for a in mesh.names if src.dim_of(a) is None]
     dims = list(src.dims)
     dims[i] = tuple(a for a in src.dims[i] if a not in moved)
+    if cover:
+        dims[j] = (*src.dims[j], *moved)
+        return Spec(tuple(dims))
+    free = [a for a in mesh.names if src.dim_of(a) is None]
     for d in gaining:
         have = pieces[d][0] * (group if d == j else 1)
         if pieces[d][1] % have:
