@@ -943,6 +943,29 @@ def test_all_to_all_paths_run_on_the_axes_xla_uses(src, dst, axes):
     _runs_on(make_mesh(8), Spec(src), Spec(dst), axes)
 
 
+@pytest.mark.parametrize("src, dst, axes", [
+    # A new axis sliced in beside a move: XLA's all-to-all lands the moved axis last in its
+    # dimension ([d0, -, d1] -> [d0, d2+d1, -]), and a permute renumbers the pieces into dst
+    # (comm._on_source_axes; the all-to-all had been priced alone, the permute's bytes left
+    # out).
+    ((("d0",), (), ("d1",)), (("d1",), ("d2", "d0"), ()),
+     [("all-to-all", ("d1",)), ("collective-permute", ("d0", "d1"))]),
+    ((("d0",), (), ("d1",)), ((), ("d0",), ("d1", "d2")),
+     [("all-to-all", ("d0",)), ("collective-permute", ("d0", "d2"))]),
+    (((), (), ("d0", "d1")), (("d1",), ("d2", "d0"), ()),
+     [("all-to-all", ("d0", "d1")), ("collective-permute", ("d0", "d1", "d2"))]),
+    # Axes moving down a chain of dimensions: one all-to-all per pair of dimensions, each over
+    # the axes moving between them (comm._all_to_alls; both had been named d1+d2, the
+    # dimension the pieces leave on net).
+    (((), ("d0",), ("d1", "d2")), (("d0",), ("d1", "d2"), ()),
+     [("all-to-all", ("d0",)), ("all-to-all", ("d1", "d2"))]),
+    (((), ("d0", "d1"), ("d2",)), (("d2",), (), ("d0", "d1")),
+     [("all-to-all", ("d0", "d1")), ("all-to-all", ("d2",))]),
+])
+def test_moves_beside_new_axes_and_down_chains_run_as_compiled(src, dst, axes):
+    _runs_on(make_mesh(8), Spec(src), Spec(dst), axes)
+
+
 def _runs_on(mesh, src: Spec, dst: Spec, axes: list[tuple]) -> None:
     """reshard() names `axes` ((kind, mesh axes) per collective) and XLA compiles those
     collectives, bytes included."""
