@@ -966,6 +966,26 @@ def test_moves_beside_new_axes_and_down_chains_run_as_compiled(src, dst, axes):
     _runs_on(make_mesh(8), Spec(src), Spec(dst), axes)
 
 
+@pytest.mark.parametrize("shape, src, dst, axes", [
+    # One dimension's axes spread with new ones over dimensions dst cuts, the first cut as
+    # many ways as src cut its own: the new axes slice src's dimension first, then one
+    # all-to-all per dimension (most pieces first) and a permute where the pieces land out of
+    # order (comm._sliced_then_spread; one all-to-all had been predicted, half the bytes).
+    ((2, 2, 2), ((), (), ("d0", "d1")), (("d0", "d2"), ("d1",), ()),
+     [("all-to-all", ("d0", "d1")), ("all-to-all", ("d2",)),
+      ("collective-permute", ("d1", "d2"))]),
+    ((2, 2, 2), ((), (), ("d0", "d1")), (("d0", "d1"), ("d2",), ()),
+     [("all-to-all", ("d0", "d1")), ("all-to-all", ("d2",))]),
+    ((4, 2), (("d0",), (), ()), ((), ("d0",), ("d1",)),
+     [("all-to-all", ("d0",)), ("all-to-all", ("d1",))]),
+    # ... but where dst cuts a later dimension most, one all-to-all, as before.
+    ((2, 2, 2), ((), (), ("d0", "d1")), (("d2",), ("d1", "d0"), ()),
+     [("all-to-all", ("d0", "d1")), ("collective-permute", ("d0", "d1"))]),
+])
+def test_one_dimensions_axes_spread_with_new_ones_run_as_compiled(shape, src, dst, axes):
+    _runs_on(make_mesh(shape), Spec(src), Spec(dst), axes)
+
+
 def _runs_on(mesh, src: Spec, dst: Spec, axes: list[tuple]) -> None:
     """reshard() names `axes` ((kind, mesh axes) per collective) and XLA compiles those
     collectives, bytes included."""
