@@ -986,6 +986,25 @@ def test_one_dimensions_axes_spread_with_new_ones_run_as_compiled(shape, src, ds
     _runs_on(make_mesh(shape), Spec(src), Spec(dst), axes)
 
 
+@pytest.mark.parametrize("src, dst, axes", [
+    # The last dimension cut by two axes, dst leaving it whole and cutting one src leaves
+    # whole: XLA gathers the last dimension's axes at once, then goes on from there
+    # (comm._last_gathered_first; one axis gathered, then an all-to-all and a permute, had
+    # been predicted: other axes, and in the second case 1.5x the bytes).
+    (((), ("d0",), ("d1", "d2")), (("d0",), ("d1",), ()),
+     [("all-gather", ("d1", "d2")), ("collective-permute", ("d0", "d1"))]),
+    ((("d0",), (), ("d1", "d2")), (("d0",), ("d1",), ()), [("all-gather", ("d1", "d2"))]),
+    ((("d0",), (), ("d1", "d2")), ((), ("d1",), ()),
+     [("all-gather", ("d1", "d2")), ("all-to-all", ("d0",)),
+      ("collective-permute", ("d0", "d1"))]),
+    # ... but where dst cuts only the dimension src cuts already, the permute first, as before.
+    (((), ("d0",), ("d1", "d2")), ((), ("d1",), ()),
+     [("collective-permute", ("d0", "d1")), ("all-gather", ("d0", "d2"))]),
+])
+def test_the_last_dimensions_axes_are_gathered_first_as_compiled(src, dst, axes):
+    _runs_on(make_mesh(8), Spec(src), Spec(dst), axes)
+
+
 def _runs_on(mesh, src: Spec, dst: Spec, axes: list[tuple]) -> None:
     """reshard() names `axes` ((kind, mesh axes) per collective) and XLA compiles those
     collectives, bytes included."""
