@@ -987,21 +987,27 @@ def test_one_dimensions_axes_spread_with_new_ones_run_as_compiled(shape, src, ds
 
 
 @pytest.mark.parametrize("src, dst, axes", [
-    # The last dimension cut by two axes, dst leaving it whole and cutting one src leaves
-    # whole: XLA gathers the last dimension's axes at once, then goes on from there
-    # (comm._last_gathered_first; one axis gathered, then an all-to-all and a permute, had
-    # been predicted: other axes, and in the second case 1.5x the bytes).
+    # A dimension cut by two axes, dst leaving it whole and cutting one src leaves whole:
+    # XLA gathers that dimension's axes at once, then goes on from there
+    # (comm._gathered_whole_first; one axis gathered, then an all-to-all and a permute, had
+    # been predicted: other axes, and in the second and fourth cases 1.5x the bytes).
     (((), ("d0",), ("d1", "d2")), (("d0",), ("d1",), ()),
      [("all-gather", ("d1", "d2")), ("collective-permute", ("d0", "d1"))]),
     ((("d0",), (), ("d1", "d2")), (("d0",), ("d1",), ()), [("all-gather", ("d1", "d2"))]),
+    (((), ("d0", "d1"), ("d2",)), (("d0",), (), ("d2",)), [("all-gather", ("d0", "d1"))]),
     ((("d0",), (), ("d1", "d2")), ((), ("d1",), ()),
      [("all-gather", ("d1", "d2")), ("all-to-all", ("d0",)),
       ("collective-permute", ("d0", "d1"))]),
+    # Two dimensions emptied into the first: XLA gathers the middle one and moves the last,
+    # then renumbers (comm._on_xla_axes, _emptied_then_moved; the last gathered and the
+    # middle moved into place had been predicted, a third fewer bytes).
+    (((), ("d0",), ("d1",)), (("d0",), (), ()),
+     [("all-gather", ("d0",)), ("all-to-all", ("d1",)), ("collective-permute", ("d0", "d1"))]),
     # ... but where dst cuts only the dimension src cuts already, the permute first, as before.
     (((), ("d0",), ("d1", "d2")), ((), ("d1",), ()),
      [("collective-permute", ("d0", "d1")), ("all-gather", ("d0", "d2"))]),
 ])
-def test_the_last_dimensions_axes_are_gathered_first_as_compiled(src, dst, axes):
+def test_a_dimension_left_whole_is_gathered_at_once_first_as_compiled(src, dst, axes):
     _runs_on(make_mesh(8), Spec(src), Spec(dst), axes)
 
 
