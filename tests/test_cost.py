@@ -994,6 +994,9 @@ def test_one_dimensions_axes_spread_with_new_ones_run_as_compiled(shape, src, ds
     (((), ("d0",), ("d1", "d2")), (("d0",), ("d1",), ()),
      [("all-gather", ("d1", "d2")), ("collective-permute", ("d0", "d1"))]),
     ((("d0",), (), ("d1", "d2")), (("d0",), ("d1",), ()), [("all-gather", ("d1", "d2"))]),
+    # (the gathered axes number the replicas in src's order: d2 before d1 crosses all three)
+    (((), ("d0",), ("d2", "d1")), (("d0",), ("d1",), ()),
+     [("all-gather", ("d1", "d2")), ("collective-permute", ("d0", "d1", "d2"))]),
     (((), ("d0", "d1"), ("d2",)), (("d0",), (), ("d2",)), [("all-gather", ("d0", "d1"))]),
     ((("d0",), (), ("d1", "d2")), ((), ("d1",), ()),
      [("all-gather", ("d1", "d2")), ("all-to-all", ("d0",)),

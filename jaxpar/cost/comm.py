@@ -623,7 +623,8 @@ def _cutting(spec: Spec, mesh: MeshInfo) -> Spec:
                 tuple(a for a in spec.partial if a not in ones))
 
 
-def permuted_axes(src: Spec, dst: Spec, mesh: MeshInfo) -> Axes:
+def permuted_axes(src: Spec, dst: Spec, mesh: MeshInfo, replica_order: Axes | None = None
+                  ) -> Axes:
     """The mesh axes along which the devices a collective-permute pairs differ, for a permute
     from src's pieces to dst's where each piece of dst lies within one of src's (_within): the
     links it crosses, which on a mesh across nodes decide its time. XLA pairs a device with the
@@ -632,7 +633,9 @@ def permuted_axes(src: Spec, dst: Spec, mesh: MeshInfo) -> Axes:
     [-, d1+d2] on 2 x 2 x 2 device (a, b, c) takes its piece from (b, c, a), across all three
     axes, where dst's own axes (d1, d2) had been assumed. Every such pair of 2 x 2 x 2 and
     4 x 2 compiled so (522 and 12 pairs, the model's axes before: 186 and 10). Axes in mesh
-    order; dst's axes where the pairing is not one to one."""
+    order; dst's axes where the pairing is not one to one. replica_order: src's free axes in the
+    order that numbers the replicas (major first), where XLA's is not mesh order (after a
+    gather: _gathered_whole_first)."""
     coords = np.indices(mesh.sizes).reshape(len(mesh.sizes), -1)  # axis, device
     position = {a: k for k, a in enumerate(mesh.names)}
 
@@ -645,8 +648,9 @@ def permuted_axes(src: Spec, dst: Spec, mesh: MeshInfo) -> Axes:
     def free(spec: Spec) -> tuple[str, ...]:
         return tuple(a for a in mesh.names if spec.dim_of(a) is None)
 
-    pieces, replica, left = [number(axes) for axes in src.dims], number(free(src)), \
-        mesh.group_size(free(src))
+    order = free(src) if replica_order is None else replica_order
+    pieces, replica, left = [number(axes) for axes in src.dims], number(order), \
+        mesh.group_size(order)
     for d, (a, b) in enumerate(zip(src.dims, dst.dims, strict=True)):
         more = mesh.group_size(b) // mesh.group_size(a)
         if more > 1:
@@ -971,7 +975,11 @@ def _gathered_whole_first(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo,
     d1 and d2 into [-, d0, -], then a permute across d0 and d1 (d2 gathered, an all-to-all
     over d0 and d1 and a permute, had been predicted: 0.75 of the array where XLA moves
     0.75, on other axes; [d0, -, d1+d2] to [d0, d1, -], 0.75 where XLA gathers 0.5 and
-    moves nothing else; [-, d0+d1, d2] to [d0, -, d2], the same). None for other pairs."""
+    moves nothing else; [-, d0+d1, d2] to [d0, -, d2], the same). A permute after the
+    gather pairs the devices by replica numbers in which the gathered axes come in src's
+    order, after the axes src left free ([-, d0, d2+d1] to [d0, d1, -] crosses all three
+    axes, [-, d0, d1+d2] to [d0, d1, -] d0 and d1). Of every pair of rank 3 on 2 x 2 x 2,
+    216 more priced as compiled, none fewer. None for other pairs."""
     if src.partial or dst.partial or len(src.dims) < 3:
         return None
     cut = [d for d, axes in enumerate(src.dims) if axes]
@@ -983,6 +991,11 @@ def _gathered_whole_first(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo,
     k = many[0]
     between = Spec(tuple(() if d == k else axes for d, axes in enumerate(src.dims)))
     out = [Collective("all-gather", src.dims[k], nbytes / between.shards(mesh))]
+    if _within(between, dst, mesh):  # the gathered axes number the replicas in src's order
+        order = (*(a for a in mesh.names if src.dim_of(a) is None), *src.dims[k])
+        return out + [Collective("collective-permute",
+                                 permuted_axes(between, dst, mesh, order),
+                                 nbytes / dst.shards(mesh))]
     if not between.placed_as(dst):
         out += _on_xla_axes(between, dst, _path(between, dst, nbytes, mesh, matmul), nbytes,
                             mesh)
