@@ -961,6 +961,11 @@ def test_all_to_all_paths_run_on_the_axes_xla_uses(src, dst, axes):
      [("all-to-all", ("d0",)), ("all-to-all", ("d1", "d2"))]),
     (((), ("d0", "d1"), ("d2",)), (("d2",), (), ("d0", "d1")),
      [("all-to-all", ("d0", "d1")), ("all-to-all", ("d2",))]),
+    # ... and where they land out of dst's order, the permute runs from where they land
+    # (comm._from_landing; across all three axes had been predicted).
+    (((), ("d0",), ("d1", "d2")), (("d0",), ("d2", "d1"), ()),
+     [("all-to-all", ("d0",)), ("all-to-all", ("d1", "d2")),
+      ("collective-permute", ("d1", "d2"))]),
 ])
 def test_moves_beside_new_axes_and_down_chains_run_as_compiled(src, dst, axes):
     _runs_on(make_mesh(8), Spec(src), Spec(dst), axes)

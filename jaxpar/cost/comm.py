@@ -252,6 +252,8 @@ def _path(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo, matmul: bool
             _uneven_swap(src, dst, moved, mesh) or (first and _split(src, dst)) or
             _sliced_around(src, dst, moved))):
         renumbered = moved
+    if renumbered and not gathers and not first:
+        renumbered = _from_landing(src, dst, moved, len(pairs), mesh) or renumbered
     if renumbered:
         out.append(Collective("collective-permute", renumbered, local))
     for gone in gathers:
@@ -578,6 +580,26 @@ def _all_to_alls(src: Spec, dst: Spec, moved: Axes, mesh: MeshInfo) -> list[Axes
         return [tuple(g) for g in groups.values()]
     return [tuple(a for a in moved if src.dim_of(a) == s and dst.dim_of(a) == t) or
             tuple(a for a in moved if src.dim_of(a) == s) for s, t in pairs]
+
+
+def _from_landing(src: Spec, dst: Spec, moved: Axes, all_to_alls: int, mesh: MeshInfo
+                  ) -> Axes | None:
+    """The axes of the permute after several all-to-alls, one per pair of dimensions the
+    moved axes go between (_all_to_alls), dst neither adding nor dropping axes: each moves
+    its axes last into their dimension, in src's order, and the permute pairs the devices
+    from there to dst (permuted_axes). From [-, d0, d1+d2] to [d0, d2+d1, -] on 2 x 2 x 2:
+    the all-to-alls land [d0, d1+d2, -], and the permute crosses d1 and d2 (all three had
+    been assumed; of every pair of rank 3 on 2 x 2 x 2, 72 more on XLA's axes, none fewer).
+    None where the moves are not so, or land in dst's places."""
+    if all_to_alls < 2 or set(src.axes()) != set(dst.axes()) or \
+            len({(src.dim_of(a), dst.dim_of(a)) for a in moved}) != all_to_alls:
+        return None
+    landed = Spec(tuple((*(a for a in axes if a not in moved),
+                         *(a for a in moved if dst.dim_of(a) == d))
+                        for d, axes in enumerate(src.dims)))
+    if landed.placed_as(dst) or not _within(landed, dst, mesh):
+        return None
+    return permuted_axes(landed, dst, mesh)
 
 
 def _regrouped(src: Spec, dst: Spec, moved: Axes, all_to_alls: int) -> bool | None:
