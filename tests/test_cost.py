@@ -1006,6 +1006,12 @@ def test_one_dimensions_axes_spread_with_new_ones_run_as_compiled(shape, src, ds
     ((("d0",), (), ("d1", "d2")), ((), ("d1",), ()),
      [("all-gather", ("d1", "d2")), ("all-to-all", ("d0",)),
       ("collective-permute", ("d0", "d1"))]),
+    # One dimension cut by all three axes, dst cutting it by one, and others by one each:
+    # its minor axes gathered at once, then a permute where the pieces land out of place
+    # (comm._gathered_minor_first; two all-to-alls and a permute had been predicted).
+    (((), ("d0", "d1", "d2"), ()), (("d0",), ("d1",), ("d2",)),
+     [("all-gather", ("d1", "d2")), ("collective-permute", ("d0", "d1"))]),
+    (((), ("d0", "d1", "d2"), ()), (("d1",), ("d0",), ("d2",)), [("all-gather", ("d1", "d2"))]),
     # Two dimensions emptied into the first: XLA gathers the middle one and moves the last,
     # then renumbers (comm._on_xla_axes, _emptied_then_moved; the last gathered and the
     # middle moved into place had been predicted, a third fewer bytes).

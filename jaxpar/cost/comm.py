@@ -188,7 +188,8 @@ def _path(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo, matmul: bool
     spread = _sliced_then_spread(src, dst, nbytes, mesh)
     if spread is not None:
         return spread
-    gathered = _gathered_whole_first(src, dst, nbytes, mesh, matmul)
+    gathered = _gathered_whole_first(src, dst, nbytes, mesh, matmul) or \
+        _gathered_minor_first(src, dst, nbytes, mesh, matmul)
     if gathered is not None:
         return gathered
     new = [a for d, axes in enumerate(dst.dims) for a in axes
@@ -993,15 +994,12 @@ def _gathered_whole_first(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo,
     """XLA's path when src cuts one dimension with two axes or more and one other with one
     axis, and dst leaves the first whole, cuts no dimension with more than one axis, and cuts
     one that src leaves whole: the first dimension's axes gathered at once, then the rest of
-    the way from there. From [-, d0, d1+d2] to [d0, d1, -] on 2 x 2 x 2: an all-gather over
-    d1 and d2 into [-, d0, -], then a permute across d0 and d1 (d2 gathered, an all-to-all
-    over d0 and d1 and a permute, had been predicted: 0.75 of the array where XLA moves
-    0.75, on other axes; [d0, -, d1+d2] to [d0, d1, -], 0.75 where XLA gathers 0.5 and
-    moves nothing else; [-, d0+d1, d2] to [d0, -, d2], the same). A permute after the
-    gather pairs the devices by replica numbers in which the gathered axes come in src's
-    order, after the axes src left free ([-, d0, d2+d1] to [d0, d1, -] crosses all three
-    axes, [-, d0, d1+d2] to [d0, d1, -] d0 and d1). Of every pair of rank 3 on 2 x 2 x 2,
-    216 more priced as compiled, none fewer. None for other pairs."""
+    the way from there (_gathered_then). From [-, d0, d1+d2] to [d0, d1, -] on 2 x 2 x 2: an
+    all-gather over d1 and d2 into [-, d0, -], then a permute across d0 and d1 (d2 gathered,
+    an all-to-all over d0 and d1 and a permute, had been predicted: 0.75 of the array where
+    XLA moves 0.75, on other axes; [d0, -, d1+d2] to [d0, d1, -], 0.75 where XLA gathers
+    0.5 and moves nothing else; [-, d0+d1, d2] to [d0, -, d2], the same). Of every pair of
+    rank 3 on 2 x 2 x 2, 216 more priced as compiled, none fewer. None for other pairs."""
     if src.partial or dst.partial or len(src.dims) < 3:
         return None
     cut = [d for d, axes in enumerate(src.dims) if axes]
@@ -1010,15 +1008,48 @@ def _gathered_whole_first(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo,
             any(len(axes) > 1 for axes in dst.dims) or \
             not any(axes and not src.dims[d] for d, axes in enumerate(dst.dims)):
         return None
-    k = many[0]
-    between = Spec(tuple(() if d == k else axes for d, axes in enumerate(src.dims)))
-    out = [Collective("all-gather", src.dims[k], nbytes / between.shards(mesh))]
-    if _within(between, dst, mesh):  # the gathered axes number the replicas in src's order
-        order = (*(a for a in mesh.names if src.dim_of(a) is None), *src.dims[k])
-        return out + [Collective("collective-permute",
-                                 permuted_axes(between, dst, mesh, order),
-                                 nbytes / dst.shards(mesh))]
-    if not between.placed_as(dst):
+    return _gathered_then(src, dst, many[0], 0, nbytes, mesh, matmul)
+
+
+def _gathered_minor_first(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo,
+                          matmul: bool) -> list[Collective] | None:
+    """XLA's path when src cuts one dimension alone, with three axes or more, and dst cuts it
+    fewer ways, as many as its leading (major) axes do, cuts no dimension with more than one
+    axis and cuts another: the dimension's other (minor) axes gathered at once, then the
+    rest of the way from there (_gathered_then). From [-, -, d0+d1+d2] to [d0, d1, d2] on
+    2 x 2 x 2: an all-gather over d1 and d2 into [-, -, d0], then a permute across all three
+    axes (two all-to-alls and a permute had been predicted, 0.375 of the array where XLA
+    moves 0.625; of every pair of rank 3 on 2 x 2 x 2, 108 more priced as compiled, none
+    fewer). None for other pairs."""
+    if src.partial or dst.partial or len(src.dims) < 3:
+        return None
+    cut = [d for d, axes in enumerate(src.dims) if axes]
+    if len(cut) != 1 or len(src.dims[cut[0]]) < 3 or any(len(axes) > 1 for axes in dst.dims) \
+            or not any(axes for d, axes in enumerate(dst.dims) if d != cut[0]):
+        return None
+    k = cut[0]
+    keep = next((m for m in range(len(src.dims[k]))
+                 if mesh.group_size(src.dims[k][:m]) == mesh.group_size(dst.dims[k])), None)
+    return None if keep is None else _gathered_then(src, dst, k, keep, nbytes, mesh, matmul)
+
+
+def _gathered_then(src: Spec, dst: Spec, k: int, keep: int, nbytes: float, mesh: MeshInfo,
+                   matmul: bool) -> list[Collective] | None:
+    """An all-gather of src's dimension k but its first `keep` axes, at once, then the rest
+    of the way to dst: nothing where dst only slices further, else a permute where every
+    piece of dst lies within one (_within), pairing devices by replica numbers in which the
+    gathered axes come in src's order, after the axes src left free ([-, d0, d2+d1] to
+    [d0, d1, -] crosses all three axes, [-, d0, d1+d2] to [d0, d1, -] d0 and d1), else the
+    path reshard() takes from there."""
+    gone = src.dims[k][keep:]
+    between = Spec(tuple(src.dims[k][:keep] if d == k else axes
+                         for d, axes in enumerate(src.dims)))
+    out = [Collective("all-gather", gone, nbytes / between.shards(mesh))]
+    if _within(between, dst, mesh):
+        order = (*(a for a in mesh.names if src.dim_of(a) is None), *gone)
+        out.append(Collective("collective-permute", permuted_axes(between, dst, mesh, order),
+                              nbytes / dst.shards(mesh)))
+    elif not between.placed_as(dst):
         out += _on_xla_axes(between, dst, _path(between, dst, nbytes, mesh, matmul), nbytes,
                             mesh)
     return out
