@@ -1017,6 +1017,9 @@ def test_one_dimensions_axes_spread_with_new_ones_run_as_compiled(shape, src, ds
     # middle moved into place had been predicted, a third fewer bytes).
     (((), ("d0",), ("d1",)), (("d0",), (), ()),
      [("all-gather", ("d0",)), ("all-to-all", ("d1",)), ("collective-permute", ("d0", "d1"))]),
+    (((), ("d0",), ("d1", "d2")), (("d1",), (), ("d0",)),
+     [("all-gather", ("d0",)), ("all-to-all", ("d2",)),
+      ("collective-permute", ("d0", "d1", "d2"))]),
     # ... but where dst cuts only the dimension src cuts already, the permute first, as before.
     (((), ("d0",), ("d1", "d2")), ((), ("d1",), ()),
      [("collective-permute", ("d0", "d1")), ("all-gather", ("d0", "d2"))]),
