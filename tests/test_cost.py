@@ -954,6 +954,8 @@ def test_all_to_all_paths_run_on_the_axes_xla_uses(src, dst, axes):
      [("all-to-all", ("d0",)), ("collective-permute", ("d0", "d2"))]),
     (((), (), ("d0", "d1")), (("d1",), ("d2", "d0"), ()),
      [("all-to-all", ("d0", "d1")), ("collective-permute", ("d0", "d1", "d2"))]),
+    (((), (), ("d0", "d1")), (("d1",), ("d2",), ("d0",)),
+     [("all-to-all", ("d1",)), ("collective-permute", ("d1", "d2"))]),
     # Axes moving down a chain of dimensions: one all-to-all per pair of dimensions, each over
     # the axes moving between them (comm._all_to_alls; both had been named d1+d2, the
     # dimension the pieces leave on net).
@@ -1020,11 +1022,13 @@ def test_one_dimensions_axes_spread_with_new_ones_run_as_compiled(shape, src, ds
     (((), ("d0",), ("d1", "d2")), (("d1",), (), ("d0",)),
      [("all-gather", ("d0",)), ("all-to-all", ("d2",)),
       ("collective-permute", ("d0", "d1", "d2"))]),
+    (((), ("d0",), ("d1",)), (("d2",), (), ()),
+     [("all-gather", ("d0",)), ("all-to-all", ("d1",)), ("collective-permute", ("d1", "d2"))]),
     # ... but where dst cuts only the dimension src cuts already, the permute first, as before.
     (((), ("d0",), ("d1", "d2")), ((), ("d1",), ()),
      [("collective-permute", ("d0", "d1")), ("all-gather", ("d0", "d2"))]),
 ])
-def test_a_dimension_left_whole_is_gathered_at_once_first_as_compiled(src, dst, axes):
+def test_the_gathers_xla_runs_first_are_priced_as_compiled(src, dst, axes):
     _runs_on(make_mesh(8), Spec(src), Spec(dst), axes)
 
 

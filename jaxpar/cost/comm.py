@@ -118,14 +118,19 @@ def _on_xla_axes(src: Spec, dst: Spec, out: list[Collective], nbytes: float,
     gather is _emptied_then_moved's path wherever it has one: XLA gathers first and moves
     from the other dimension ([-, d0, d1+d2] to [d1, -, d0]: d0 gathered, an all-to-all
     over d2 and a permute, 0.75 of the array, where an all-to-all over d0 and d1 and d2
-    gathered had been predicted, 0.375; 72 more pairs, none fewer)."""
+    gathered had been predicted, 0.375; 72 more pairs, none fewer); so are gathers alone
+    where dst cuts only dimensions src leaves whole ([-, d0, d1] to [d2, -, -]: d0 gathered,
+    an all-to-all over d1 and a permute, 1.5 of the array, where both gathered and d2 sliced
+    had been predicted, 0.75; 18 more, none fewer)."""
     kinds = [c.kind for c in out]
     if len(kinds) > 1 and kinds[0] == "collective-permute" and set(kinds[1:]) == {"all-gather"}:
         found = _regathered(src, dst, nbytes, mesh)
     elif kinds[:2] == ["all-gather", "all-to-all"] and kinds[2:] in ([], ["collective-permute"]):
         found = _gathered_then_moved(src, dst, nbytes, mesh) or \
             _emptied_then_moved(src, dst, nbytes, mesh)
-    elif kinds == ["all-to-all", "all-gather"]:
+    elif kinds == ["all-to-all", "all-gather"] or (
+            len(kinds) > 1 and set(kinds) == {"all-gather"} and
+            all(not src.dims[d] for d, axes in enumerate(dst.dims) if axes)):
         return _emptied_then_moved(src, dst, nbytes, mesh) or out
     else:
         return out
@@ -290,11 +295,13 @@ def _on_source_axes(src: Spec, dst: Spec, out: list[Collective], mesh: MeshInfo
     axes slice the others (dimension order): from [d0, d2, -] to [d2+d0, -, d1], an
     all-to-all over d2 into [d0+d2, -, d1] and a permute across d0 and d2. Of a sample of
     600 pairs of rank 3 on 2 x 2 x 2, 195 of 198 such paths compiled so (118 before).
-    An all-to-all priced alone lands so too: where no such landing is dst itself, XLA
-    renumbers the pieces after it ([d0, -, d1] -> [d1, d2+d0, -]: d2 sliced into dimension 1,
-    an all-to-all over d1 into [d0, d2+d1, -], then a permute across d0 and d1, which had
-    been left out). Of every pair of rank 3 on 2 x 2 x 2 (11,130, all compiled), 108 more
-    are priced as compiled, none fewer. `out` as it is for other shapes, or where several
+    An all-to-all priced alone lands so too, first into a dimension that gains as many
+    pieces as the other loses, and where that is not dst XLA renumbers the pieces after it
+    ([d0, -, d1] -> [d1, d2+d0, -]: d2 sliced into dimension 1, an all-to-all over d1 into
+    [d0, d2+d1, -], then a permute across d0 and d1, which had been left out; [-, -, d0+d1]
+    -> [d1, d2, d0]: d2 sliced into dimension 0, d1 moved into dimension 1, then the
+    permute). Of every pair of rank 3 on 2 x 2 x 2 (11,130, all compiled), 126 more are
+    priced as compiled, none fewer. `out` as it is for other shapes, or where several
     dimensions lose pieces."""
     kinds = [c.kind for c in out]
     if kinds not in (["all-to-all", "collective-permute"], ["all-to-all"]):
@@ -309,9 +316,9 @@ def _on_source_axes(src: Spec, dst: Spec, out: list[Collective], mesh: MeshInfo
     groups = dict.fromkeys((lost, mesh.group_size(out[0].axes)))
     # into a dimension src cuts already, else the last that gains
     into = sorted(gaining, key=lambda d: (pieces[d][0] == 1, -d))
+    if len(out) == 1:
+        into = sorted(into, key=lambda d: pieces[d][1] // pieces[d][0] != lost)
     tries = [_moved_minor(src, i, j, g, pieces, gaining, mesh) for j in into for g in groups]
-    if len(out) == 1 and any(b is not None and b.placed_as(dst) for b in tries):
-        return out
     between = next((b for b in tries if b is not None), None)
     if between is None:  # no whole minor axes cut as many ways as it loses: those cutting more
         between = _moved_minor(src, i, into[0], lost, pieces, gaining, mesh, cover=True)
