@@ -956,6 +956,10 @@ def test_all_to_all_paths_run_on_the_axes_xla_uses(src, dst, axes):
      [("all-to-all", ("d0", "d1")), ("collective-permute", ("d0", "d1", "d2"))]),
     (((), (), ("d0", "d1")), (("d1",), ("d2",), ("d0",)),
      [("all-to-all", ("d1",)), ("collective-permute", ("d1", "d2"))]),
+    # (it lands first where a dimension gains as many pieces as the other loses: [d0, d1+d2,
+    # -] here, and the permute from there crosses d1 and d2, not d0 and d1)
+    (((), (), ("d0",)), (("d0",), ("d2", "d1"), ()),
+     [("all-to-all", ("d0",)), ("collective-permute", ("d1", "d2"))]),
     # Axes moving down a chain of dimensions: one all-to-all per pair of dimensions, each over
     # the axes moving between them (comm._all_to_alls; both had been named d1+d2, the
     # dimension the pieces leave on net).

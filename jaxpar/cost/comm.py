@@ -291,18 +291,20 @@ def _on_source_axes(src: Spec, dst: Spec, out: list[Collective], mesh: MeshInfo
     axes cannot make the pieces lost, the all-to-all's own group (4 x 2: [d0, -] to
     [d1, d0]), else the fewest minor axes that cut more (_moved_minor's cover: 6 of the 7
     pairs of rank 2 on 4 x 2 that were named wrongly). Where several dimensions gain
-    pieces, the all-to-all lands in one src cuts already, else in the last, and src's free
-    axes slice the others (dimension order): from [d0, d2, -] to [d2+d0, -, d1], an
+    pieces, the all-to-all lands in one that gains as many as the dimension loses, among
+    those in one src cuts already, else in the last, and src's free axes slice the others
+    (dimension order; [-, -, d0] to [d0, d2+d1, -] lands [d0, d1+d2, -], its permute across
+    d1 and d2, where [d1, d2+d0, -] had been assumed): from [d0, d2, -] to [d2+d0, -, d1], an
     all-to-all over d2 into [d0+d2, -, d1] and a permute across d0 and d2. Of a sample of
     600 pairs of rank 3 on 2 x 2 x 2, 195 of 198 such paths compiled so (118 before).
-    An all-to-all priced alone lands so too, first into a dimension that gains as many
-    pieces as the other loses, and where that is not dst XLA renumbers the pieces after it
-    ([d0, -, d1] -> [d1, d2+d0, -]: d2 sliced into dimension 1, an all-to-all over d1 into
-    [d0, d2+d1, -], then a permute across d0 and d1, which had been left out; [-, -, d0+d1]
-    -> [d1, d2, d0]: d2 sliced into dimension 0, d1 moved into dimension 1, then the
-    permute). Of every pair of rank 3 on 2 x 2 x 2 (11,130, all compiled), 126 more are
-    priced as compiled, none fewer. `out` as it is for other shapes, or where several
-    dimensions lose pieces."""
+    An all-to-all priced alone lands so too, and where that is not dst XLA renumbers the
+    pieces after it ([d0, -, d1] -> [d1, d2+d0, -]: d2 sliced into dimension 1, an
+    all-to-all over d1 into [d0, d2+d1, -], then a permute across d0 and d1, which had been
+    left out; [-, -, d0+d1] -> [d1, d2, d0]: d2 sliced into dimension 0, d1 moved into
+    dimension 1, then the permute). Of every pair of rank 3 on 2 x 2 x 2 (11,130, all
+    compiled), 126 more are priced as compiled, and 27 more on XLA's axes where it lands
+    first as many pieces as it loses, none fewer. `out` as it is for other shapes, or where
+    several dimensions lose pieces."""
     kinds = [c.kind for c in out]
     if kinds not in (["all-to-all", "collective-permute"], ["all-to-all"]):
         return out
@@ -314,10 +316,10 @@ def _on_source_axes(src: Spec, dst: Spec, out: list[Collective], mesh: MeshInfo
     i = losing[0]
     lost = pieces[i][0] // pieces[i][1]
     groups = dict.fromkeys((lost, mesh.group_size(out[0].axes)))
-    # into a dimension src cuts already, else the last that gains
-    into = sorted(gaining, key=lambda d: (pieces[d][0] == 1, -d))
-    if len(out) == 1:
-        into = sorted(into, key=lambda d: pieces[d][1] // pieces[d][0] != lost)
+    # into one gaining as many pieces as i loses; among those, one src cuts already, else
+    # the last
+    into = sorted(gaining, key=lambda d: (pieces[d][1] // pieces[d][0] != lost,
+                                          pieces[d][0] == 1, -d))
     tries = [_moved_minor(src, i, j, g, pieces, gaining, mesh) for j in into for g in groups]
     between = next((b for b in tries if b is not None), None)
     if between is None:  # no whole minor axes cut as many ways as it loses: those cutting more
