@@ -960,18 +960,24 @@ def test_all_to_all_paths_run_on_the_axes_xla_uses(src, dst, axes):
     # -] here, and the permute from there crosses d1 and d2, not d0 and d1)
     (((), (), ("d0",)), (("d0",), ("d2", "d1"), ()),
      [("all-to-all", ("d0",)), ("collective-permute", ("d1", "d2"))]),
-    # Axes moving down a chain of dimensions: one all-to-all per pair of dimensions, each over
-    # the axes moving between them (comm._all_to_alls; both had been named d1+d2, the
-    # dimension the pieces leave on net).
+    # Axes moving down a chain of dimensions: XLA moves whole dimensions' pieces where they
+    # are as many as another lacks (comm._by_counts; both all-to-alls had been named d1+d2,
+    # the dimension the pieces leave on net).
     (((), ("d0",), ("d1", "d2")), (("d0",), ("d1", "d2"), ()),
      [("all-to-all", ("d0",)), ("all-to-all", ("d1", "d2"))]),
     (((), ("d0", "d1"), ("d2",)), (("d2",), (), ("d0", "d1")),
-     [("all-to-all", ("d0", "d1")), ("all-to-all", ("d2",))]),
+     [("all-to-all", ("d2",)), ("all-to-all", ("d0", "d1"))]),
     # ... and where they land out of dst's order, the permute runs from where they land
-    # (comm._from_landing; across all three axes had been predicted).
+    # (across all three axes had been predicted).
     (((), ("d0",), ("d1", "d2")), (("d0",), ("d2", "d1"), ()),
      [("all-to-all", ("d0",)), ("all-to-all", ("d1", "d2")),
       ("collective-permute", ("d1", "d2"))]),
+    # By the pieces, not the names: dimension 2's four pieces into dimension 0, then
+    # dimension 1's two into dimension 2, and a permute (all-to-alls over d0 and d1 into
+    # dimension 0, and a permute across d2, had been predicted).
+    (((), ("d0",), ("d1", "d2")), (("d0", "d1"), (), ("d2",)),
+     [("all-to-all", ("d1", "d2")), ("all-to-all", ("d0",)),
+      ("collective-permute", ("d0", "d1", "d2"))]),
 ])
 def test_moves_beside_new_axes_and_down_chains_run_as_compiled(src, dst, axes):
     _runs_on(make_mesh(8), Spec(src), Spec(dst), axes)
