@@ -9,12 +9,17 @@ before an op reads it. The collectives XLA emits (`jaxpar.collective_stats`) are
 agree, the summed absolute error over the summed measured bytes, and the pairs that miss most;
 and of the pairs that agree, how many the model also puts on the mesh axes XLA's collectives
 span (`jaxpar.analysis.collective_axes`: the links they cross, which decide their time on a
-mesh across nodes), each kind's bytes per set of axes within 10%.
+mesh across nodes), each kind's bytes per set of axes within 10%. With --splat the array is a
+literal broadcast (jnp.zeros made under src's constraint, read under dst's), and the model's
+price is a splat's (`jaxpar.cost.comm.of_splat`: what comes before an all-to-all, or before
+a permute after a gather, moves nothing).
 
 Writes DIR/reshard_accuracy.json and DIR/reshard_accuracy.md.
 
     python benchmarks/reshard_accuracy.py --out results
     python benchmarks/reshard_accuracy.py --cases 2x2x2:8,8 --pairs 100 --seed 1
+    python benchmarks/reshard_accuracy.py --splat --cases 2x2x2:64,64 2x2x2:16,32,64 \
+        --pairs 200 --out results/splat
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import random
 import sys
@@ -43,15 +49,16 @@ def all_specs(rank: int, names: tuple[str, ...]) -> list[tuple[tuple[str, ...], 
     return sorted(out)
 
 
-def measure(case: str, pairs: int | None, seed: int = 0) -> dict:
-    """Compile every (or a sample of `pairs`) spec pair of one "MESH:SHAPE" case."""
+def measure(case: str, pairs: int | None, seed: int = 0, splat: bool = False) -> dict:
+    """Compile every (or a sample of `pairs`) spec pair of one "MESH:SHAPE" case. splat: the
+    array resharded is a literal broadcast (jnp.zeros), priced as one (comm.of_splat)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
 
     from jaxpar.analysis import collective_axes, collective_ops, collective_stats
-    from jaxpar.cost.comm import reshard
+    from jaxpar.cost.comm import of_splat, reshard
     from jaxpar.spec import MeshInfo, Spec
 
     mesh_part, shape_part = case.split(":")
@@ -73,18 +80,28 @@ def measure(case: str, pairs: int | None, seed: int = 0) -> dict:
         def f(v, a=a, b=b):
             made = jax.lax.with_sharding_constraint(jnp.sin(v), a)
             return jnp.cos(jax.lax.with_sharding_constraint(made, b))
-        compiled = jax.jit(f, in_shardings=a, out_shardings=b).lower(x).compile()
+
+        def zeros(v, a=a, b=b):  # the zeros made in src's layout, read in dst's
+            made = jax.lax.with_sharding_constraint(jnp.zeros(shape, jnp.float32), a)
+            return jnp.cos(jax.lax.with_sharding_constraint(made, b) + v)
+        compiled = (jax.jit(zeros, in_shardings=b, out_shardings=b) if splat else
+                    jax.jit(f, in_shardings=a, out_shardings=b)).lower(x).compile()
         measured = {k: v["bytes"] for k, v in collective_stats(compiled).items()}
         predicted: dict[str, float] = {}
         links: dict[str, dict[str, float]] = {"predicted": {}, "measured": {}}
-        for c in reshard(src, dst, nbytes, info):
+        moves = reshard(src, dst, nbytes, info)
+        # a splat where src's pieces hold two elements or more: XLA gathers a piece of one
+        # element as any array's (OpGraph.splats asks that of every layout)
+        as_splat = splat and math.prod(shape) >= 2 * src.shards(info)
+        for c in of_splat(moves) if as_splat else moves:
             predicted[c.kind] = predicted.get(c.kind, 0.0) + c.bytes
             _add(links["predicted"], c.kind, info.order(c.axes), c.bytes)
         for op in collective_ops(compiled):
             _add(links["measured"], op.kind, collective_axes(op, info), op.bytes * op.count)
         rows.append({"src": str(src), "dst": str(dst), "predicted": predicted,
                      "measured": measured, "links": links})
-    return {"case": case, "nbytes": nbytes, "specs": len(specs), "seed": seed, "rows": rows}
+    return {"case": case, "nbytes": nbytes, "specs": len(specs), "seed": seed, "splat": splat,
+            "rows": rows}
 
 
 def _add(into: dict[str, float], kind: str, axes: tuple[str, ...], nbytes: float) -> None:
@@ -119,7 +136,9 @@ def summary(result: dict) -> dict:
 
 def markdown(results: list[dict], jax_version: str) -> str:
     lines = [f"Resharding model against XLA (jax {jax_version}), each pair compiled as a plan "
-             "lowers it (a value under one sharding constraint, constrained to another).", "",
+             "lowers it (a value under one sharding constraint, constrained to another)." +
+             (" The array is a literal broadcast (jnp.zeros), priced as a splat."
+              if any(r.get("splat") for r in results) else ""), "",
              "| mesh:shape | specs | pairs | agree (within 10%) | and on the same axes | "
              "abs error / measured |",
              "|---|---:|---:|---:|---:|---:|"]
@@ -161,6 +180,8 @@ def main(argv=None) -> int:
                    help="spec pairs per case, a seeded sample (0: every pair)")
     p.add_argument("--seed", type=int, default=0,
                    help="the sample's seed (another seed: pairs the model was not fitted on)")
+    p.add_argument("--splat", action="store_true",
+                   help="reshard a literal broadcast (jnp.zeros), priced as one (comm.of_splat)")
     p.add_argument("--out", type=Path, default=Path("results"))
     a = p.parse_args(argv)
     from jaxpar.demo import ensure_devices
@@ -171,7 +192,7 @@ def main(argv=None) -> int:
     results = []
     for case in a.cases:
         start = time.perf_counter()
-        r = measure(case, a.pairs or None, a.seed)
+        r = measure(case, a.pairs or None, a.seed, a.splat)
         r["summary"], r["seconds"] = summary(r), time.perf_counter() - start
         results.append(r)
         s = r["summary"]

@@ -257,6 +257,18 @@ def test_reshard_accuracy_tiny(tmp_path):
         tmp_path / "reshard_accuracy.md").read_text()
 
 
+def test_reshard_accuracy_prices_a_splat_as_one(tmp_path):
+    # --splat reshards jnp.zeros: XLA makes its pieces where they are needed, so [d0] -> [d1]
+    # moves nothing (any array's is a permute and a gather), as comm.of_splat prices it.
+    assert reshard_accuracy.main(["--splat", "--cases", "4x2:16", "--pairs", "0", "--out",
+                                  str(tmp_path)]) == 0
+    (result,) = json.loads((tmp_path / "reshard_accuracy.json").read_text())["results"]
+    assert result["splat"] and result["summary"]["agree"] == result["summary"]["pairs"] == 20
+    row = next(r for r in result["rows"] if (r["src"], r["dst"]) == ("[d0]", "[d1]"))
+    assert row["measured"] == {} == row["predicted"]
+    assert "priced as a splat" in (tmp_path / "reshard_accuracy.md").read_text()
+
+
 def test_reshard_accuracy_seed_draws_another_sample(tmp_path):
     # --seed picks which pairs a sample holds (the rules are checked on pairs they were not
     # fitted on so); the same seed, the same pairs.

@@ -1078,7 +1078,8 @@ def test_a_dimension_moved_whole_moves_before_it_is_sliced(shape, src, dst, axes
     _runs_on(make_mesh(shape), Spec(src), Spec(dst), axes)
 
 
-SPLAT_PAIRS = [  # (src, dst) of a (64, 64) f32 zeros array on 2 x 2 x 2; reshard()'s path
+SPLAT_PAIRS = [  # (src, dst) of a (64, 64) (rank 3: (16, 32, 64)) f32 zeros array on
+    # 2 x 2 x 2; reshard()'s path
     (((), ("d0", "d2", "d1")), (("d0",), ("d2",))),      # all-gather
     ((("d0", "d1"), ()), (("d1", "d2", "d0"), ())),      # collective-permute
     ((("d2", "d1", "d0"), ()), (("d1",), ())),           # permute, all-gather
@@ -1086,6 +1087,7 @@ SPLAT_PAIRS = [  # (src, dst) of a (64, 64) f32 zeros array on 2 x 2 x 2; reshar
     ((("d2",), ("d1", "d0")), ((), ("d2", "d0", "d1"))),  # all-to-all, permute
     ((("d2", "d0"), ("d1",)), ((), ("d2", "d0"))),       # all-gather, all-to-all
     ((("d1", "d0"), ("d2",)), ((), ("d2", "d0"))),       # all-gather, all-to-all, permute
+    ((("d2",), ("d0", "d1"), ()), (("d0",), (), ("d1",))),  # all-gather, permute (rank 3)
 ]
 
 
@@ -1102,14 +1104,16 @@ def test_a_splat_is_resharded_as_compiled(src, dst):
     src, dst = Spec(src), Spec(dst)
     a, b = NamedSharding(mesh, src.to_pspec()), NamedSharding(mesh, dst.to_pspec())
 
+    shape = (64, 64) if len(src.dims) == 2 else (16, 32, 64)
+
     def f(v):
-        z = jax.lax.with_sharding_constraint(jnp.zeros((64, 64), jnp.float32), a)
+        z = jax.lax.with_sharding_constraint(jnp.zeros(shape, jnp.float32), a)
         return jnp.cos(jax.lax.with_sharding_constraint(z, b) + v)
-    x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    x = jax.ShapeDtypeStruct(shape, jnp.float32)
     ops = collective_ops(jax.jit(f, in_shardings=b, out_shardings=b).lower(x).compile())
     model = CostModel(info, load_profile("h100-nvlink"))
-    any_array = model.reshard(src, dst, (64, 64), jnp.float32).collectives
-    splat = model.reshard(src, dst, (64, 64), jnp.float32, splat=True).collectives
+    any_array = model.reshard(src, dst, shape, jnp.float32).collectives
+    splat = model.reshard(src, dst, shape, jnp.float32, splat=True).collectives
     assert sorted((op.kind, op.bytes * op.count) for op in ops) == \
         sorted((c.kind, c.bytes) for c in splat)
     if any_array[0].kind != "all-to-all":  # what comes before one moves nothing

@@ -414,13 +414,15 @@ def of_splat(moves: list[Collective]) -> list[Collective]:
     broadcast: jnp.zeros, jnp.full; OpGraph.splats). The SPMD partitioner makes a constant's
     pieces wherever they are needed, so its gathers and permutes move nothing; once an
     all-to-all has moved them the pieces are data, and that all-to-all and what follows it
-    move as any array's do. Compiled (jax 0.10.2, XLA:CPU), a zeros array resharded moved this
-    in 491 of 510 sampled spec pairs (200 rank-2 and 200 rank-3 on 2 x 2 x 2, 110 rank-2 on
-    4 x 2); in the 17 rank-3 pairs whose path reshard() names wrongly for any array, it moved
-    that array's compiled collectives from its first all-to-all on, and in two pairs an
-    all-to-all and a permute moved as one all-to-all of their bytes together."""
+    move as any array's do; so does a permute after a gather (the gathered pieces are data:
+    [d2, d0+d1, -] -> [d0, -, d1] on 2 x 2 x 2 gathers d0 and d1 for nothing, then permutes a
+    quarter of the array). Compiled (jax 0.10.2, XLA:CPU), a zeros array resharded moves this
+    in all of 510 sampled spec pairs (200 rank-2 and 200 rank-3 on 2 x 2 x 2, 110 rank-2 on
+    4 x 2; 491 before the rank-3 rules of _by_counts and _gathered_then)."""
     for i, c in enumerate(moves):
         if c.kind == "all-to-all":
+            return moves[i:]
+        if c.kind == "collective-permute" and i and moves[i - 1].kind == "all-gather":
             return moves[i:]
     return []
 
