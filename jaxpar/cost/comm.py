@@ -84,14 +84,17 @@ def reshard(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo,
     finds no direct path it falls back, and so does the model: the whole array gathered at once
     (_rematerialized) or a dimension at a time (_merged), or the pieces renumbered and gathered
     in groups (_swapped, _dropped_for), or the whole local piece moved before it is sliced
-    (_moved_down_whole, _moved_then_sliced). A matmul's product beside idle axes is split over
-    them (_split_on_idle), and one whose partial axes land on a dimension it leaves whole beside
-    new axes is reduced whole (_whole_then_sliced). Otherwise, in order: slices first (free,
-    they shrink the pieces); partial sums reduced (a reduce-scatter onto the first dimension
-    `dst` cuts with partial axes, an all-reduce before it, at full size, of those `dst` cuts on
-    each later dimension, or one reduce-scatter onto them all and a permute where `dst` also
-    slices axes `src` does not use; and an all-reduce of those `dst` does not cut); axes moving
-    between dimensions (an all-to-all per pair of dimensions, _all_to_alls); one
+    (_moved_down_whole, _moved_then_sliced), a dimension's axes spread with new ones moved
+    after the new ones slice it (_sliced_then_spread), or a dimension's axes gathered at once
+    first (_gathered_whole_first, _gathered_minor_first). A matmul's product beside idle axes
+    is split over them (_split_on_idle), and one whose partial axes land on a dimension it
+    leaves whole beside new axes is reduced whole (_whole_then_sliced). Otherwise, in order:
+    slices first (free, they shrink the pieces); partial sums reduced (a reduce-scatter onto
+    the first dimension `dst` cuts with partial axes, an all-reduce before it, at full size,
+    of those `dst` cuts on each later dimension, or one reduce-scatter onto them all and a
+    permute where `dst` also slices axes `src` does not use; and an all-reduce of those `dst`
+    does not cut); axes moving between dimensions (an all-to-all per pair of dimensions,
+    _all_to_alls, which XLA chooses by the pieces each dimension has, _by_counts); one
     collective-permute when a dimension keeps an axis but the axes outside it change, or when
     the moved axes land out of dst's order (the pieces are renumbered); then one all-gather per
     dimension that loses axes, last dimension first.
@@ -1073,7 +1076,7 @@ def _gathered_minor_first(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo,
 
 
 def _gathered_then(src: Spec, dst: Spec, k: int, keep: int, nbytes: float, mesh: MeshInfo,
-                   matmul: bool) -> list[Collective] | None:
+                   matmul: bool) -> list[Collective]:
     """An all-gather of src's dimension k but its first `keep` axes, at once, then the rest
     of the way to dst: nothing where dst only slices further, else a permute where every
     piece of dst lies within one (_within), pairing devices by replica numbers in which the
