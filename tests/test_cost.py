@@ -853,7 +853,8 @@ def _rank2_specs(info: MeshInfo) -> list[Spec]:
 
 def _compiled_moves(mesh, info: MeshInfo, src: Spec, dst: Spec) -> list[tuple]:
     """(kind, mesh axes, bytes) of each collective XLA compiles a (16, 16) f32 array's
-    resharding from src to dst to (rank 3: (8, 8, 4), as many bytes), sorted."""
+    resharding from src to dst to (rank 3: (8, 8, 4), rank 4: (4, 4, 4, 4), as many bytes),
+    sorted."""
     from jaxpar.analysis import collective_axes, collective_ops
 
     a, b = NamedSharding(mesh, src.to_pspec()), NamedSharding(mesh, dst.to_pspec())
@@ -861,7 +862,8 @@ def _compiled_moves(mesh, info: MeshInfo, src: Spec, dst: Spec) -> list[tuple]:
     def f(v):
         return jnp.cos(jax.lax.with_sharding_constraint(
             jax.lax.with_sharding_constraint(jnp.sin(v), a), b))
-    x = jax.ShapeDtypeStruct((16, 16) if len(src.dims) == 2 else (8, 8, 4), jnp.float32)
+    x = jax.ShapeDtypeStruct({2: (16, 16), 3: (8, 8, 4), 4: (4, 4, 4, 4)}[len(src.dims)],
+                             jnp.float32)
     ops = collective_ops(jax.jit(f, in_shardings=a, out_shardings=b).lower(x).compile())
     return sorted((op.kind, collective_axes(op, info), op.bytes * op.count) for op in ops)
 
@@ -972,6 +974,10 @@ def test_all_to_all_paths_run_on_the_axes_xla_uses(src, dst, axes):
     (((), ("d0",), ("d1", "d2")), (("d0",), ("d2", "d1"), ()),
      [("all-to-all", ("d0",)), ("all-to-all", ("d1", "d2")),
       ("collective-permute", ("d1", "d2"))]),
+    # Rank 4: two whole dimensions moved between pairs of dimensions with none in common,
+    # one all-to-all over both's axes (two had been predicted).
+    ((("d0",), ("d1", "d2"), (), ()), ((), (), ("d0",), ("d1", "d2")),
+     [("all-to-all", ("d0", "d1", "d2"))]),
     # By the pieces, not the names: dimension 2's four pieces into dimension 0, then
     # dimension 1's two into dimension 2, and a permute (all-to-alls over d0 and d1 into
     # dimension 0, and a permute across d2, had been predicted).
