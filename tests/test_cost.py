@@ -1030,9 +1030,9 @@ def test_one_dimensions_axes_spread_with_new_ones_run_as_compiled(shape, src, ds
     (((), ("d0", "d1", "d2"), ()), (("d0",), ("d1",), ("d2",)),
      [("all-gather", ("d1", "d2")), ("collective-permute", ("d0", "d1"))]),
     (((), ("d0", "d1", "d2"), ()), (("d1",), ("d0",), ("d2",)), [("all-gather", ("d1", "d2"))]),
-    # Two dimensions emptied into the first: XLA gathers the middle one and moves the last,
-    # then renumbers (comm._on_xla_axes, _emptied_then_moved; the last gathered and the
-    # middle moved into place had been predicted, a third fewer bytes).
+    # Dimensions emptied into another: XLA gathers one, moves the other's pieces by an
+    # all-to-all, then renumbers (comm._on_xla_axes, _emptied_then_moved; the other gathered,
+    # or the pieces moved by the axes' names, had been predicted, fewer bytes).
     (((), ("d0",), ("d1",)), (("d0",), (), ()),
      [("all-gather", ("d0",)), ("all-to-all", ("d1",)), ("collective-permute", ("d0", "d1"))]),
     (((), ("d0",), ("d1", "d2")), (("d1",), (), ("d0",)),
