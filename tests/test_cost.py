@@ -978,6 +978,10 @@ def test_all_to_all_paths_run_on_the_axes_xla_uses(src, dst, axes):
     # one all-to-all over both's axes (two had been predicted).
     ((("d0",), ("d1", "d2"), (), ()), ((), (), ("d0",), ("d1", "d2")),
      [("all-to-all", ("d0", "d1", "d2"))]),
+    # ... also where dst merges src's dimensions, which rank 3 gathers whole (comm._whole_moves;
+    # gathers of 1.5 of the array had been predicted, an eighth moves twice).
+    (((), ("d0",), (), ("d1", "d2")), (("d1",), (), ("d2", "d0"), ()),
+     [("all-to-all", ("d0", "d1", "d2")), ("collective-permute", ("d0", "d1", "d2"))]),
     # By the pieces, not the names: dimension 2's four pieces into dimension 0, then
     # dimension 1's two into dimension 2, and a permute (all-to-alls over d0 and d1 into
     # dimension 0, and a permute across d2, had been predicted).
