@@ -978,6 +978,10 @@ def test_all_to_all_paths_run_on_the_axes_xla_uses(src, dst, axes):
     # one all-to-all over both's axes (two had been predicted).
     ((("d0",), ("d1", "d2"), (), ()), ((), (), ("d0",), ("d1", "d2")),
      [("all-to-all", ("d0", "d1", "d2"))]),
+    # (a dimension moved into gives none of its pieces away: d2 into dimension 2, then d0,
+    # the minor half of dimension 1, into dimension 3, in one all-to-all)
+    ((("d2",), ("d1", "d0"), (), ()), ((), ("d0",), ("d2",), ("d1",)),
+     [("all-to-all", ("d0", "d2")), ("collective-permute", ("d0", "d1"))]),
     # ... also where dst merges src's dimensions, which rank 3 gathers whole (comm._whole_moves;
     # gathers of 1.5 of the array had been predicted, an eighth moves twice).
     (((), ("d0",), (), ("d1", "d2")), (("d1",), (), ("d2", "d0"), ()),
