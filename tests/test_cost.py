@@ -1009,6 +1009,11 @@ def test_moves_beside_new_axes_and_down_chains_run_as_compiled(src, dst, axes):
      [("all-to-all", ("d0", "d1")), ("all-to-all", ("d2",))]),
     ((4, 2), (("d0",), (), ()), ((), ("d0",), ("d1",)),
      [("all-to-all", ("d0",)), ("all-to-all", ("d1",))]),
+    # (and where the moved axes land in another order: comm._moved_down_whole had moved the
+    # whole piece, then permuted)
+    ((2, 2, 2), ((), ("d0", "d1"), ()), (("d1", "d0"), (), ("d2",)),
+     [("all-to-all", ("d0", "d1")), ("all-to-all", ("d2",)),
+      ("collective-permute", ("d0", "d1"))]),
     # ... but where dst cuts a later dimension most, one all-to-all, as before.
     ((2, 2, 2), ((), (), ("d0", "d1")), (("d2",), ("d1", "d0"), ()),
      [("all-to-all", ("d0", "d1")), ("collective-permute", ("d0", "d1"))]),
