@@ -332,7 +332,7 @@ def _on_source_axes(src: Spec, dst: Spec, out: list[Collective], mesh: MeshInfo
     # the last
     into = sorted(gaining, key=lambda d: (pieces[d][1] // pieces[d][0] != lost,
                                           pieces[d][0] == 1, -d))
-    tries = [_moved_minor(src, i, j, g, pieces, gaining, mesh) for j in into for g in groups]
+    tries = (_moved_minor(src, i, j, g, pieces, gaining, mesh) for j in into for g in groups)
     between = next((b for b in tries if b is not None), None)
     if between is None:  # no whole minor axes cut as many ways as it loses: those cutting more
         between = _moved_minor(src, i, into[0], lost, pieces, gaining, mesh, cover=True)
@@ -678,12 +678,10 @@ def _whole_moves(src: Spec, dst: Spec, local: float, mesh: MeshInfo
     if counted is None:
         return None
     moves, landed = counted
-    out = [Collective("all-to-all", axes, local) for axes in moves]
-    if landed.placed_as(dst):
-        return out
-    if not _within(landed, dst, mesh):
+    if not landed.placed_as(dst) and not _within(landed, dst, mesh):
         return None
-    return out + [Collective("collective-permute", permuted_axes(landed, dst, mesh), local)]
+    return [Collective("all-to-all", axes, local) for axes in moves] + \
+        _renumbered_into(landed, dst, local, mesh)
 
 
 def _regrouped(src: Spec, dst: Spec, moved: Axes, all_to_alls: int) -> bool | None:
@@ -1066,10 +1064,7 @@ def _sliced_then_spread(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo
         out.append(Collective("all-to-all", tuple(moved), local))
     if left:
         return None
-    between = Spec(tuple(dims))
-    if not between.placed_as(dst):
-        out.append(Collective("collective-permute", permuted_axes(between, dst, mesh), local))
-    return out
+    return out + _renumbered_into(Spec(tuple(dims)), dst, local, mesh)
 
 
 def _gathered_whole_first(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo,
@@ -1130,8 +1125,7 @@ def _gathered_then(src: Spec, dst: Spec, k: int, keep: int, nbytes: float, mesh:
     out = [Collective("all-gather", gone, nbytes / between.shards(mesh))]
     if _within(between, dst, mesh):
         order = (*(a for a in mesh.names if src.dim_of(a) is None), *gone)
-        out.append(Collective("collective-permute", permuted_axes(between, dst, mesh, order),
-                              nbytes / dst.shards(mesh)))
+        out += _renumbered_into(between, dst, nbytes / dst.shards(mesh), mesh, order)
     elif not between.placed_as(dst):
         out += _on_xla_axes(between, dst, _path(between, dst, nbytes, mesh, matmul), nbytes,
                             mesh)
@@ -1175,13 +1169,15 @@ def _emptied_then_moved(src: Spec, dst: Spec, nbytes: float, mesh: MeshInfo
     return out + _renumbered_into(between, dst, local, mesh)
 
 
-def _renumbered_into(between: Spec, dst: Spec, local: float, mesh: MeshInfo
-                     ) -> list[Collective]:
-    """The permute (on permuted_axes' axes, of `local` bytes) that renumbers pieces laid out
-    as `between` into dst's places; none where they are there already."""
+def _renumbered_into(between: Spec, dst: Spec, local: float, mesh: MeshInfo,
+                     replica_order: Axes | None = None) -> list[Collective]:
+    """The permute (on permuted_axes' axes, of `local` bytes; replica_order as there) that
+    renumbers pieces laid out as `between` into dst's places; none where they are there
+    already."""
     if between.placed_as(dst):
         return []
-    return [Collective("collective-permute", permuted_axes(between, dst, mesh), local)]
+    return [Collective("collective-permute",
+                       permuted_axes(between, dst, mesh, replica_order), local)]
 
 
 def _renamings(mesh: MeshInfo) -> list[dict[str, str]]:
