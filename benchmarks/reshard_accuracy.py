@@ -1,23 +1,26 @@
 """The resharding model against XLA: predicted and compiled collective bytes for pairs of specs.
 
-For every pair of distinct specs of an array of the given shape on a mesh of the 8 simulated
-CPU devices (or a seeded sample of `--pairs` of them), a program is compiled in the context a
-plan lowers to: a value made under one sharding constraint (src), constrained to another (dst)
-before an op reads it. The collectives XLA emits (`jaxpar.collective_stats`) are compared with
-`jaxpar.cost.reshard`'s, in bytes per device. A pair agrees when the totals are within 10%
-(plus 0.1% of the array, for scalars' rounding). Reported per mesh and shape: how many pairs
-agree, the summed absolute error over the summed measured bytes, and the pairs that miss most;
-and of the pairs that agree, how many the model also puts on the mesh axes XLA's collectives
-span (`jaxpar.analysis.collective_axes`: the links they cross, which decide their time on a
-mesh across nodes), each kind's bytes per set of axes within 10%. With --splat the array is a
-literal broadcast (jnp.zeros made under src's constraint, read under dst's), and the model's
-price is a splat's (`jaxpar.cost.comm.of_splat`: what comes before an all-to-all, or before
-a permute after a gather, moves nothing).
+For every pair of distinct specs of an array of the given shape on a mesh of simulated CPU
+devices (or a seeded sample of `--pairs` of them; specs that do not divide the shape are left
+out), a program is compiled in the context a plan lowers to: a value made under one sharding
+constraint (src), constrained to another (dst) before an op reads it. The collectives XLA emits
+(`jaxpar.collective_stats`) are compared with `jaxpar.cost.reshard`'s, in bytes per device. A
+pair agrees when the totals are within 10% (plus 0.1% of the array, for scalars' rounding).
+Reported per mesh and shape: how many pairs agree, the summed absolute error over the summed
+measured bytes, and the pairs that miss most; and of the pairs that agree, how many the model
+also puts on the mesh axes XLA's collectives span (`jaxpar.analysis.collective_axes`: the links
+they cross, which decide their time on a mesh across nodes), each kind's bytes per set of axes
+within 10%. With --splat the array is a literal broadcast (jnp.zeros made under src's
+constraint, read under dst's), and the model's price is a splat's (`jaxpar.cost.comm.of_splat`:
+what comes before an all-to-all, or before a permute after a gather, moves nothing).
 
-Writes DIR/reshard_accuracy.json and DIR/reshard_accuracy.md.
+The process gets as many CPU devices as the largest mesh asks (8 at least); a mesh larger
+than a JAX already started has is refused before anything compiles. Writes
+DIR/reshard_accuracy.json and DIR/reshard_accuracy.md.
 
     python benchmarks/reshard_accuracy.py --out results
     python benchmarks/reshard_accuracy.py --cases 2x2x2:8,8 --pairs 100 --seed 1
+    python benchmarks/reshard_accuracy.py --cases 4x4:64,64 2x2x2x2:16,32,64 --pairs 0
     python benchmarks/reshard_accuracy.py --splat --cases 2x2x2:64,64 2x2x2:16,32,64 \
         --pairs 200 --out results/splat
 """
@@ -28,13 +31,10 @@ import argparse
 import itertools
 import json
 import math
-import os
 import random
 import sys
 import time
 from pathlib import Path
-
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 DEFAULT_CASES = ("4x2:64,64", "2x2x2:64,64", "4x2:16,32,64", "2x2x2:16,32,64")
 
@@ -49,9 +49,36 @@ def all_specs(rank: int, names: tuple[str, ...]) -> list[tuple[tuple[str, ...], 
     return sorted(out)
 
 
+def parse_case(case: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """"MESH:SHAPE" (4x2:16,32,64) -> (mesh axis sizes, array shape); a ValueError naming the
+    case and the form otherwise."""
+    mesh_part, _, shape_part = case.partition(":")
+    try:
+        sizes = tuple(int(n) for n in mesh_part.split("x"))
+        shape = tuple(int(n) for n in shape_part.split(","))
+    except ValueError:
+        sizes = shape = ()
+    if not sizes or not shape or min(sizes + shape) < 1:
+        raise ValueError(f"--cases {case!r}: give MESH:SHAPE, the mesh's axis sizes joined by "
+                         "'x' and the array's dimensions by ',', all positive (4x2:16,32,64).")
+    return sizes, shape
+
+
+def _check_devices(case: str, cpus: list) -> list:
+    """The CPU devices of the case's mesh; a ValueError where JAX has too few."""
+    n = math.prod(parse_case(case)[0])
+    if len(cpus) < n:
+        raise ValueError(f"--cases {case!r}: the mesh needs {n} CPU devices and JAX has "
+                         f"{len(cpus)} (started before the benchmark asked for more, or "
+                         "XLA_FLAGS sets the count): run it in a fresh process, or set "
+                         f"--xla_force_host_platform_device_count={n} in XLA_FLAGS.")
+    return cpus[:n]
+
+
 def measure(case: str, pairs: int | None, seed: int = 0, splat: bool = False) -> dict:
-    """Compile every (or a sample of `pairs`) spec pair of one "MESH:SHAPE" case. splat: the
-    array resharded is a literal broadcast (jnp.zeros), priced as one (comm.of_splat)."""
+    """Compile every (or a sample of `pairs`) spec pair of one "MESH:SHAPE" case, of the specs
+    that divide the shape. splat: the array resharded is a literal broadcast (jnp.zeros),
+    priced as one (comm.of_splat)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -61,13 +88,13 @@ def measure(case: str, pairs: int | None, seed: int = 0, splat: bool = False) ->
     from jaxpar.cost.comm import of_splat, reshard
     from jaxpar.spec import MeshInfo, Spec
 
-    mesh_part, shape_part = case.split(":")
-    sizes = tuple(int(n) for n in mesh_part.split("x"))
-    shape = tuple(int(n) for n in shape_part.split(","))
+    sizes, shape = parse_case(case)
     names = tuple(f"d{i}" for i in range(len(sizes)))
-    mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(sizes), names)
+    devices = _check_devices(case, jax.devices("cpu"))
+    mesh = Mesh(np.array(devices).reshape(sizes), names)
     info = MeshInfo.of(mesh)
-    specs = [Spec(dims) for dims in all_specs(len(shape), names)]
+    every = [Spec(dims) for dims in all_specs(len(shape), names)]
+    specs = [s for s in every if s.fits(shape, info)]
     todo = [(a, b) for a in specs for b in specs if a != b]
     if pairs is not None and pairs < len(todo):
         todo = random.Random(seed).sample(todo, pairs)
@@ -100,8 +127,8 @@ def measure(case: str, pairs: int | None, seed: int = 0, splat: bool = False) ->
             _add(links["measured"], op.kind, collective_axes(op, info), op.bytes * op.count)
         rows.append({"src": str(src), "dst": str(dst), "predicted": predicted,
                      "measured": measured, "links": links})
-    return {"case": case, "nbytes": nbytes, "specs": len(specs), "seed": seed, "splat": splat,
-            "rows": rows}
+    return {"case": case, "nbytes": nbytes, "specs": len(specs),
+            "unfit": len(every) - len(specs), "seed": seed, "splat": splat, "rows": rows}
 
 
 def _add(into: dict[str, float], kind: str, axes: tuple[str, ...], nbytes: float) -> None:
@@ -148,6 +175,10 @@ def markdown(results: list[dict], jax_version: str) -> str:
                      f"({s['agree'] / max(s['pairs'], 1):.0%}) | {s['links']} "
                      f"({s['links'] / max(s['pairs'], 1):.0%}) | {s['error']:.3f} |")
     for r in results:
+        if r.get("unfit"):
+            lines += ["", f"{r['case']}: {r['unfit']} specs left out, which do not divide the "
+                          "shape"]
+    for r in results:
         n = r["nbytes"]
         worst = sorted((row for row in r["rows"] if not agrees(row, n)),
                        key=lambda row: -abs(sum(row["predicted"].values())
@@ -175,7 +206,8 @@ def markdown(results: list[dict], jax_version: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES),
-                   help="MESH:SHAPE, e.g. 4x2:64,64 (mesh axes of the 8 CPU devices)")
+                   help="MESH:SHAPE, e.g. 4x2:64,64 or 4x4:64,64 (the mesh's axis sizes, "
+                        "simulated CPU devices; the array's shape)")
     p.add_argument("--pairs", type=int, default=300,
                    help="spec pairs per case, a seeded sample (0: every pair)")
     p.add_argument("--seed", type=int, default=0,
@@ -184,10 +216,14 @@ def main(argv=None) -> int:
                    help="reshard a literal broadcast (jnp.zeros), priced as one (comm.of_splat)")
     p.add_argument("--out", type=Path, default=Path("results"))
     a = p.parse_args(argv)
+    devices = max([8] + [math.prod(parse_case(c)[0]) for c in a.cases])
     from jaxpar.demo import ensure_devices
 
-    ensure_devices(8)
+    ensure_devices(devices)
     import jax
+
+    for case in a.cases:  # before anything compiles
+        _check_devices(case, jax.devices("cpu"))
 
     results = []
     for case in a.cases:

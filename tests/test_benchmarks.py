@@ -282,6 +282,27 @@ def test_reshard_accuracy_seed_draws_another_sample(tmp_path):
     assert pairs(0, "a") == pairs(0, "b") != pairs(1, "c")
 
 
+def test_reshard_accuracy_leaves_out_specs_that_do_not_divide_the_shape(tmp_path):
+    # A rank-1 array of 4 on 4 x 2 devices: d0+d1 and d1+d0 cut it 8 ways and are left out
+    # (the benchmark compiled them before and died in JAX's IndivisibleError).
+    assert reshard_accuracy.main(["--cases", "4x2:4", "--pairs", "0", "--out",
+                                  str(tmp_path)]) == 0
+    (result,) = json.loads((tmp_path / "reshard_accuracy.json").read_text())["results"]
+    assert result["specs"] == 3 and result["unfit"] == 2 and result["summary"]["pairs"] == 6
+    assert "4x2:4: 2 specs left out" in (tmp_path / "reshard_accuracy.md").read_text()
+
+
+@pytest.mark.parametrize("case, says", [
+    ("4x2", "give MESH:SHAPE"), ("4x2:8,x", "give MESH:SHAPE"), ("0x2:8", "all positive"),
+    ("4x4:16", "the mesh needs 16 CPU devices and JAX has 8")])
+def test_reshard_accuracy_refuses_a_bad_case_before_compiling(tmp_path, case, says):
+    # A mesh larger than the devices JAX started with (the tests' 8) is refused by name; a
+    # fresh process gets as many as the largest mesh asks (ensure_devices).
+    with pytest.raises(ValueError, match=f"--cases '{case}'.*{says}"):
+        reshard_accuracy.main(["--cases", "4x2:8", case, "--out", str(tmp_path)])
+    assert not (tmp_path / "reshard_accuracy.json").exists()
+
+
 def test_gpt_plans_layouts_split_a_small_batch_as_far_as_it_divides(tmp_path):
     # A batch of 4 on 8 devices failed every data parallel and FSDP baseline (IndivisibleError
     # in the harness): the batch now takes the leading axes whose sizes it divides.
