@@ -739,15 +739,39 @@ def permuted_axes(src: Spec, dst: Spec, mesh: MeshInfo, replica_order: Axes | No
     4 x 2 compiled so (522 and 12 pairs, the model's axes before: 186 and 10). Axes in mesh
     order; dst's axes where the pairing is not one to one. replica_order: src's free axes in the
     order that numbers the replicas (major first), where XLA's is not mesh order (after a
-    gather: _gathered_whole_first)."""
-    coords = np.indices(mesh.sizes).reshape(len(mesh.sizes), -1)  # axis, device
-    position = {a: k for k, a in enumerate(mesh.names)}
+    gather: _gathered_whole_first). Remembered per mesh (mesh.cache): the resharding model
+    asks it again for the steps of many pairs (a 16-device search: 67k asks, 21k distinct)."""
+    memo = mesh.cache.setdefault("permuted axes", {})
+    key = (src, dst, replica_order)
+    hit = memo.get(key)
+    if hit is None:
+        hit = memo[key] = _permuted_axes(src, dst, mesh, replica_order)
+    return hit
+
+
+def _device_numbers(mesh: MeshInfo) -> tuple[np.ndarray, dict]:
+    """(coordinates: axis x device, {axes: each device's number in them}): a device's number
+    in a tuple of axes is mixed radix, the first axis most significant; filled as asked."""
+    hit = mesh.cache.get("device numbers")
+    if hit is None:
+        hit = mesh.cache["device numbers"] = (
+            np.indices(mesh.sizes).reshape(len(mesh.sizes), -1), {})
+    return hit
+
+
+def _permuted_axes(src: Spec, dst: Spec, mesh: MeshInfo, replica_order: Axes | None
+                   ) -> Axes:
+    """permuted_axes, worked out."""
+    coords, numbers = _device_numbers(mesh)
 
     def number(axes) -> np.ndarray:  # mixed radix, the first axis most significant
-        out = np.zeros(coords.shape[1], dtype=np.int64)
-        for a in axes:
-            out = out * mesh.axis_size(a) + coords[position[a]]
-        return out
+        hit = numbers.get(axes)
+        if hit is None:
+            hit = np.zeros(coords.shape[1], dtype=np.int64)
+            for a in axes:
+                hit = hit * mesh.axis_size(a) + coords[mesh.names.index(a)]
+            numbers[axes] = hit
+        return hit
 
     def free(spec: Spec) -> tuple[str, ...]:
         return tuple(a for a in mesh.names if spec.dim_of(a) is None)
