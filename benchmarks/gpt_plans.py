@@ -29,7 +29,9 @@ shardings and XLA's partitioner propagating the rest (what a JAX user writes by 
 plan also predicts its collectives. Automatic plans run `jaxpar.shard(step, search_mode=mode)`
 with in_strategy None on `make_mesh(8)`. Every plan donates params and optimizer state, and
 every jaxpar plan (automatic or of a layout) minimises the objective `--level`/`--mem-coeff`
-give (jaxpar's defaults: level 0, mem_coeff 0.1).
+give (jaxpar's defaults: level 0, mem_coeff 0.1). `--devices N` plans the automatic modes on
+`make_mesh(N)` instead (the baselines are laid out for 8 devices: pass `--baselines` with no
+names), on as many simulated CPU devices.
 
 Per plan: plan time, compile time, the compiled program's compute/communication/total time
 estimate, the plan's own modelled total, predicted (plan) vs measured (HLO) collective bytes,
@@ -45,6 +47,7 @@ jaxpar does not have is reported as unavailable and skipped.
     python benchmarks/gpt_plans.py --level 2 --mem-coeff 0     # the fastest plan of each
     python benchmarks/gpt_plans.py --layers 1 --d-model 64 --heads 4 --vocab 128 --seq 16 \
         --batch 8 --modes sharding_propagation
+    python benchmarks/gpt_plans.py --devices 16 --baselines --modes recursive_programming
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ class Config:
     hardware: str = "h100-nvlink"
     level: int = 0            # jaxpar's objective for its plans (shard's level and mem_coeff;
     mem_coeff: float = 0.1    # level 2 with mem_coeff 0 asks for the fastest step)
+    devices: int = 8          # the automatic modes plan on make_mesh(devices)
 
 
 # ---- hand-written layouts: (leaf path, shape) -> PartitionSpec --------------------------------
@@ -179,7 +183,7 @@ def _jit_baseline(step, args: tuple, layout: Layout):
 def _jaxpar_plan(step, args: tuple, cfg: Config, mode: str, layout: Layout | None):
     """(mesh, plan, compile()) for jaxpar.shard; a layout fixes every argument leaf."""
     if layout is None:
-        mesh = jaxpar.make_mesh(8)
+        mesh = jaxpar.make_mesh(cfg.devices)
         f = jaxpar.shard(step, mesh=mesh, search_mode=mode, hardware=cfg.hardware,
                          level=cfg.level, mem_coeff=cfg.mem_coeff, donate_argnums=(0, 1))
     else:
@@ -233,7 +237,21 @@ def _predicted(plan, measured_bytes: float) -> dict:
 def run(cfg: Config, modes: list[str], baselines: list[str], lowerings: list[str],
         out: Path | None) -> dict:
     """Plan, compile and price every requested plan; write JSON and markdown into `out`."""
-    ensure_devices(8)  # before JAX starts its backends (importing it starts none)
+    if isinstance(cfg.devices, bool) or not isinstance(cfg.devices, int) or cfg.devices < 1:
+        raise ValueError(f"--devices {cfg.devices!r}: give a number of simulated CPU devices "
+                         "(8, 16).")
+    if cfg.devices != 8 and baselines:
+        raise ValueError(f"--devices {cfg.devices} with --baselines {' '.join(baselines)}: the "
+                         "hand-written layouts are for 8 devices (2 x 2 x 2, Megatron dp4 x "
+                         "tp2); pass --baselines with no names to plan the automatic modes "
+                         f"alone on make_mesh({cfg.devices}).")
+    ensure_devices(cfg.devices)  # before JAX starts its backends (importing it starts none)
+    have = len(jax.devices("cpu"))
+    if have < cfg.devices:
+        raise ValueError(f"--devices {cfg.devices}: JAX has {have} CPU devices (started "
+                         "before this benchmark, or XLA_FLAGS sets the count): run it in a "
+                         "fresh process, or set --xla_force_host_platform_device_count="
+                         f"{cfg.devices} in XLA_FLAGS.")
     step, args = _problem(cfg)
     rows = []
     for mode in modes:
@@ -252,7 +270,7 @@ def run(cfg: Config, modes: list[str], baselines: list[str], lowerings: list[str
                                                       lay)))
             lowering = "jit" if how == "jit" else "jaxpar:sharding_propagation"
             rows.append(measure(name, "baseline", lowering, cfg, build))
-    result = {"benchmark": "gpt_plans", "config": asdict(cfg), "devices": 8,
+    result = {"benchmark": "gpt_plans", "config": asdict(cfg), "devices": cfg.devices,
               "jax": jax.__version__, "rows": rows, "failures": failures(rows)}
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -306,7 +324,8 @@ HEADER = ["plan", "lowering", "mesh", "plan time", "compile", "compute", "comm",
 def markdown(result: dict) -> str:
     c = result["config"]
     lines = [f"GPT step: {c['layers']} layers, d_model {c['d_model']}, {c['heads']} heads, "
-             f"vocab {c['vocab']}, seq {c['seq']}, batch {c['batch']}; 8 devices, "
+             f"vocab {c['vocab']}, seq {c['seq']}, batch {c['batch']}; "
+             f"{c.get('devices', 8)} devices, "
              f"{c['hardware']}, jax {result['jax']}. Times per step per device.", "",
              "| " + " | ".join(HEADER) + " |", "|---|---|---|" + "---:|" * (len(HEADER) - 4)
              + "---|"]
@@ -344,10 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baselines", nargs="*", default=list(BASELINES), choices=BASELINES)
     parser.add_argument("--lowering", nargs="*", default=list(LOWERINGS), choices=LOWERINGS,
                         help="how baselines are built: plain jax.jit and/or jaxpar.shard")
+    parser.add_argument("--devices", type=int, default=8,
+                        help="plan the automatic modes on make_mesh(DEVICES) (baselines: 8 only)")
     parser.add_argument("--out", type=Path, default=Path("results"))
     a = parser.parse_args(argv)
     cfg = Config(a.layers, a.d_model, a.heads, a.vocab, a.seq, a.batch, a.hardware, a.level,
-                 a.mem_coeff)
+                 a.mem_coeff, a.devices)
     result = run(cfg, a.modes, a.baselines, a.lowering, a.out)
     print(table(result))
     for f in result["failures"]:

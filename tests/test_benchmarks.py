@@ -303,6 +303,19 @@ def test_reshard_accuracy_refuses_a_bad_case_before_compiling(tmp_path, case, sa
     assert not (tmp_path / "reshard_accuracy.json").exists()
 
 
+@pytest.mark.parametrize("devices, baselines, says", [
+    (16, ["data_parallel"], "the hand-written layouts are for 8 devices"),
+    (16, [], "JAX has 8 CPU devices"), (0, [], "give a number of simulated CPU devices")])
+def test_gpt_plans_other_device_counts_are_checked_before_planning(tmp_path, devices,
+                                                                   baselines, says):
+    # --devices N plans the automatic modes on make_mesh(N) in a fresh process; the baselines
+    # are 8-device layouts, and a JAX started with fewer devices (the tests' 8) is named.
+    cfg = gpt_plans.Config(layers=1, **TINY, devices=devices)
+    with pytest.raises(ValueError, match=f"--devices {devices}.*{says}"):
+        gpt_plans.run(cfg, ["recursive_programming"], baselines, ["jit"], tmp_path)
+    assert not (tmp_path / "gpt_plans.json").exists()
+
+
 def test_gpt_plans_layouts_split_a_small_batch_as_far_as_it_divides(tmp_path):
     # A batch of 4 on 8 devices failed every data parallel and FSDP baseline (IndivisibleError
     # in the harness): the batch now takes the leading axes whose sizes it divides.
