@@ -868,6 +868,24 @@ def _compiled_moves(mesh, info: MeshInfo, src: Spec, dst: Spec) -> list[tuple]:
     return sorted((op.kind, collective_axes(op, info), op.bytes * op.count) for op in ops)
 
 
+def test_permuted_axes_are_remembered_per_replica_order():
+    # comm.permuted_axes is remembered per mesh (a 16-device search asks it 67k times for 21k
+    # pairs); the replica numbering is part of the key: [-, d0] -> [-, d1] pairs devices
+    # across d0 and d1 with replicas numbered in mesh order, across all three axes with d2
+    # the major one, asked in either order.
+    from jaxpar.cost.comm import permuted_axes
+
+    info = MeshInfo(("d0", "d1", "d2"), (2, 2, 2))  # its own cache, empty
+    src, dst = Spec(((), ("d0",))), Spec(((), ("d1",)))
+    assert permuted_axes(src, dst, info) == ("d0", "d1")
+    assert permuted_axes(src, dst, info, ("d2", "d1")) == ("d0", "d1", "d2")
+    assert permuted_axes(src, dst, info) == ("d0", "d1")
+    other = MeshInfo(("d0", "d1", "d2"), (2, 2, 2))
+    assert permuted_axes(src, dst, other, ("d2", "d1")) == ("d0", "d1", "d2")
+    assert permuted_axes(src, dst, other) == ("d0", "d1")
+    assert len(info.cache["permuted axes"]) == 2
+
+
 def _predicted_moves(info: MeshInfo, src: Spec, dst: Spec) -> list[tuple]:
     """reshard()'s collectives for the same array, as _compiled_moves gives XLA's."""
     return sorted((c.kind, info.order(c.axes), c.bytes) for c in reshard(src, dst, 1024.0, info))
