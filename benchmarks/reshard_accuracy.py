@@ -50,8 +50,8 @@ def all_specs(rank: int, names: tuple[str, ...]) -> list[tuple[tuple[str, ...], 
 
 
 def parse_case(case: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """"MESH:SHAPE" (4x2:16,32,64) -> (mesh axis sizes, array shape); a ValueError naming the
-    case and the form otherwise."""
+    """A case, MESH:SHAPE (4x2:16,32,64) -> (mesh axis sizes, array shape); a ValueError
+    naming the case and the form otherwise."""
     mesh_part, _, shape_part = case.partition(":")
     try:
         sizes = tuple(int(n) for n in mesh_part.split("x"))

@@ -754,8 +754,9 @@ def _device_numbers(mesh: MeshInfo) -> tuple[np.ndarray, dict]:
     in a tuple of axes is mixed radix, the first axis most significant; filled as asked."""
     hit = mesh.cache.get("device numbers")
     if hit is None:
-        hit = mesh.cache["device numbers"] = (
-            np.indices(mesh.sizes).reshape(len(mesh.sizes), -1), {})
+        coords = np.indices(mesh.sizes).reshape(len(mesh.sizes), -1)
+        coords.flags.writeable = False  # shared: read only
+        hit = mesh.cache["device numbers"] = (coords, {})
     return hit
 
 
@@ -770,6 +771,7 @@ def _permuted_axes(src: Spec, dst: Spec, mesh: MeshInfo, replica_order: Axes | N
             hit = np.zeros(coords.shape[1], dtype=np.int64)
             for a in axes:
                 hit = hit * mesh.axis_size(a) + coords[mesh.names.index(a)]
+            hit.flags.writeable = False
             numbers[axes] = hit
         return hit
 
