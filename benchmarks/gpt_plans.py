@@ -30,8 +30,8 @@ plan also predicts its collectives. Automatic plans run `jaxpar.shard(step, sear
 with in_strategy None on `make_mesh(8)`. Every plan donates params and optimizer state, and
 every jaxpar plan (automatic or of a layout) minimises the objective `--level`/`--mem-coeff`
 give (jaxpar's defaults: level 0, mem_coeff 0.1). `--devices N` plans the automatic modes on
-`make_mesh(N)` instead (the baselines are laid out for 8 devices: pass `--baselines` with no
-names), on as many simulated CPU devices.
+`make_mesh(N)` instead, and `--mesh 2x8` on `make_mesh((2, 8))` (the baselines are laid out
+for 8 devices: pass `--baselines` with no names), on as many simulated CPU devices.
 
 Per plan: plan time, compile time, the compiled program's compute/communication/total time
 estimate, the plan's own modelled total, predicted (plan) vs measured (HLO) collective bytes,
@@ -48,6 +48,7 @@ jaxpar does not have is reported as unavailable and skipped.
     python benchmarks/gpt_plans.py --layers 1 --d-model 64 --heads 4 --vocab 128 --seq 16 \
         --batch 8 --modes sharding_propagation
     python benchmarks/gpt_plans.py --devices 16 --baselines --modes recursive_programming
+    python benchmarks/gpt_plans.py --mesh 2x8 --baselines --modes recursive_programming
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ class Config:
     hardware: str = "h100-nvlink"
     level: int = 0            # jaxpar's objective for its plans (shard's level and mem_coeff;
     mem_coeff: float = 0.1    # level 2 with mem_coeff 0 asks for the fastest step)
-    devices: int = 8          # the automatic modes plan on make_mesh(devices)
+    devices: int = 8          # the automatic modes plan on make_mesh(devices),
+    mesh: tuple[int, ...] = ()  # or on make_mesh(mesh), of as many devices, where given
 
 
 # ---- hand-written layouts: (leaf path, shape) -> PartitionSpec --------------------------------
@@ -183,7 +185,7 @@ def _jit_baseline(step, args: tuple, layout: Layout):
 def _jaxpar_plan(step, args: tuple, cfg: Config, mode: str, layout: Layout | None):
     """(mesh, plan, compile()) for jaxpar.shard; a layout fixes every argument leaf."""
     if layout is None:
-        mesh = jaxpar.make_mesh(cfg.devices)
+        mesh = jaxpar.make_mesh(cfg.mesh or cfg.devices)
         f = jaxpar.shard(step, mesh=mesh, search_mode=mode, hardware=cfg.hardware,
                          level=cfg.level, mem_coeff=cfg.mem_coeff, donate_argnums=(0, 1))
     else:
@@ -240,6 +242,10 @@ def run(cfg: Config, modes: list[str], baselines: list[str], lowerings: list[str
     if isinstance(cfg.devices, bool) or not isinstance(cfg.devices, int) or cfg.devices < 1:
         raise ValueError(f"--devices {cfg.devices!r}: give a number of simulated CPU devices "
                          "(8, 16).")
+    if cfg.mesh and math.prod(cfg.mesh) != cfg.devices:
+        raise ValueError(f"--mesh {'x'.join(map(str, cfg.mesh))} has {math.prod(cfg.mesh)} "
+                         f"devices and --devices is {cfg.devices}: give one of them, or both "
+                         "alike.")
     if cfg.devices != 8 and baselines:
         raise ValueError(f"--devices {cfg.devices} with --baselines {' '.join(baselines)}: the "
                          "hand-written layouts are for 8 devices (2 x 2 x 2, Megatron dp4 x "
@@ -348,6 +354,18 @@ def table(result: dict) -> str:
     return buf.getvalue()
 
 
+def _mesh_shape(text: str) -> tuple[int, ...]:
+    """--mesh 2x8 -> (2, 8)."""
+    try:
+        shape = tuple(int(n) for n in text.split("x"))
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give the mesh's axis sizes joined by 'x', "
+                                         "all positive (2x8)")
+    return shape
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("layers", 2), ("d-model", 1024), ("heads", 16), ("vocab", 8192),
@@ -363,12 +381,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baselines", nargs="*", default=list(BASELINES), choices=BASELINES)
     parser.add_argument("--lowering", nargs="*", default=list(LOWERINGS), choices=LOWERINGS,
                         help="how baselines are built: plain jax.jit and/or jaxpar.shard")
-    parser.add_argument("--devices", type=int, default=8,
-                        help="plan the automatic modes on make_mesh(DEVICES) (baselines: 8 only)")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="plan the automatic modes on make_mesh(DEVICES) (default 8; "
+                             "baselines: 8 only)")
+    parser.add_argument("--mesh", type=_mesh_shape, default=(),
+                        help="plan the automatic modes on make_mesh(MESH), e.g. 2x8")
     parser.add_argument("--out", type=Path, default=Path("results"))
     a = parser.parse_args(argv)
+    devices = a.devices if a.devices is not None else (math.prod(a.mesh) if a.mesh else 8)
     cfg = Config(a.layers, a.d_model, a.heads, a.vocab, a.seq, a.batch, a.hardware, a.level,
-                 a.mem_coeff, a.devices)
+                 a.mem_coeff, devices, a.mesh)
     result = run(cfg, a.modes, a.baselines, a.lowering, a.out)
     print(table(result))
     for f in result["failures"]:

@@ -316,6 +316,18 @@ def test_gpt_plans_other_device_counts_are_checked_before_planning(tmp_path, dev
     assert not (tmp_path / "gpt_plans.json").exists()
 
 
+def test_gpt_plans_mesh_shape_must_match_the_devices(tmp_path, capsys):
+    # --mesh 2x8 plans on make_mesh((2, 8)); a --devices that disagrees, or a shape that is no
+    # shape, is refused before anything is traced.
+    cfg = gpt_plans.Config(layers=1, **TINY, devices=8, mesh=(2, 8))
+    with pytest.raises(ValueError, match="--mesh 2x8 has 16 devices and --devices is 8"):
+        gpt_plans.run(cfg, ["recursive_programming"], [], ["jit"], tmp_path)
+    with pytest.raises(SystemExit):
+        gpt_plans.main(["--mesh", "2xa", "--out", str(tmp_path)])
+    assert "'2xa': give the mesh's axis sizes joined by 'x'" in capsys.readouterr().err
+    assert not (tmp_path / "gpt_plans.json").exists()
+
+
 def test_gpt_plans_layouts_split_a_small_batch_as_far_as_it_divides(tmp_path):
     # A batch of 4 on 8 devices failed every data parallel and FSDP baseline (IndivisibleError
     # in the harness): the batch now takes the leading axes whose sizes it divides.
