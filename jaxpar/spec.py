@@ -298,6 +298,17 @@ class OpStrategy:
                           * (mesh.group_size(scattered) - 1))
         return extra
 
+    def usage(self, axis: str) -> tuple:
+        """How this strategy uses one mesh axis: (the dim it cuts in each operand, in each
+        result, whether the op reduces over it); remembered on the strategy."""
+        memo = self.__dict__.setdefault("_usage", {})
+        hit = memo.get(axis)
+        if hit is None:
+            hit = memo[axis] = (tuple(sp.dim_of(axis) for sp in self.ins),
+                                tuple(sp.dim_of(axis) for sp in self.outs),
+                                any(axis in p for p in self.partial))
+        return hit
+
     def label(self) -> str:
         if self.name:
             return self.name

@@ -1074,3 +1074,22 @@ def test_a_clipped_steps_global_norm_is_not_summed_cut(mode):
     assert plan.cost.comm_s == pytest.approx(estimate["comm_s"], rel=1e-3)
     loss = f(params, state, tokens, targets)[2]
     np.testing.assert_allclose(loss, jax.jit(step)(params, state, tokens, targets)[2], rtol=1e-5)
+
+
+def test_a_strategys_tail_reductions_are_remembered_per_mesh():
+    # exact._reductions is asked for every candidate of every tail node in each solve again
+    # (up to 6,561 candidates an op on make_mesh(16)): worked out once per strategy and
+    # mesh, the same list each time, and each mesh its own.
+    from jaxpar.spec import OpStrategy, Spec
+
+    s = OpStrategy((Spec(((), ("d0",))), Spec((("d0",), ()))), (Spec((("d1",), ())),),
+                   (("d0",),))
+    info = MeshInfo(("d0", "d1"), (2, 2))  # its own cache, empty
+    model = CostModel(info, load_profile("h100-nvlink"), recompute_heavy=False)
+    got = exact._reductions(s, True, model)
+    assert got == [("all-reduce", ("d0",))]  # summed over d0, then sliced onto d1
+    assert exact._reductions(s, True, model) is got
+    assert len(info.cache["tail reductions"]) == 1
+    wide = CostModel(MeshInfo(("d0", "d1"), (4, 1)), load_profile("h100-nvlink"),
+                     recompute_heavy=False)
+    assert exact._reductions(s, True, wide) is not got

@@ -20,12 +20,13 @@ from jaxpar.ir import build_graph, trace
 from jaxpar.models.gpt import GPTConfig, abstract_train_step
 from jaxpar.models.mlp import init_mlp, make_sgd_step, make_train_step
 from jaxpar.models.programs import PROGRAMS
+from jaxpar.rules.registry import OpInfo
 from jaxpar.search import recursive, resolve
 from jaxpar.search.exact import dynamic_programming
-from jaxpar.search.propagation import GraphPlan, graph_cost, propagate
+from jaxpar.search.propagation import Choice, GraphPlan, graph_cost, propagate
 from jaxpar.search.recursive import main_ops, recursive_programming
 from jaxpar.search.refine import Refiner, refine
-from jaxpar.spec import MeshInfo
+from jaxpar.spec import MeshInfo, Spec
 from jaxpar.strategy import parse_in_strategy
 
 MODE = "recursive_programming"
@@ -1099,3 +1100,40 @@ def test_a_tail_group_of_one_reduction_has_the_tail_solved_again():
     assert score < 0.77e-3, score
     assert 1 not in tail_reductions(graph, plan.graph_plan).values()
     assert any("the step's tail solved again exactly" in line for line in plan.decisions)
+
+
+def _axes_changed(a, b, names):
+    return sum(a.usage(n) != b.usage(n) for n in names)
+
+
+def test_solve_region_changes_at_most_two_axes_of_an_op_on_four_axes():
+    # make_mesh(16)'s four axes of size 2 give an op up to 9 ** 4 strategies: a region solved
+    # again there lets each op and input change its use of two axes at once (resolve's
+    # REGION_AXES), not all four. From the replicated plan, the exact search cuts the batch
+    # over all four; the region's search over the same ops cuts it over two.
+    from jaxpar.search.resolve import REGION_AXES, solve_region
+    traced = trace(mlp_step, mlp_args(256, 32, layers=2))
+    graph = build_graph(traced.closed_jaxpr, traced.in_paths)
+    names = ("a", "b", "c", "d")
+    model = CostModel(MeshInfo(names, (2, 2, 2, 2)), load_profile("h100-nvlink"),
+                      recompute_heavy=False)
+    replicated = GraphPlan({v: Spec.replicated(len(graph.values[v].shape))
+                            for v in graph.inputs})
+    for op in graph.ops:
+        cands, costs = model.options(OpInfo.of(op, graph))
+        replicated.choices[op.index] = Choice(cands[0], costs[0], 0.0, None, None, len(cands))
+        replicated.specs.update(zip(op.outputs, cands[0].outs, strict=True))
+    assert REGION_AXES == 2
+    best, _ = dynamic_programming(graph, model, {}, {}, group_tail=False)
+    assert max(_axes_changed(best.choices[op.index].strategy, cands0, names)
+               for op, cands0 in ((op, replicated.choices[op.index].strategy)
+                                  for op in graph.ops)) == 4
+    found = solve_region(graph, model, replicated, {}, {}, (), set(range(len(graph.ops))),
+                         set(graph.inputs))
+    changed = [_axes_changed(found.choices[op.index].strategy,
+                             replicated.choices[op.index].strategy, names) for op in graph.ops]
+    assert max(changed) == 2
+    for v in graph.inputs:
+        assert sum(found.specs[v].dim_of(n) is not None for n in names) <= 2
+    score = [model.score(graph_cost(graph, p, model)) for p in (best, found, replicated)]
+    assert score[0] <= score[1] < score[2]

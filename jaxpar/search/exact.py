@@ -707,10 +707,18 @@ def _reductions(s, matmul: bool, model: CostModel) -> list[tuple[str, tuple[str,
     collectives, CostModel.one_byte, worked out once per mesh): a
     partial sum reduce-scattered over some of its axes and all-reduced over the others is
     one of each (a conv's weight gradient summed over d0 and d1 into a spec cut on d1: a
-    reduce-scatter over d1, then an all-reduce over d0, which crosses the nodes apart)."""
-    return [(c.kind, c.axes) for _, raw, out in reduction_steps(s, matmul, model.mesh)
-            for c in model.one_byte(raw, out, matmul)
-            if c.kind in COMBINED_KINDS]
+    reduce-scatter over d1, then an all-reduce over d0, which crosses the nodes apart).
+    Remembered per mesh (in its cache): the tail's solves again ask it for every candidate
+    of every tail node, and on make_mesh(16) an op has up to 6,561."""
+    memo = model.mesh.cache.setdefault("tail reductions", {})
+    key = (s, matmul)
+    hit = memo.get(key)
+    if hit is None:
+        hit = memo[key] = [(c.kind, c.axes)
+                           for _, raw, out in reduction_steps(s, matmul, model.mesh)
+                           for c in model.one_byte(raw, out, matmul)
+                           if c.kind in COMBINED_KINDS]
+    return hit
 
 
 def _budget_left(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],

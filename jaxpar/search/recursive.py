@@ -300,18 +300,6 @@ def _slot(s: OpStrategy, slot: Slot) -> Spec:
     return s.ins[slot[1]] if slot[0] == 0 else s.outs[slot[1]]
 
 
-def _usage(s: OpStrategy, axis: str) -> tuple:
-    """How a strategy uses one mesh axis: the dim it cuts in each operand and result, and
-    whether the op reduces over it (remembered on the strategy)."""
-    memo = s.__dict__.setdefault("_usage", {})
-    hit = memo.get(axis)
-    if hit is None:
-        hit = memo[axis] = (tuple(sp.dim_of(axis) for sp in s.ins),
-                            tuple(sp.dim_of(axis) for sp in s.outs),
-                            any(axis in p for p in s.partial))
-    return hit
-
-
 class _Sapp:
     """One search: units and links, the axis-by-axis decisions, then the rest of the plan."""
 
@@ -850,7 +838,7 @@ class _Sapp:
         (usage, op-cost, candidate), in the order the op's rule lists them."""
         key = (id(self.cands[c]), self.axis)
         if key not in self.usage_cache:
-            self.usage_cache[key] = [_usage(s, self.axis) for s in self.cands[c]]
+            self.usage_cache[key] = [s.usage(self.axis) for s in self.cands[c]]
         usage, scores = self.usage_cache[key], self.scores[c]
         best: dict[tuple, tuple[float, int]] = {}
         for i in self.alive[c]:

@@ -40,6 +40,8 @@ from jaxpar.spec import OpStrategy, Spec, derived
 _SMALL_HOPS = 4  # solve_latency_bound: def-use steps through small values around its seeds
 _UNTIED_OPS = 500  # the solves again search a graph of at most this many ops op by op
 _DEEP_ROUNDS = 2   # a deep model's solves again tie ops alike within this many hops
+REGION_AXES = 2    # on meshes of more axes than this plus one, a region's op changes its
+                   # use of at most this many axes at once (solve_region)
 
 
 def _tying(graph: OpGraph) -> dict:
@@ -399,6 +401,59 @@ class _OtherAxesOfAny:
         return tuple(dict.fromkeys(s for part in self.parts for s in part.specs(v, specs)))
 
 
+class _FewAxes:
+    """tables.Allow: the candidates that use at most `free` mesh axes otherwise than `plan`
+    does (OpStrategy.usage: the dims each operand and result is cut on over the axis, and
+    whether the op reduces over it; for a free input, the dim each axis cuts), the plan's own
+    choice among them. solve_region's, on a mesh of more than REGION_AXES + 1 axes: a
+    region's joint moves then change at most REGION_AXES axes of an op at once, and its
+    tables keep about the size of a 3-axis mesh's (on make_mesh(16)'s four axes of size 2 a
+    matmul has up to 4,096 strategies, a scatter-add 6,561: 417 change at most two)."""
+
+    def __init__(self, plan: GraphPlan, names: Sequence[str], free: int):
+        self.plan, self.names, self.free = plan, tuple(names), free
+        self.plans = (plan,)  # tables.Allow: the plan searched around
+        self.kept: dict[tuple, tuple] = {}  # ids of (list, chosen) -> (list, chosen, op())
+        self.near: dict[tuple[Spec, Spec], bool] = {}
+
+    def _near(self, a: OpStrategy, b: OpStrategy) -> bool:
+        return sum(a.usage(n) != b.usage(n) for n in self.names) <= self.free
+
+    def op(self, x: int, cands: list) -> tuple[int, ...]:
+        choice = self.plan.choices.get(x)
+        chosen = None if choice is None else choice.strategy
+        if chosen is None:
+            return tuple(range(len(cands)))
+        memo = self.kept.get((id(cands), id(chosen)))  # ops alike chose alike: asked once
+        if memo is not None and memo[0] is cands and memo[1] is chosen:
+            return memo[2]
+        kept = tuple(i for i, s in enumerate(cands) if s is chosen or self._near(s, chosen))
+        kept = kept or tuple(range(len(cands)))
+        self.kept[(id(cands), id(chosen))] = (cands, chosen, kept)
+        return kept
+
+    def op_key(self, x: int) -> tuple:
+        """tables.Allow: what op() depends on beside the candidate list: the op's strategy
+        in the plan (its id: the plan holds it)."""
+        choice = self.plan.choices.get(x)
+        return (None if choice is None else id(choice.strategy),)
+
+    def specs(self, v: int, specs: tuple[Spec, ...]) -> tuple[Spec, ...]:
+        now = self.plan.specs.get(v)
+        if now is None:
+            return specs
+        now = now.resolved()
+        kept = tuple(s for s in specs if self._spec_near(s, now))
+        return kept if now in kept else kept + (now,)
+
+    def _spec_near(self, s: Spec, now: Spec) -> bool:
+        hit = self.near.get((s, now))
+        if hit is None:
+            hit = self.near[(s, now)] = sum(s.dim_of(n) != now.dim_of(n)
+                                            for n in self.names) <= self.free
+        return hit
+
+
 def solve_region(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict[int, Spec],
                  fixed_out: dict[int, Spec], ties: tuple[tuple[int, int], ...], ops: set[int],
                  inputs: set[int], time_limit: float = 10.0, group_tail: bool = False
@@ -414,14 +469,23 @@ def solve_region(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: di
       group_tail: also solve it again with the tail's reductions kept to one device group
         and round per kind (dynamic_programming's group_tail).
 
+    On a mesh of more than REGION_AXES + 1 axes the ops (loops and conds aside) and inputs
+    may change their use of at most REGION_AXES axes at once (_FewAxes): make_mesh(16)'s
+    four axes of size 2 give a GPT step's ops up to 6,561 strategies each, and its region
+    around the embedding table took 8 s of recursive_programming's 18 s (its tables 5 s,
+    97,000 spec pairs priced), for no lower plan.
+
     Returns:
       The plan the exact search finds over those candidates (`plan` is one of them).
 
     Example:
       >>> better = solve_region(graph, model, gp, {}, {}, ties, {4, 5, 6}, {27})
     """
+    names = model.mesh.names
+    few = _FewAxes(plan, names, REGION_AXES) if len(names) > REGION_AXES + 1 and not any(
+        graph.ops[x].regions for x in ops) else None
     found, _ = dynamic_programming(graph, model, fixed_in, fixed_out, time_limit=time_limit,
-                                   ties=ties, **_tying(graph),
+                                   ties=ties, **_tying(graph), allow=few,
                                    group_tail=group_tail,
                                    region=Region(plan, frozenset(ops), frozenset(inputs)))
     return found
