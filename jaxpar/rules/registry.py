@@ -98,13 +98,20 @@ def loop_strategies(info: OpInfo, mesh: MeshInfo, loops: Sequence[Loop],
     for loop in loops:
         assert loop.reducible or any(d is not None for d in loop.outs), \
             f"{info.primitive}: a loop indexing no result must be reducible"
-    strategies = []
-    for choice in itertools.product(range(len(loops) + 1), repeat=len(mesh.names)):
-        cut = [tuple(a for a, c in zip(mesh.names, choice, strict=True) if c == li)
-               for li in range(len(loops))]
-        if all(loop.size % mesh.group_size(axes) == 0 for loop, axes in zip(loops, cut,
-                                                                             strict=True)):
-            strategies.append(_assemble(info, loops, cut, allowed))
+    # Every assignment whatever the loops' sizes, made once per loop structure (ops of one
+    # kind over many shapes share its strategies); the sizes only choose among them.
+    shapeless = ("loop cuts", *key[1:3], tuple((lp.ins, lp.outs, lp.reducible) for lp in loops),
+                 allowed)
+    every = mesh.cache.get(shapeless)
+    if every is None:
+        every = mesh.cache[shapeless] = []
+        for choice in itertools.product(range(len(loops) + 1), repeat=len(mesh.names)):
+            cut = [tuple(a for a, c in zip(mesh.names, choice, strict=True) if c == li)
+                   for li in range(len(loops))]
+            every.append((cut, _assemble(info, loops, cut, allowed)))
+    strategies = [s for cut, s in every
+                  if all(loop.size % mesh.group_size(axes) == 0
+                         for loop, axes in zip(loops, cut, strict=True))]
     mesh.cache[key] = strategies
     return strategies
 
@@ -180,13 +187,30 @@ def _resolved(raw: list[OpStrategy], info: OpInfo, mesh: MeshInfo) -> list[OpStr
 
 
 def _resolve_partials(s: OpStrategy, info: OpInfo, mesh: MeshInfo) -> list[OpStrategy]:
-    """A partial result becomes an all-reduce, or (single result) a reduce-scatter onto a dim."""
+    """A partial result becomes an all-reduce, or (single result) a reduce-scatter onto a dim
+    (the variants whose result spec fits the result's shape)."""
     if not any(s.partial):
         return [s]
     if len(s.outs) != 1:
         return [s]
-    (out,), (partial,), (shape,) = s.outs, s.partial, info.out_shapes
-    targets = range(len(shape)) if s.scatter_dims is None else s.scatter_dims
+    (shape,) = info.out_shapes
+    return [v for v, spec in _partial_variants(s, len(shape), mesh) if spec.fits(shape, mesh)]
+
+
+def _partial_variants(s: OpStrategy, rank: int, mesh: MeshInfo
+                      ) -> list[tuple[OpStrategy, Spec]]:
+    """_resolve_partials' variants of a strategy with one partial result of `rank` dims,
+    each with its result spec, whatever the result's shape: worked out once per strategy and
+    mesh (remembered on the strategy; loop_strategies shares strategies between ops of one
+    kind over many shapes)."""
+    memo = s.__dict__.get("_partial_variants")
+    if memo is None or memo[0] is not mesh:
+        memo = s.__dict__["_partial_variants"] = (mesh, {})
+    hit = memo[1].get(rank)
+    if hit is not None:
+        return hit
+    (out,), (partial,) = s.outs, s.partial
+    targets = range(rank) if s.scatter_dims is None else s.scatter_dims
     variants = []
     for dims in itertools.product((-1, *targets), repeat=len(partial)):
         new = [list(d) for d in out.dims]
@@ -194,8 +218,8 @@ def _resolve_partials(s: OpStrategy, info: OpInfo, mesh: MeshInfo) -> list[OpStr
             if d >= 0:
                 new[d] = list(mesh.order(new[d] + [axis]))
         spec = Spec(tuple(tuple(d) for d in new))
-        if spec.fits(shape, mesh):
-            variants.append(OpStrategy(s.ins, (spec,), s.partial, s.name))
+        variants.append((OpStrategy(s.ins, (spec,), s.partial, s.name), spec))
+    memo[1][rank] = variants
     return variants
 
 
