@@ -1210,3 +1210,27 @@ def test_pieces_renumbered_then_gathered_run_on_the_axes_xla_uses(shape):
     for src, dst in sample:
         assert _compiled_moves(mesh, info, src, dst) == _predicted_moves(info, src, dst), \
             (str(src), str(dst))
+
+
+def test_ops_of_one_kind_over_other_sizes_share_their_strategies():
+    # loop_strategies enumerates a loop structure's cuts once and each op's sizes choose
+    # among them; partial sums are resolved once per strategy. A matmul of other sizes gets
+    # the same strategy objects where both fit, and only the cuts its sizes divide.
+    from jax import lax
+
+    from jaxpar.rules.registry import candidates
+
+    info = MeshInfo(("d0", "d1", "d2"), (2, 2, 2))  # its own cache, empty
+
+    def matmul(m, k, n):
+        return OpInfo(lax.dot_general_p, {"dimension_numbers": (((1,), (0,)), ((), ()))},
+                      ((m, k), (k, n)), ((m, n),), (jnp.float32,) * 2, (jnp.float32,))
+
+    wide, narrow = candidates(matmul(64, 32, 16), info), candidates(matmul(64, 32, 2), info)
+    assert len(narrow) < len(wide)
+    shared = {id(s) for s in wide}
+    assert not any(sp.axes() for sp in narrow[0].ins + narrow[0].outs)
+    assert all(id(s) in shared for s in narrow[1:])  # (the first: replicated, made per op)
+    assert all(s.outs[0].fits((64, 2), info) and s.ins[1].fits((32, 2), info) for s in narrow)
+    assert [s for s in wide if all(sp.fits(sh, info) for sp, sh in zip(
+        s.ins + s.outs, ((64, 32), (32, 2), (64, 2)), strict=True))] == narrow
