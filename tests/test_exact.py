@@ -1090,6 +1090,6 @@ def test_a_strategys_tail_reductions_are_remembered_per_mesh():
     assert got == [("all-reduce", ("d0",))]  # summed over d0, then sliced onto d1
     assert exact._reductions(s, True, model) is got
     assert len(info.cache["tail reductions"]) == 1
-    wide = CostModel(MeshInfo(("d0", "d1"), (4, 1)), load_profile("h100-nvlink"),
-                     recompute_heavy=False)
-    assert exact._reductions(s, True, wide) is not got
+    other = CostModel(MeshInfo(("d0", "d1"), (4, 1)), load_profile("h100-nvlink"),
+                      recompute_heavy=False)
+    assert exact._reductions(s, True, other) is not got

@@ -1125,9 +1125,9 @@ def test_solve_region_changes_at_most_two_axes_of_an_op_on_four_axes():
         replicated.specs.update(zip(op.outputs, cands[0].outs, strict=True))
     assert REGION_AXES == 2
     best, _ = dynamic_programming(graph, model, {}, {}, group_tail=False)
-    assert max(_axes_changed(best.choices[op.index].strategy, cands0, names)
-               for op, cands0 in ((op, replicated.choices[op.index].strategy)
-                                  for op in graph.ops)) == 4
+    assert max(_axes_changed(best.choices[op.index].strategy,
+                             replicated.choices[op.index].strategy, names)
+               for op in graph.ops) == 4
     found = solve_region(graph, model, replicated, {}, {}, (), set(range(len(graph.ops))),
                          set(graph.inputs))
     changed = [_axes_changed(found.choices[op.index].strategy,
