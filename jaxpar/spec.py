@@ -14,9 +14,10 @@ axes, shards and fits per mesh, and a MeshInfo its group sizes (and what rules l
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 Axes = tuple[str, ...]
@@ -84,6 +85,15 @@ def derived(cache: dict, tag, source: list, extra, make):
     if hit is None or hit[0] is not source:
         hit = cache[key] = (source, make())
     return hit[1]
+
+
+def spec_classes(specs: Iterable[Spec]) -> tuple[tuple[Spec, ...], np.ndarray]:
+    """(the distinct specs of `specs`, partial axes dropped, in order first met; the index
+    into them of each spec): a list of thousands of candidates' specs priced or checked per
+    distinct spec (the exact search's edge matrices, CostModel's shape checks)."""
+    distinct: dict[Spec, int] = {}
+    idx = [distinct.setdefault(s.resolved(), len(distinct)) for s in specs]
+    return tuple(distinct), np.asarray(idx, dtype=np.int64)
 
 
 # MeshInfo.of's meshes, by (names, sizes), and the most entries one of their caches (or a

@@ -46,7 +46,7 @@ from jaxpar.cost.hardware import HardwareProfile
 from jaxpar.cost.manual import body_work, misordered, on_mesh
 from jaxpar.ir.graph import itemsize
 from jaxpar.rules.registry import OpInfo, candidates
-from jaxpar.spec import Axes, MeshInfo, OpStrategy, Spec
+from jaxpar.spec import Axes, MeshInfo, OpStrategy, Spec, spec_classes
 
 _CALLBACKS = frozenset({"pure_callback", "io_callback"})  # run on one device (_callback)
 _LEVEL_COMM_WEIGHT = {0: 2.0, 1: 1.0, 2: 1.0}
@@ -172,7 +172,7 @@ class CostModel:
         key = (id(raw), info.in_shapes, info.out_shapes, heavy)
         hit = self._fitting_cache.get(key)
         if hit is None:
-            hit = _fitting(raw, info.in_shapes + info.out_shapes, self.mesh)
+            hit = _that_fit(raw, info.in_shapes + info.out_shapes, self.mesh)
             if heavy:
                 pieces = [self.pieces(s) for s in hit]
                 most = max(pieces)
@@ -430,34 +430,24 @@ _LOW_FLOATS = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 LEAN_MEM_COEFF = 1e3  # CostModel.lean()'s: memory first, by far
 
 
-def _fitting(raw: list[OpStrategy], shapes: tuple, mesh: MeshInfo) -> list[OpStrategy]:
+def _that_fit(raw: list[OpStrategy], shapes: tuple, mesh: MeshInfo) -> list[OpStrategy]:
     """The strategies of `raw` whose every spec fits its array's shape (`shapes`: the
     operands', then the results'), in order. Each array's distinct specs are checked once
     (a list holds thousands of strategies on a mesh of four axes, and few specs per array;
     which strategy holds which is worked out once per list, in the mesh's cache)."""
     if not raw:
         return []
-    columns = mesh.derived("spec columns", raw, None, lambda: _spec_columns(raw))
+    def columns() -> list[tuple[tuple[Spec, ...], np.ndarray]]:
+        rows = [s.ins + s.outs for s in raw]
+        return [spec_classes(r[k] for r in rows) for k in range(len(rows[0]))]
     keep = None
-    for (specs, which), shape in zip(columns, shapes, strict=True):
+    for (specs, which), shape in zip(mesh.derived("spec columns", raw, None, columns), shapes,
+                                     strict=True):
         fits = np.fromiter((sp.fits(shape, mesh) for sp in specs), dtype=bool,
                            count=len(specs))
         if not fits.all():
             keep = fits[which] if keep is None else keep & fits[which]
     return list(raw) if keep is None else [raw[i] for i in np.flatnonzero(keep).tolist()]
-
-
-def _spec_columns(raw: list[OpStrategy]) -> list[tuple[tuple[Spec, ...], np.ndarray]]:
-    """For each operand and result of the strategies in `raw`: (its distinct specs, the index
-    into them of each strategy's)."""
-    rows = [s.ins + s.outs for s in raw]
-    out = []
-    for k in range(len(rows[0])):
-        numbers: dict[Spec, int] = {}
-        which = np.fromiter((numbers.setdefault(r[k], len(numbers)) for r in rows),
-                            dtype=np.int64, count=len(rows))
-        out.append((tuple(numbers), which))
-    return out
 
 
 class _Layout:

@@ -31,7 +31,7 @@ from jaxpar.ir.graph import Lit, OpGraph
 from jaxpar.rules.registry import OpInfo
 from jaxpar.search.propagation import Choice, GraphPlan, handed_back
 from jaxpar.search.regions import covers, held_candidate, region_candidates
-from jaxpar.spec import Spec
+from jaxpar.spec import Spec, spec_classes
 
 
 @dataclass
@@ -235,12 +235,6 @@ class _OpEdges:
             memo = graph.__dict__["_op_edges"] = ((len(graph.ops), len(graph.values)),
                                                  _OpEdges(graph))
         return memo[1]
-
-
-def _classes(specs) -> tuple[tuple[Spec, ...], np.ndarray]:
-    distinct: dict[Spec, int] = {}
-    idx = [distinct.setdefault(s.resolved(), len(distinct)) for s in specs]
-    return tuple(distinct), np.asarray(idx, dtype=np.int64)
 
 
 class _Builder:
@@ -543,7 +537,7 @@ class _Builder:
         if hit is None:
             specs = cands if side == "spec" else [s.ins[i] if side == "in" else s.outs[i]
                                                   for s in cands]
-            distinct, idx = _classes(specs)
+            distinct, idx = spec_classes(specs)
             hit = self._ports[key] = (cands, self._intern(distinct), idx)
         return hit[1], hit[2]
 
