@@ -75,7 +75,11 @@ device. After: a GraphPlan like propagate()'s, and the decision log.
    each, and no worse than the best of those over the axis solved first. Over search_gap's
    72 cases against the axes solved from each start apart and the best end kept: 11 plans
    lower, 2 higher (by 0.07% and 0.02%), the rest the same; the worst 1.036x the optimum
-   then, 1.025x now.
+   then, 1.025x now. On a mesh of two axes, which has no grouped start, the ops making the
+   carried state's updates (from the gradients' matmuls) and the state's inputs are free
+   over both axes in these solves (_Sapp._state_updates): a tensor parallel MLP on one axis
+   needs its weights' optimizer state moved on the other (the GPT step, 2 layers, d 1024, on
+   4 x 4 devices: 1.041x the exact search's objective, then 0.994x).
    Then the ops around the largest carried state (those within _HOPS of the ops reading it
    and its update) over every axis, the rest held (resolve.solve_region): a language model's
    embedding table, read by the lookup and the tied output head, is priced path by path by
@@ -443,16 +447,19 @@ class _Sapp:
                               "the lowest of the starts), each op also free to use the other "
                               "axes as " + " or as ".join(f"{w}" for w, _, _ in others) +
                               " does")
+        free = self._state_updates()
+        held = "the other axes held" if free is None else \
+            "the other axes held but by the carried state's updates"
         for axis in self._again():  # (the starts, the best of them too once left behind)
             progress.step(f"axis {axis} solved again exactly")
             found = solve_axis_from_any(self.g, self.model,
                                         [plan, *(s[1] for s in starts if s[1] is not plan)],
-                                        self.fixed_in, self.fixed_out, ties, axis)
+                                        self.fixed_in, self.fixed_out, ties, axis, free=free)
             after = self._score(found, self.fixed_out)
             if after < before * (1 - 1e-9):
                 _note(self.lines, f"axis {axis}: every op's use of it solved again exactly, "
-                                  f"the other axes held, scores {after:.6g}, less than "
-                                  f"{before:.6g}: taken instead")
+                                  f"{held}, scores {after:.6g}, less than {before:.6g}: "
+                                  "taken instead")
                 plan, before = found, after
         plan = self._solve_neighbourhoods(plan, before, ties)
         found, after = solve_tail_rounds(self.g, self.model, plan, self.fixed_in,
@@ -493,6 +500,27 @@ class _Sapp:
                 _note(self.lines, f"{what}, solved exactly: scores {score:.6g}, more than "
                                   f"{_LOCKSTEP_NEAR:g}x the walk's {walk:.6g}: no start")
         return starts
+
+    def _state_updates(self) -> tuple[frozenset[int], frozenset[int]] | None:
+        """On a mesh of two axes, what the axes solved again leave free over both: the ops
+        making the carried state's updates (links.Units.update_region: from the main ops
+        making the gradients) and the state's free inputs; None on other meshes.
+
+        There the starts are the walk's plan and the lockstep one, and neither holds a 2-D
+        layout: both cut the optimizer state over both axes (ZeRO), and a tensor parallel MLP
+        on the last axis needs its weights' state moved on the first as well, two axes at
+        once that no axis solved alone reaches (the GPT step, 2 layers, d 1024, on 4 x 4
+        devices: 1.041x the exact search's objective, then 0.994x; search_gap's GPT on 4 x 2
+        under tpu-v5e: 1.024x, then 1.000x). On three axes or more the grouped start holds
+        such layouts (_starts), and freeing the updates there made search_gap's 24 plans on
+        2 x 2 x 2 no lower but one (by 0.04%; one 0.5% higher) and 36% slower to find."""
+        if len(self.mesh.names) != 2:
+            return None
+        n = len(self.g.ops)
+        ops = {y for x in range(n, n + len(self.units.groups))
+               for y in self.units.update_region(x)}
+        inputs = {v for v, _, _ in self.units.carried if v not in self.fixed_in}
+        return frozenset(ops), frozenset(inputs)
 
     def _again(self) -> list[str]:
         """The mesh axes _solve_again solves again, in order: the last, then the first."""

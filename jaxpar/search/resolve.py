@@ -101,12 +101,16 @@ def solve_axis(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict
 def _solved_axis(graph: OpGraph, model: CostModel, plans: Sequence[GraphPlan],
                  fixed_in: dict[int, Spec], fixed_out: dict[int, Spec],
                  ties: tuple[tuple[int, int], ...], axis: str, time_limit: float = 10.0,
-                 held: frozenset[int] = frozenset()) -> tuple[GraphPlan, bool]:
+                 held: frozenset[int] = frozenset(),
+                 free: tuple[frozenset[int], frozenset[int]] | None = None
+                 ) -> tuple[GraphPlan, bool]:
     """solve_axis from one plan, or solve_axis_from_any from several (held ops: one plan
-    only), and whether the plan it found is proven optimal over its candidates (not where the
-    search stopped at its time limit)."""
+    only; free: solve_axis_from_any's), and whether the plan it found is proven optimal over
+    its candidates (not where the search stopped at its time limit)."""
     allow = _OtherAxes(plans[0], axis, held, model.axis_groups) if len(plans) == 1 else \
         _OtherAxesOfAny(plans, axis, model.axis_groups)
+    if free is not None:
+        allow = _AlsoFree(allow, *free)
     found, solution = dynamic_programming(graph, model, fixed_in, fixed_out,
                                           time_limit=time_limit, ties=ties, **_tying(graph),
                                           allow=allow, group_tail=False)
@@ -160,7 +164,9 @@ def solve_axes(graph: OpGraph, model: CostModel, plan: GraphPlan, fixed_in: dict
 def solve_axis_from_any(graph: OpGraph, model: CostModel, plans: Sequence[GraphPlan],
                         fixed_in: dict[int, Spec], fixed_out: dict[int, Spec],
                         ties: tuple[tuple[int, int], ...], axis: str,
-                        time_limit: float = 10.0) -> GraphPlan:
+                        time_limit: float = 10.0,
+                        free: tuple[frozenset[int], frozenset[int]] | None = None
+                        ) -> GraphPlan:
     """The cheapest plan in which every op uses every axis but `axis` as one of `plans` does
     (each op as any of them: neighbours taking different plans' layouts pay the resharding
     between them) and every free input keeps its cut on them in one of the plans; the use of
@@ -169,10 +175,15 @@ def solve_axis_from_any(graph: OpGraph, model: CostModel, plans: Sequence[GraphP
     from each apart takes one each (recursive_programming's starts: the walk's plan, the
     lockstep and the grouped one).
 
+    free: (ops, free inputs) that may also change their use of the other axes: any candidate
+    (_AlsoFree). recursive_programming frees so its carried state's updates on a mesh of two
+    axes.
+
     Example:
       >>> better = solve_axis_from_any(graph, model, [walk, flat], {}, {}, ties, "d2")
     """
-    return _solved_axis(graph, model, plans, fixed_in, fixed_out, ties, axis, time_limit)[0]
+    return _solved_axis(graph, model, plans, fixed_in, fixed_out, ties, axis, time_limit,
+                        free=free)[0]
 
 
 def _recall(solved: list | None, axis: str, plan: GraphPlan, score: float
@@ -399,6 +410,26 @@ class _OtherAxesOfAny:
 
     def specs(self, v: int, specs: tuple[Spec, ...]) -> tuple[Spec, ...]:
         return tuple(dict.fromkeys(s for part in self.parts for s in part.specs(v, specs)))
+
+
+class _AlsoFree:
+    """tables.Allow: `inner`'s candidates, and every candidate for the ops `ops` and every
+    spec for the free inputs `inputs`."""
+
+    def __init__(self, inner, ops: frozenset[int], inputs: frozenset[int]):
+        self.inner, self.ops, self.inputs = inner, ops, inputs
+        self.plans = inner.plans  # tables.Allow: the plans searched around
+
+    def op(self, x: int, cands: list) -> tuple[int, ...]:
+        return tuple(range(len(cands))) if x in self.ops else self.inner.op(x, cands)
+
+    def op_key(self, x: int) -> tuple:
+        """tables.Allow: a freed op's indices depend on its list alone, the others' on what
+        `inner` says."""
+        return ("free",) if x in self.ops else ("held", self.inner.op_key(x))
+
+    def specs(self, v: int, specs: tuple[Spec, ...]) -> tuple[Spec, ...]:
+        return specs if v in self.inputs else self.inner.specs(v, specs)
 
 
 class _FewAxes:
