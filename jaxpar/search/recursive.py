@@ -507,7 +507,8 @@ class _Sapp:
     def _state_updates(self) -> tuple[frozenset[int], frozenset[int]] | None:
         """On a mesh of two axes, what the axes solved again leave free over both: the ops
         making the carried state's updates (links.Units.update_region: from the main ops
-        making the gradients) and the state's free inputs; None on other meshes.
+        making the gradients) and the state's free inputs; None on other meshes, and where
+        there is no carried state (a step with nothing returned updated).
 
         There the starts are the walk's plan and the lockstep one, and neither holds a 2-D
         layout: both cut the optimizer state over both axes (ZeRO), and a tensor parallel MLP
@@ -523,7 +524,7 @@ class _Sapp:
         ops = {y for x in range(n, n + len(self.units.groups))
                for y in self.units.update_region(x)}
         inputs = {v for v, _, _ in self.units.carried if v not in self.fixed_in}
-        return frozenset(ops), frozenset(inputs)
+        return (frozenset(ops), frozenset(inputs)) if ops or inputs else None
 
     def _again(self) -> list[str]:
         """The mesh axes _solve_again solves again, in order: the last, then the first."""
