@@ -554,11 +554,13 @@ def solve_tail_rounds(graph: OpGraph, model: CostModel, plan: GraphPlan,
                       fixed_in: dict[int, Spec], fixed_out: dict[int, Spec],
                       ties: tuple[tuple[int, int], ...], index: GraphIndex,
                       pinned: frozenset[int] = frozenset(), before: float | None = None,
-                      time_limit: float = 5.0) -> tuple[GraphPlan, float]:
+                      time_limit: float = 5.0, always: bool = False
+                      ) -> tuple[GraphPlan, float]:
     """`plan` with a training step's tail solved again exactly where the reductions of
     several of its ops wait for others' results (plan.tail_reductions' waits), or where one
-    device group's latency is paid for a single reduction, with each kind's reductions then
-    kept to fewer device groups and rounds (solve_region's group_tail), `pinned` ops aside:
+    device group's latency is paid for a single reduction (or `always`: recursive_programming
+    on a mesh of two axes), with each kind's reductions then kept to fewer device groups and
+    rounds (solve_region's group_tail), `pinned` ops aside:
     the solution where its objective is lower, else `plan`; with the objective of the plan
     returned (`before`: plan's, when known). (search_gap's deep GPT on 4 x 2 across two nodes
     at level 2: recursive_programming's plan reduce-scattered one gradient over d0+d1 beside
@@ -584,7 +586,8 @@ def solve_tail_rounds(graph: OpGraph, model: CostModel, plan: GraphPlan,
                   for x in waited) > 1
     lone = 1 in groups.values()  # a device group paying a whole latency for one reduction
     return _lower(graph, model, plan, fixed_in, fixed_out, ties,
-                  _tail_ops(graph, pinned) if several or lone else set(), index, time_limit,
+                  _tail_ops(graph, pinned) if several or lone or always else set(), index,
+                  time_limit,
                   before, group_tail=True)
 
 
