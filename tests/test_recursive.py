@@ -493,9 +493,11 @@ def test_the_region_around_the_largest_state_prices_the_tail_as_xla_combines_it(
     # group of its own beside the other gradients' all-reduce, and the new table gathered)
     # looked all but free, and the region around the table kept it: 1.082x the exact
     # search's objective. Priced one latency per kind and device group: the optimum. (The
-    # tail solved again on two axes, as it now always is, also undoes the cut: both are off
-    # to show it.)
+    # later stages on two axes, the first axis solved again pricing the tail so and the tail
+    # always solved again, undo the cut too: the first is off throughout, both at the end.)
     plan, best = _gpt_on_4x2(256, 2048, 128, "h100-nvlink")
+    assert plan()[0] < 1.001 * best
+    _axes_priced_by_shares(monkeypatch)
     gp, lines = plan()
     assert any("readers and update of carried params/wte" in line and "taken instead" in line
                for line in lines)
@@ -512,14 +514,42 @@ def test_on_two_axes_the_steps_tail_is_always_solved_again(monkeypatch):
     # tail reduction priced a share of one latency: some weights' state ended cut over both
     # axes, some whole (1.050x the exact search's objective). Neither waits nor lone groups
     # had the tail solved again; on two axes it always is, priced per device group: the
-    # optimum, every weight's state cut over d0.
+    # optimum, every weight's state cut over d0. (The first axis solved again, pricing the
+    # tail so too, finds it first: off here.)
     plan, best = _gpt_on_4x2(128, 512, 64, "tpu-v5e", layers=1, mesh=(2, 4))
+    assert plan()[0] < 1.001 * best
+    _axes_priced_by_shares(monkeypatch)
     gp, lines = plan()
     assert any("(on two axes, always): scores" in line for line in lines)
     assert gp < 1.001 * best
     tail = recursive.solve_tail_rounds
     monkeypatch.setattr(recursive, "solve_tail_rounds", lambda *a, always, **k: tail(*a, **k))
     assert plan()[0] > 1.04 * best
+
+
+def test_on_two_axes_the_first_axis_solved_again_prices_the_tail_per_device_group(
+        monkeypatch):
+    # A 1-layer GPT step (d 512, vocab 2048, seq 64) on 4 x 2 devices under h100-nvlink,
+    # default objective. With the carried state's updates free over both axes and the tail
+    # priced a share of a latency per reduction, the axes solved again leave the gradients'
+    # matmuls and the updates in a mix of device groups that the tail alone solved again
+    # cannot undo (1.049x the exact search's objective); the first of them (axis d1) pricing
+    # the tail per device group finds the optimum.
+    plan, best = _gpt_on_4x2(512, 2048, 64, "h100-nvlink", layers=1)
+    gp, lines = plan()
+    assert any(line.startswith("axis d1: every op's use of it solved again exactly")
+               for line in lines)
+    assert gp < 1.001 * best
+    _axes_priced_by_shares(monkeypatch)
+    assert plan()[0] > 1.04 * best
+
+
+def _axes_priced_by_shares(monkeypatch):
+    """recursive_programming's axes solved again with the step's tail priced a share of a
+    latency per reduction, as before the first one on two axes priced it per device group."""
+    solve = recursive.solve_axis_from_any
+    monkeypatch.setattr(recursive, "solve_axis_from_any",
+                        lambda *a, group_tail, **k: solve(*a, **k))
 
 
 def _gpt_on_4x2(d_model: int, vocab: int, seq: int, hardware: str, layers: int = 2,
@@ -1159,10 +1189,12 @@ def test_a_tail_group_of_one_reduction_has_the_tail_solved_again(monkeypatch,
     # only where reductions waited for others'): 0.761 ms, that group gone. Since the region
     # around the largest carried state prices the tail per device group it removes the group
     # itself and reaches the exact search's 0.756 ms; with that region priced by shares, as
-    # then, the tail is solved again as before.
+    # then, the tail is solved again as before (the first axis solved again, pricing the tail
+    # per device group too, priced by shares as well).
     from jaxpar.plan import tail_reductions
 
     if region_by_shares:
+        _axes_priced_by_shares(monkeypatch)
         region = recursive.solve_region
         monkeypatch.setattr(recursive, "solve_region",
                             lambda *a, group_tail, **k: region(*a, **k))

@@ -102,18 +102,18 @@ def _solved_axis(graph: OpGraph, model: CostModel, plans: Sequence[GraphPlan],
                  fixed_in: dict[int, Spec], fixed_out: dict[int, Spec],
                  ties: tuple[tuple[int, int], ...], axis: str, time_limit: float = 10.0,
                  held: frozenset[int] = frozenset(),
-                 free: tuple[frozenset[int], frozenset[int]] | None = None
-                 ) -> tuple[GraphPlan, bool]:
+                 free: tuple[frozenset[int], frozenset[int]] | None = None,
+                 group_tail: bool = False) -> tuple[GraphPlan, bool]:
     """solve_axis from one plan, or solve_axis_from_any from several (held ops: one plan
-    only; free: solve_axis_from_any's), and whether the plan it found is proven optimal over
-    its candidates (not where the search stopped at its time limit)."""
+    only; free, group_tail: solve_axis_from_any's), and whether the plan it found is proven
+    optimal over its candidates (not where the search stopped at its time limit)."""
     allow = _OtherAxes(plans[0], axis, held, model.axis_groups) if len(plans) == 1 else \
         _OtherAxesOfAny(plans, axis, model.axis_groups)
     if free is not None:
         allow = _AlsoFree(allow, *free)
     found, solution = dynamic_programming(graph, model, fixed_in, fixed_out,
                                           time_limit=time_limit, ties=ties, **_tying(graph),
-                                          allow=allow, group_tail=False)
+                                          allow=allow, group_tail=group_tail)
     return found, solution.optimal
 
 
@@ -165,8 +165,8 @@ def solve_axis_from_any(graph: OpGraph, model: CostModel, plans: Sequence[GraphP
                         fixed_in: dict[int, Spec], fixed_out: dict[int, Spec],
                         ties: tuple[tuple[int, int], ...], axis: str,
                         time_limit: float = 10.0,
-                        free: tuple[frozenset[int], frozenset[int]] | None = None
-                        ) -> GraphPlan:
+                        free: tuple[frozenset[int], frozenset[int]] | None = None,
+                        group_tail: bool = False) -> GraphPlan:
     """The cheapest plan in which every op uses every axis but `axis` as one of `plans` does
     (each op as any of them: neighbours taking different plans' layouts pay the resharding
     between them) and every free input keeps its cut on them in one of the plans; the use of
@@ -179,11 +179,17 @@ def solve_axis_from_any(graph: OpGraph, model: CostModel, plans: Sequence[GraphP
     (_AlsoFree). recursive_programming frees so its carried state's updates on a mesh of two
     axes.
 
+    group_tail: price the step's tail one latency per kind of reduction and device group, as
+    XLA combines them (dynamic_programming's group_tail, its rarest groups dropped and solved
+    again), not a share of one each: recursive_programming's first solve of an axis with the
+    carried state's updates free, which make the tail (a share each, a mix of device groups
+    for the weights' state looked as cheap as one).
+
     Example:
       >>> better = solve_axis_from_any(graph, model, [walk, flat], {}, {}, ties, "d2")
     """
     return _solved_axis(graph, model, plans, fixed_in, fixed_out, ties, axis, time_limit,
-                        free=free)[0]
+                        free=free, group_tail=group_tail)[0]
 
 
 def _recall(solved: list | None, axis: str, plan: GraphPlan, score: float
