@@ -466,8 +466,9 @@ class _Sapp:
         free = self._state_updates()
         held = "the other axes held" if free is None else \
             "the other axes held but by the carried state's updates"
-        for k, axis in enumerate(self._again()):  # (the starts, the best of them too once
-            progress.step(f"axis {axis} solved again exactly")  # left behind)
+        # (from the starts, the best of them too once left behind)
+        for k, axis in enumerate(self._again()):
+            progress.step(f"axis {axis} solved again exactly")
             found = solve_axis_from_any(self.g, self.model,
                                         [plan, *(s[1] for s in starts if s[1] is not plan)],
                                         self.fixed_in, self.fixed_out, ties, axis, free=free,
