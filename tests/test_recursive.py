@@ -502,9 +502,8 @@ def test_the_region_around_the_largest_state_prices_the_tail_as_xla_combines_it(
     assert any("readers and update of carried params/wte" in line and "taken instead" in line
                for line in lines)
     assert gp < 1.001 * best
-    region, tail = recursive.solve_region, recursive.solve_tail_rounds
-    monkeypatch.setattr(recursive, "solve_region", lambda *a, group_tail, **k: region(*a, **k))
-    monkeypatch.setattr(recursive, "solve_tail_rounds", lambda *a, always, **k: tail(*a, **k))
+    _keyword_dropped(monkeypatch, "solve_region", "group_tail")
+    _keyword_dropped(monkeypatch, "solve_tail_rounds", "always")
     assert plan()[0] > 1.05 * best
 
 
@@ -522,8 +521,7 @@ def test_on_two_axes_the_steps_tail_is_always_solved_again(monkeypatch):
     gp, lines = plan()
     assert any("(on two axes, always): scores" in line for line in lines)
     assert gp < 1.001 * best
-    tail = recursive.solve_tail_rounds
-    monkeypatch.setattr(recursive, "solve_tail_rounds", lambda *a, always, **k: tail(*a, **k))
+    _keyword_dropped(monkeypatch, "solve_tail_rounds", "always")
     assert plan()[0] > 1.04 * best
 
 
@@ -547,9 +545,18 @@ def test_on_two_axes_the_first_axis_solved_again_prices_the_tail_per_device_grou
 def _axes_priced_by_shares(monkeypatch):
     """recursive_programming's axes solved again with the step's tail priced a share of a
     latency per reduction, as before the first one on two axes priced it per device group."""
-    solve = recursive.solve_axis_from_any
-    monkeypatch.setattr(recursive, "solve_axis_from_any",
-                        lambda *a, group_tail, **k: solve(*a, **k))
+    _keyword_dropped(monkeypatch, "solve_axis_from_any", "group_tail")
+
+
+def _keyword_dropped(monkeypatch, name: str, keyword: str):
+    """recursive.`name` called by recursive_programming without `keyword` (its default then):
+    a stage of the search as it was before that keyword was passed."""
+    solve = getattr(recursive, name)
+
+    def without(*args, **kwargs):
+        del kwargs[keyword]
+        return solve(*args, **kwargs)
+    monkeypatch.setattr(recursive, name, without)
 
 
 def _gpt_on_4x2(d_model: int, vocab: int, seq: int, hardware: str, layers: int = 2,
@@ -1195,9 +1202,7 @@ def test_a_tail_group_of_one_reduction_has_the_tail_solved_again(monkeypatch,
 
     if region_by_shares:
         _axes_priced_by_shares(monkeypatch)
-        region = recursive.solve_region
-        monkeypatch.setattr(recursive, "solve_region",
-                            lambda *a, group_tail, **k: region(*a, **k))
+        _keyword_dropped(monkeypatch, "solve_region", "group_tail")
     step, args = abstract_train_step(GPTConfig(layers=8, d_model=256, heads=8, vocab=2048,
                                                seq=128), 16)
     mesh = jaxpar.make_mesh((4, 2), ("d0", "d1"))

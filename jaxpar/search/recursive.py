@@ -464,15 +464,16 @@ class _Sapp:
                               "axes as " + " or as ".join(f"{w}" for w, _, _ in others) +
                               " does")
         free = self._state_updates()
-        held = "the other axes held" if free is None else \
-            "the other axes held but by the carried state's updates"
+        two_axes = free is not None  # a mesh of two axes, with carried state
+        held = "the other axes held but by the carried state's updates" if two_axes else \
+            "the other axes held"
         # (from the starts, the best of them too once left behind)
         for k, axis in enumerate(self._again()):
             progress.step(f"axis {axis} solved again exactly")
             found = solve_axis_from_any(self.g, self.model,
                                         [plan, *(s[1] for s in starts if s[1] is not plan)],
                                         self.fixed_in, self.fixed_out, ties, axis, free=free,
-                                        group_tail=free is not None and k == 0)
+                                        group_tail=two_axes and k == 0)
             after = self._score(found, self.fixed_out)
             if after < before * (1 - 1e-9):
                 _note(self.lines, f"axis {axis}: every op's use of it solved again exactly, "
@@ -480,7 +481,6 @@ class _Sapp:
                                   "taken instead")
                 plan, before = found, after
         plan = self._solve_neighbourhoods(plan, before, ties)
-        two_axes = free is not None  # a mesh of two axes, with carried state
         found, after = solve_tail_rounds(self.g, self.model, plan, self.fixed_in,
                                          self.fixed_out, ties, self.index, always=two_axes)
         if found is not plan:
