@@ -447,28 +447,28 @@ def test_a_deep_steps_solves_again_tie_its_end_layers_to_the_rest(monkeypatch):
 
 
 def test_on_three_axes_a_start_uses_two_runs_of_axes_each_together(monkeypatch):
-    # benchmarks/search_gap.py's MLP Adam step (8 layers, d 1024, ffn 4096, batch 256) on
-    # 2 x 2 x 2 devices across two nodes, default objective: the optimum is a 2-D tensor
-    # parallel layout (weights cut over d0+d1 and over d2), which the walk, deciding an axis
-    # at a time, does not reach, nor the lockstep plan (every dim over all axes or none):
-    # 1.027x the exact search's objective (1.056x before a permute's links were those XLA's
-    # pairing crosses: comm.permuted_axes). Started also from the best plan of the nodes x
-    # GPUs mesh the axes make (solve_grouped: d0, and d1+d2 inside a node): 1.006x.
-    from jaxpar.models.mlp import init_mlp, make_train_step
-    sizes = [1024, 4096] * 4 + [1024]
-    tx = optax.adam(1e-3)
-    params = jax.eval_shape(lambda: init_mlp(jax.random.key(0), sizes))
-    x = jax.ShapeDtypeStruct((256, 1024), jnp.float32)
-    args = (params, jax.eval_shape(tx.init, params), x, x)
-    graph, model, ties = _tied(make_train_step(tx), args, jaxpar.make_mesh(8), "h100-2node-ib")
-    best, _ = dynamic_programming(graph, model, {}, {}, ties=ties)
-    exact = _tied_cost(graph, model, best, ties)
+    # benchmarks/search_gap.py's quick GPT Adam step (2 layers, d 512, vocab 8192, seq 256,
+    # batch 16) on 2 x 2 x 2 TPU v5e chips at level 2, mem_coeff 0: the walk decides an axis
+    # at a time and the lockstep plan cuts every dim over all axes or none; started also
+    # from the best plan of the 4 x 2 mesh the axes make (solve_grouped: d0+d1, and d2),
+    # the axes solved again end at 1.005x the exact search's objective, from the walk's and
+    # the lockstep plan alone at 1.022x. (It was search_gap's MLP on 2 x 2 x 2 across two
+    # nodes, 1.027x -> 1.006x, until every start was kept whatever it scored: the lockstep
+    # plan, 1.10x the walk's there, now brings it to the optimum without the grouped one.)
+    step, args = abstract_train_step(GPTConfig(layers=2, d_model=512, heads=8, vocab=8192,
+                                               seq=256), 16)
+    graph, model, ties = _tied(step, args, jaxpar.make_mesh(8), "tpu-v5e")
+    model = CostModel(model.mesh, model.profile, 2, 0.0, recompute_heavy=False)
+
+    def score(gp):
+        return resolve.objective(graph, model, gp, {}, ties)
+    exact = score(dynamic_programming(graph, model, {}, {}, ties=ties)[0])
     gp, lines = recursive_programming(graph, model, {}, {}, ties=ties)
-    assert any("axes d0 and d1+d2 each used together scores" in line for line in lines)
-    assert _tied_cost(graph, model, gp, ties) < 1.01 * exact
+    assert any("axes d0+d1 and d2 each used together scores" in line for line in lines)
+    assert score(gp) < 1.01 * exact
     _without_the_grouped_start(monkeypatch)
     walk, _ = recursive_programming(graph, model, {}, {}, ties=ties)
-    assert _tied_cost(graph, model, walk, ties) > 1.02 * exact
+    assert score(walk) > 1.015 * exact
 
 
 def test_on_two_axes_the_axes_solved_again_free_the_carried_state_updates(monkeypatch):
@@ -540,6 +540,25 @@ def test_on_two_axes_the_first_axis_solved_again_prices_the_tail_per_device_grou
     assert gp < 1.001 * best
     _axes_priced_by_shares(monkeypatch)
     assert plan()[0] > 1.04 * best
+
+
+def test_the_lockstep_start_is_kept_however_far_above_the_walks_it_scores():
+    # A 1-layer GPT step (d 512, vocab 2048, seq 64) on 4 x 2 devices under tpu-v5e, default
+    # objective. Its lockstep plan scores 1.10x the walk's; kept only within 5% of it (as
+    # when each start was solved apart), the axes were solved again from the walk's plan
+    # alone and ended at 1.041x the exact search's objective. A start adds its layouts to the
+    # candidates of one solve, and with the lockstep plan's to choose from the axes solved
+    # again reach the optimum.
+    plan, best = _gpt_on_4x2(512, 2048, 64, "tpu-v5e", layers=1)
+    gp, lines = plan()
+    flat = next(float(m.group(1)) for line in lines for m in [re.search(
+        r"every axis used together \(d0\+d1 as one\) scores ([\d.e+-]+)", line)] if m)
+    walk = next(float(m.group(1)) for line in lines for m in [re.search(
+        r"solved again from the plan of the walk \(([\d.e+-]+), the lowest", line)] if m)
+    assert flat > 1.05 * walk
+    assert any(line.endswith("free to use the other axes as every axis used together "
+                             "(d0+d1 as one) does") for line in lines)
+    assert gp < 1.001 * best
 
 
 def _axes_priced_by_shares(monkeypatch):

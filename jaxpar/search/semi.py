@@ -122,7 +122,8 @@ from jaxpar.search.resolve import (
 from jaxpar.spec import Spec
 
 _START_NEAR = 1.05  # step 6: the axes are solved again from each start scoring at most this
-                    # many times the least (recursive_programming's _LOCKSTEP_NEAR)
+                    # many times the least (each is solved apart here; recursive_programming
+                    # keeps every start, each adding candidates to one solve)
 
 
 def sharding_propagation(graph: OpGraph, model: CostModel, fixed_in: dict[int, Spec],
