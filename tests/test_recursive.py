@@ -454,7 +454,8 @@ def test_on_three_axes_a_start_uses_two_runs_of_axes_each_together(monkeypatch):
     # the axes solved again end at 1.005x the exact search's objective, from the walk's and
     # the lockstep plan alone at 1.022x. (It was search_gap's MLP on 2 x 2 x 2 across two
     # nodes, 1.027x -> 1.006x, until every start was kept whatever it scored: the lockstep
-    # plan, 1.10x the walk's there, now brings it to the optimum without the grouped one.)
+    # plan, over 1.05x the walk's there and no start before, now brings it to the optimum
+    # without the grouped one.)
     step, args = abstract_train_step(GPTConfig(layers=2, d_model=512, heads=8, vocab=8192,
                                                seq=256), 16)
     graph, model, ties = _tied(step, args, jaxpar.make_mesh(8), "tpu-v5e")
@@ -544,7 +545,7 @@ def test_on_two_axes_the_first_axis_solved_again_prices_the_tail_per_device_grou
 
 def test_the_lockstep_start_is_kept_however_far_above_the_walks_it_scores():
     # A 1-layer GPT step (d 512, vocab 2048, seq 64) on 4 x 2 devices under tpu-v5e, default
-    # objective. Its lockstep plan scores 1.10x the walk's; kept only within 5% of it (as
+    # objective. Its lockstep plan scores 1.058x the walk's; kept only within 5% of it (as
     # when each start was solved apart), the axes were solved again from the walk's plan
     # alone and ended at 1.041x the exact search's objective. A start adds its layouts to the
     # candidates of one solve, and with the lockstep plan's to choose from the axes solved
